@@ -1,0 +1,20 @@
+"""Errors a user can cause. Each names the key or path to change."""
+
+from __future__ import annotations
+
+
+class MilesError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(MilesError, ValueError):
+    """A config value is wrong. ``key`` is the dotted key (or path) the user must change."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}")
+
+
+class SpecError(ConfigError):
+    """An adapter spec is invalid (raised before any state changes)."""

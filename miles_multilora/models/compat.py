@@ -1,0 +1,220 @@
+"""Every CPU-vs-GPU difference of this package lives here, one comment per item.
+
+Megatron-core and megatron-bridge are written for CUDA machines with Transformer Engine. On a
+CPU machine (this project's CI and default demo) they work with the small shims below; on a GPU
+machine the shims are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import socket
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_cpu() -> bool:
+    """True when no CUDA device is usable: the whole package then runs on CPU with gloo."""
+    return not torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    return torch.device("cpu") if is_cpu() else torch.device("cuda", torch.cuda.current_device())
+
+
+# 1. megatron-core allocates parameters and buffers with `device=torch.cuda.current_device()`.
+#    On CPU we make that call answer the CPU device, so those allocations land on the CPU.
+def patch_cuda_current_device() -> None:
+    if is_cpu() and not getattr(torch.cuda.current_device, "_miles_cpu_patch", False):
+
+        def _cpu_current_device() -> torch.device:
+            return torch.device("cpu")
+
+        _cpu_current_device._miles_cpu_patch = True  # type: ignore[attr-defined]
+        torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+
+
+# 7. megatron-core builds its default causal mask with `device="cuda"`; on CPU we build it on
+#    the CPU instead (patched where it is defined and where the softmax imported it).
+def patch_causal_mask() -> None:
+    if not is_cpu():
+        return
+    import functools
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    if getattr(utils.get_default_causal_mask, "_miles_cpu_patch", False):
+        return
+
+    @functools.lru_cache(maxsize=None)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    get_default_causal_mask._miles_cpu_patch = True  # type: ignore[attr-defined]
+    utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# 2. torch.distributed: gloo on CPU, nccl on GPU. A process started without a launcher
+#    (no RANK/WORLD_SIZE in the environment) becomes a world of one.
+def init_process_group(rank: int | None = None, world_size: int | None = None) -> None:
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if world_size > 1:
+            raise RuntimeError("MASTER_PORT must be set for a multi-process run")
+        os.environ["MASTER_PORT"] = str(free_port())
+    backend = "gloo" if is_cpu() else "nccl"
+    if not is_cpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+
+
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, rank: int | None = None,
+                     world_size: int | None = None) -> None:
+    """Set up torch.distributed, megatron parallel_state and the model-parallel RNG (idempotent)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    patch_cuda_current_device()
+    patch_causal_mask()
+    init_process_group(rank, world_size)
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size() != tp
+                or parallel_state.get_pipeline_model_parallel_world_size() != pp):
+            raise RuntimeError("model parallel already initialised with a different tp/pp")
+    else:
+        # 3. On CPU the gloo backend carries every group (megatron creates its NCCL-style groups
+        #    with the default backend, which is gloo here).
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    # 4. The model-parallel RNG tracker forks CUDA RNG states; the "inference" tracker keeps
+    #    plain CPU generators, which is what a CPU run needs. On GPU the normal tracker is used.
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=is_cpu(), force_reset_rng=True)
+    torch.manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# 5. megatron-bridge 0.3.1 imports Transformer Engine and Triton at module level although its
+#    HF<->Megatron weight conversion does not need them. When they are missing (CPU), we satisfy
+#    those imports with inert placeholder modules *only while the bridge imports*: any use of a
+#    placeholder class raises, and the placeholders are removed from sys.modules afterwards so
+#    megatron-core, torch and others still see that TE/Triton are absent.
+class _PlaceholderMeta(type):
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _PlaceholderMeta(name, (_Placeholder,), {})
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and callable(args[0]) and not kwargs:  # used as a decorator: @triton.jit
+            return args[0]
+        if not args:  # decorator factory: @triton.autotune(configs=...)
+            return lambda fn: fn
+        raise RuntimeError(f"{cls.__name__} needs Transformer Engine / Triton, which is not installed")
+
+
+class _Placeholder(metaclass=_PlaceholderMeta):
+    pass
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        placeholder = _PlaceholderMeta(name, (_Placeholder,), {})
+        setattr(self, name, placeholder)
+        return placeholder
+
+
+class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: set[str]) -> None:
+        self.roots = roots
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _PlaceholderModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _placeholder_imports(roots: tuple[str, ...]) -> Iterator[None]:
+    missing = {r for r in roots if importlib.util.find_spec(r) is None}
+    if not missing:
+        yield
+        return
+    finder = _PlaceholderFinder(missing)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in missing]:
+            del sys.modules[name]
+
+
+def import_auto_bridge() -> Any:
+    """Import and return megatron-bridge's ``AutoBridge`` on CPU or GPU."""
+    patch_cuda_current_device()
+    # Import megatron-core's GPT stack first, so it records the true absence of TE/Triton.
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+
+    with _placeholder_imports(("transformer_engine", "triton")):
+        from megatron.bridge import AutoBridge
+    return AutoBridge
+
+
+# 6. megatron-bridge scatters TP shards with torch.distributed.scatter; on gloo a non-contiguous
+#    shard (a view of the full tensor) is sent wrongly. We make every shard contiguous.
+def patch_bridge_contiguous_scatter() -> None:
+    from megatron.bridge.models.conversion import param_mapping
+
+    cls = param_mapping.MegatronParamMapping
+    if getattr(cls.scatter_to_tp_ranks, "_miles_contiguous", False):
+        return
+    original = cls.scatter_to_tp_ranks
+
+    def scatter_to_tp_ranks(self: Any, splits: Any, *args: Any, **kwargs: Any) -> Any:
+        if splits is not None:
+            splits = [s.contiguous() for s in splits]
+        return original(self, splits, *args, **kwargs)
+
+    scatter_to_tp_ranks._miles_contiguous = True  # type: ignore[attr-defined]
+    cls.scatter_to_tp_ranks = scatter_to_tp_ranks

@@ -1,0 +1,191 @@
+"""Build Megatron ``GPTModel``s: from an HF checkpoint through megatron-bridge, or from a tiny config.
+
+Both paths use Megatron's *local* layer spec (ColumnParallelLinear / RowParallelLinear), which
+is what the MultiLoRA layers wrap, and honour TP/PP from ``parallel_state`` (call
+``compat.init_distributed`` first). HF weights are converted by megatron-bridge's AutoBridge: no
+hand-written per-architecture weight maps here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from miles_multilora.errors import ConfigError
+from miles_multilora.models import compat
+
+# Architectures whose dense decoder maps onto the local GPT spec (what megatron-bridge converts
+# and what our MultiLoRA layers target). Others are refused with a clear message.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass
+class LoadedModel:
+    """A Megatron model with what callers need to use it."""
+
+    model: GPTModel
+    vocab_size: int  # the tokenizer's vocab size (logits may be padded beyond it)
+    hf_path: str | None = None
+    bridge: Any = None  # megatron-bridge AutoBridge, for export back to HF
+    num_layers: int = 0
+    num_attention_heads: int = 0
+    num_query_groups: int = 0
+    hidden_size: int = 0
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ConfigError("model.dtype", f"unknown dtype {name!r}; use one of {sorted(table)}")
+    return table[name]
+
+
+def _finish(model: GPTModel, dtype: torch.dtype) -> GPTModel:
+    model = model.to(device=compat.default_device(), dtype=dtype)
+    return model
+
+
+def build_tiny_gpt(
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    ffn_hidden_size: int = 128,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    vocab_size: int = 128,
+    max_seq_len: int = 256,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> GPTModel:
+    """A small Llama-style GPTModel (RMSNorm, SwiGLU, RoPE, GQA, untied) with random init.
+
+    Requires ``compat.init_distributed`` to have run (TP/PP come from parallel_state).
+    """
+    compat.patch_cuda_current_device()
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=compat.is_cpu(),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=_dtype(dtype),
+        layernorm_epsilon=1e-6,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_len,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        parallel_output=False,  # full-vocab logits on every TP rank (sampling and logprobs need them)
+        position_embedding_type="rope",
+        rotary_base=10000,
+    )
+    return _finish(model, _dtype(dtype))
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's config.json, with clear errors for a missing dir or unsupported architecture."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError("model.hf_path", f"checkpoint directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("model.hf_path", f"{path} has no config.json: not an HF checkpoint directory")
+    config = json.loads(config_file.read_text())
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ConfigError(
+            "model.hf_path",
+            f"unsupported architecture {archs} in {config_file}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    return config
+
+
+def load_hf_model(path: str | Path, dtype: str = "float32", load_weights: bool = True) -> LoadedModel:
+    """Build a GPTModel (local spec, TP/PP from parallel_state) from an HF checkpoint dir via AutoBridge."""
+    hf_config = read_hf_config(path)
+    auto_bridge_cls = compat.import_auto_bridge()
+    compat.patch_bridge_contiguous_scatter()
+    torch_dtype = _dtype(dtype)
+    bridge = auto_bridge_cls.from_hf_pretrained(str(path), torch_dtype=torch_dtype)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    provider.transformer_layer_spec = local_layer_spec
+    provider.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+    provider.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
+    provider.params_dtype = torch_dtype
+    provider.bf16 = torch_dtype == torch.bfloat16
+    provider.fp16 = torch_dtype == torch.float16
+    provider.use_cpu_initialization = compat.is_cpu()
+    provider.gradient_accumulation_fusion = False
+    provider.bias_activation_fusion = False
+    provider.bias_dropout_fusion = False
+    provider.masked_softmax_fusion = False
+    provider.apply_rope_fusion = False
+    provider.persist_layer_norm = False
+    provider.hidden_dropout = 0.0
+    provider.attention_dropout = 0.0
+    provider.sequence_parallel = False  # needs TE/apex; see compat
+    provider.parallel_output = False  # full-vocab logits on every TP rank (sampling and logprobs need them)
+    provider.finalize()
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    model = provider.provide()
+    model = _finish(model, torch_dtype)
+    if load_weights:
+        bridge.load_hf_weights([model])
+    return LoadedModel(
+        model=model,
+        vocab_size=int(hf_config["vocab_size"]),
+        hf_path=str(path),
+        bridge=bridge,
+        num_layers=int(hf_config["num_hidden_layers"]),
+        num_attention_heads=int(hf_config["num_attention_heads"]),
+        num_query_groups=int(hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])),
+        hidden_size=int(hf_config["hidden_size"]),
+    )
+
+
+def export_hf(loaded: LoadedModel, out_dir: str | Path) -> Path:
+    """Write the Megatron model's base weights back as an HF checkpoint dir (via the bridge)."""
+    if loaded.bridge is None:
+        raise ConfigError("model", "export_hf needs a model loaded from an HF checkpoint (load_hf_model)")
+    out_dir = Path(out_dir)
+    loaded.bridge.save_hf_pretrained([loaded.model], str(out_dir))
+    return out_dir
+
+
+def export_hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
+    """The model's weights as HF-named tensors (full, gathered across TP), via the bridge."""
+    if loaded.bridge is None:
+        raise ConfigError("model", "export needs a model loaded from an HF checkpoint (load_hf_model)")
+    return {name: t.detach().cpu().clone() for name, t in loaded.bridge.export_hf_weights([loaded.model], cpu=True)}

@@ -1,0 +1,62 @@
+"""Shared test helpers: tiny HF checkpoints made locally and a multi-process (gloo) launcher."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+TINY_DIMS = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Save a randomly initialised tiny HF Llama or Qwen2 causal LM as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    config = config_cls(**TINY_DIMS, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = ()) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; re-raise failures."""
+    from miles_multilora.models.compat import free_port
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            messages.append(f"pid {p.pid} timed out")
+    if messages or any(p.exitcode != 0 for p in procs):
+        raise AssertionError("distributed run failed:\n" + "\n".join(messages))
