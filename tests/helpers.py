@@ -11,8 +11,15 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-TINY_DIMS = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+TINY_DIMS = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
@@ -30,8 +37,13 @@ def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int 
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
     try:
         fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -46,7 +58,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -135,7 +135,11 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     _check(spec.alpha > 0, "alpha", f"must be > 0, got {spec.alpha}")
     opt = spec.optimizer
     _check(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
-    _check(opt.schedule in LR_SCHEDULES, "optimizer.schedule", f"must be one of {LR_SCHEDULES}, got {opt.schedule!r}")
+    _check(
+        opt.schedule in LR_SCHEDULES,
+        "optimizer.schedule",
+        f"must be one of {LR_SCHEDULES}, got {opt.schedule!r}",
+    )
     _check(opt.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
     _check(0.0 <= opt.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", "must be in [0, 1]")
     _check(0.0 <= opt.beta1 < 1.0, "optimizer.beta1", "must be in [0, 1)")
@@ -177,7 +181,9 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
 def _load_source(source: AdapterSpec | dict[str, Any] | str | Path) -> dict[str, Any]:
     if isinstance(source, AdapterSpec):
         return source.to_dict()
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml", ".json"))):
+    if isinstance(source, Path) or (
+        isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml", ".json"))
+    ):
         path = Path(source)
         if not path.is_file():
             raise SpecError(str(path), "adapter spec file not found")
@@ -190,7 +196,11 @@ def _load_source(source: AdapterSpec | dict[str, Any] | str | Path) -> dict[str,
         source = data
     if not isinstance(source, dict):
         raise SpecError("<spec>", f"an adapter spec must be a mapping, got {type(source).__name__}")
-    return OmegaConf.to_container(OmegaConf.create(source), resolve=True) if not isinstance(source, dict) else source
+    return (
+        OmegaConf.to_container(OmegaConf.create(source), resolve=True)
+        if not isinstance(source, dict)
+        else source
+    )
 
 
 def parse_adapter_spec(

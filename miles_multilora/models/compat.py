@@ -56,7 +56,7 @@ def patch_causal_mask() -> None:
     if getattr(utils.get_default_causal_mask, "_miles_cpu_patch", False):
         return
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def get_default_causal_mask(sq: int) -> torch.Tensor:
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
@@ -89,8 +89,9 @@ def init_process_group(rank: int | None = None, world_size: int | None = None) -
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, rank: int | None = None,
-                     world_size: int | None = None) -> None:
+def init_distributed(
+    tp: int = 1, pp: int = 1, seed: int = 0, rank: int | None = None, world_size: int | None = None
+) -> None:
     """Set up torch.distributed, megatron parallel_state and the model-parallel RNG (idempotent)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -99,8 +100,10 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, rank: int | None =
     patch_causal_mask()
     init_process_group(rank, world_size)
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() != tp
-                or parallel_state.get_pipeline_model_parallel_world_size() != pp):
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() != tp
+            or parallel_state.get_pipeline_model_parallel_world_size() != pp
+        ):
             raise RuntimeError("model parallel already initialised with a different tp/pp")
     else:
         # 3. On CPU the gloo backend carries every group (megatron creates its NCCL-style groups
@@ -159,7 +162,9 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, roots: set[str]) -> None:
         self.roots = roots
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname.split(".")[0] in self.roots:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None

@@ -42,8 +42,14 @@ class LoadedModel:
 
 
 def _dtype(name: str) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ConfigError("model.dtype", f"unknown dtype {name!r}; use one of {sorted(table)}")
     return table[name]
@@ -188,4 +194,7 @@ def export_hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     """The model's weights as HF-named tensors (full, gathered across TP), via the bridge."""
     if loaded.bridge is None:
         raise ConfigError("model", "export needs a model loaded from an HF checkpoint (load_hf_model)")
-    return {name: t.detach().cpu().clone() for name, t in loaded.bridge.export_hf_weights([loaded.model], cpu=True)}
+    return {
+        name: t.detach().cpu().clone()
+        for name, t in loaded.bridge.export_hf_weights([loaded.model], cpu=True)
+    }

@@ -1,0 +1,5 @@
+import sys
+
+from miles_multilora.cli import main
+
+sys.exit(main())

