@@ -4,6 +4,7 @@ miles-multilora train [key=value ...]      one-shot run (configs/train.yaml + hy
 miles-multilora serve [key=value ...]      long-running service (configs/service.yaml)
 miles-multilora submit SPEC.yaml [...]     register adapters with a running service
 miles-multilora status NAME | list | cancel NAME
+miles-multilora schedule SCHEDULE.yaml [--wait] [--timeout S]  run a schedule of submits/cancels
 miles-multilora show-config [train|service] [key=value ...]   print the composed, validated config
 miles-multilora prepare-model [--cache-dir DIR]               convert the demo model once
 """
@@ -49,6 +50,15 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--url", default=None, help="controller URL (default: $MILES_MULTILORA_URL)")
         p.add_argument("--token", default=None, help="bearer token (default: $MILES_MULTILORA_TOKEN)")
         p.add_argument("--state-dir", default=None, help="the service's controller state dir (finds its URL)")
+    sched = sub.add_parser("schedule", help="submit/cancel adapters of a running service on a schedule file")
+    sched.add_argument("schedule", help="schedule YAML (events: at/when + submit/cancel)")
+    sched.add_argument("--wait", action="store_true", help="after the last event, wait until all have ended")
+    sched.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    sched.add_argument("--poll", type=float, default=1.0, help="seconds between polls of the controller")
+    sched.add_argument("--connect-timeout", type=float, default=120.0, help="wait this long for the service")
+    sched.add_argument("--url", default=None, help="controller URL (default: $MILES_MULTILORA_URL)")
+    sched.add_argument("--token", default=None, help="bearer token (default: $MILES_MULTILORA_TOKEN)")
+    sched.add_argument("--state-dir", default=None, help="the service's controller state dir (finds its URL)")
     return parser
 
 
@@ -60,6 +70,20 @@ def main(argv: list[str] | None = None) -> int:
             from miles_multilora.controller.commands import run_command
 
             return run_command(args.command, args, console=console)
+        if args.command == "schedule":
+            from miles_multilora.controller.schedule import run_schedule_command
+
+            return run_schedule_command(
+                args.schedule,
+                url=args.url,
+                token=args.token,
+                state_dir=args.state_dir,
+                wait=args.wait,
+                timeout_s=args.timeout,
+                connect_timeout_s=args.connect_timeout,
+                poll_s=args.poll,
+                console=console,
+            )
         if args.command == "prepare-model":
             from miles_multilora.models.demo_model import prepare_demo_model
 

@@ -15,6 +15,10 @@ class ConfigError(MilesError, ValueError):
         self.message = message
         super().__init__(f"{key}: {message}")
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from (key, message) when pickled across processes (Ray actors, multiprocessing).
+        return (type(self), (self.key, self.message))
+
 
 class SpecError(ConfigError):
     """An adapter spec is invalid (raised before any state changes)."""

@@ -172,12 +172,16 @@ def load_run_config(
     config_dir = config_dir or CONFIG_DIR
     if not (config_dir / f"{config_name}.yaml").is_file():
         raise ConfigError("config", f"no config named {config_name!r} in {config_dir}")
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)  # every schema key is overridable
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             composed = compose(config_name=config_name, overrides=list(overrides or []))
     except HydraException as exc:
-        raise ConfigError("override", str(exc).splitlines()[0]) from exc
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip() and "full_key" not in line)
+        raise ConfigError("override", detail) from exc
     finally:
         GlobalHydra.instance().clear()
     return config_from_container(composed)

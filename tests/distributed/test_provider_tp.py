@@ -21,7 +21,9 @@ def _tp2_check(rank: int, world_size: int, path: str) -> None:
     ), "qkv must be sharded across the two ranks"
     ids = torch.randint(0, loaded.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = loaded.model.eval()(input_ids=ids, position_ids=torch.arange(9).expand(2, -1), attention_mask=None)
+        ours = loaded.model.eval()(
+            input_ids=ids, position_ids=torch.arange(9).expand(2, -1), attention_mask=None
+        )
         ref = hf(ids).logits
     diff = (ours[..., : loaded.vocab_size] - ref).abs().max().item()
     assert diff <= 1e-5, f"rank {rank}: max abs diff {diff}"

@@ -46,8 +46,15 @@ def test_hf_checkpoint_gives_same_logits_and_exports_exactly(tmp_path, arch):
 
 
 def test_tiny_config_builds_a_trainable_model():
-    model = provider.build_tiny_gpt(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                                    num_query_groups=2, vocab_size=50, max_seq_len=64)
+    model = provider.build_tiny_gpt(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=50,
+        max_seq_len=64,
+    )
     ids = torch.randint(0, 50, (3, 7))
     logits = model(input_ids=ids, position_ids=torch.arange(7).expand(3, -1), attention_mask=None)
     assert logits.shape == (3, 7, 50)

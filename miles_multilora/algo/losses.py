@@ -1,0 +1,175 @@
+"""Policy loss (PPO clip with clip-higher, optional TIS and KL), normalised per adapter.
+
+A mixed batch holds sequences of many adapters. Each adapter's loss is aggregated over its own
+tokens (``token_mean``) or its own sequences (``seq_mean``) only, and the batch loss is the sum
+of the adapters' losses, so the gradient an adapter receives never depends on who else is in the
+batch. For gradient accumulation over micro-batches pass ``normalizers`` computed once over the
+whole step with :func:`adapter_normalizers`; the micro-batch losses then sum to the step loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_multilora.algo.config import AGGREGATIONS, AlgoConfig
+
+
+@dataclass
+class PolicyLossOutput:
+    """``loss``: scalar to backprop (sum of per-adapter losses); ``per_adapter``: id -> metrics."""
+
+    loss: torch.Tensor
+    per_adapter: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+
+    k1: ``log p - log q``; k2: ``(log p - log q)^2 / 2``; k3: ``q/p - 1 - log(q/p)`` (unbiased, >= 0).
+    """
+    diff = logprobs - ref_logprobs
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff**2
+    if estimator == "k3":
+        return torch.exp(-diff) - 1.0 + diff
+    raise ValueError(f"unknown kl estimator {estimator!r}; use one of k1, k2, k3")
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def adapter_normalizers(mask: torch.Tensor, adapter_ids: torch.Tensor, aggregation: str) -> dict[int, float]:
+    """Each adapter's loss denominator: its number of loss tokens (token_mean) or sequences (seq_mean)."""
+    _check_aggregation(aggregation)
+    per_row = mask.float().sum(dim=1) if aggregation == "token_mean" else torch.ones(mask.shape[0])
+    ids = adapter_ids.detach().cpu().tolist()
+    out: dict[int, float] = {}
+    for aid, value in zip(ids, per_row.detach().cpu().tolist(), strict=True):
+        out[int(aid)] = out.get(int(aid), 0.0) + float(value)
+    return out
+
+
+def aggregate_per_adapter(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    adapter_ids: torch.Tensor,
+    aggregation: str,
+    normalizers: Mapping[int, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aggregate per-token ``values`` [B, T] into one value per adapter.
+
+    Returns ``(unique_ids, per_adapter_values)``. token_mean: sum of the adapter's masked values
+    over its token count; seq_mean: mean over its sequences of each sequence's token mean.
+    """
+    _check_aggregation(aggregation)
+    mask = mask.to(values.dtype)
+    ids, inverse = torch.unique(adapter_ids.to(values.device), return_inverse=True)
+    row_sum = (values * mask).sum(dim=1)
+    row_len = mask.sum(dim=1)
+    if aggregation == "token_mean":
+        row_value, row_weight = row_sum, row_len
+    else:
+        row_value, row_weight = row_sum / row_len.clamp(min=1.0), torch.ones_like(row_len)
+    numer = torch.zeros(len(ids), dtype=values.dtype, device=values.device).index_add(0, inverse, row_value)
+    if normalizers is None:
+        denom = torch.zeros(len(ids), dtype=values.dtype, device=values.device).index_add(
+            0, inverse, row_weight
+        )
+    else:
+        missing = [int(i) for i in ids.tolist() if int(i) not in normalizers]
+        if missing:
+            raise KeyError(f"normalizers has no entry for adapter ids {missing}")
+        denom = torch.tensor(
+            [float(normalizers[int(i)]) for i in ids.tolist()], dtype=values.dtype, device=values.device
+        )
+    return ids, numer / denom.clamp(min=1e-8)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    adapter_ids: torch.Tensor,
+    config: AlgoConfig | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    normalizers: Mapping[int, float] | None = None,
+) -> PolicyLossOutput:
+    """Clipped policy-gradient loss summed over adapters, each normalised over its own tokens.
+
+    Shapes: ``logprobs``, ``old_logprobs``, ``mask`` (and ``ref_logprobs``, ``rollout_logprobs``)
+    are ``[B, T]``; ``advantages`` is ``[B]`` or ``[B, T]``; ``adapter_ids`` is ``[B]`` (slot or
+    any integer id per sequence). ``old_logprobs`` are the logprobs the importance ratio is taken
+    against (the rollout's). With ``config.tis_cap`` and ``rollout_logprobs`` given, each token is
+    weighted by ``min(exp(old - rollout), tis_cap)`` (truncated importance sampling for a rollout
+    engine whose logprobs differ from the trainer's). ``ref_logprobs`` (base model, slot -1) adds
+    ``kl_coef * KL``.
+    """
+    cfg = (config or AlgoConfig()).resolved()
+    assert cfg.eps_high is not None and cfg.aggregation is not None
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
+            f"{tuple(mask.shape)} must have the same [batch, seq] shape"
+        )
+    if adapter_ids.shape != (logprobs.shape[0],):
+        raise ValueError(f"adapter_ids must be [batch]={logprobs.shape[0]}, got {tuple(adapter_ids.shape)}")
+    logprobs = logprobs.float()
+    adv = advantages.float().to(logprobs.device)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
+    mask_f = mask.to(logprobs.dtype)
+
+    log_ratio = logprobs - old_logprobs.float().detach()
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = (pg_clipped > pg_unclipped).to(logprobs.dtype)
+
+    tis_clipped = torch.zeros_like(pg)
+    if cfg.tis_cap is not None and rollout_logprobs is not None:
+        weight = torch.exp(old_logprobs.float() - rollout_logprobs.float()).detach()
+        tis_clipped = (weight > cfg.tis_cap).to(pg.dtype)
+        pg = pg * weight.clamp(max=cfg.tis_cap)
+
+    total = pg
+    kl = None
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs.float().detach(), cfg.kl_estimator)
+        if cfg.kl_coef > 0:
+            total = total + cfg.kl_coef * kl
+
+    ids, loss_per_adapter = aggregate_per_adapter(total, mask_f, adapter_ids, cfg.aggregation, normalizers)
+    loss = loss_per_adapter.sum()
+
+    with torch.no_grad():
+        columns = {"loss": loss_per_adapter.detach()}
+        columns["pg_loss"] = aggregate_per_adapter(
+            pg.detach(), mask_f, adapter_ids, cfg.aggregation, normalizers
+        )[1]
+        for name, values in (
+            ("clip_frac", clipped),
+            ("ratio_mean", ratio.detach()),
+            ("tis_clip_frac", tis_clipped),
+        ):
+            columns[name] = aggregate_per_adapter(values, mask_f, adapter_ids, "token_mean")[1]
+        if kl is not None:
+            columns["kl"] = aggregate_per_adapter(kl.detach(), mask_f, adapter_ids, "token_mean")[1]
+        columns["num_tokens"] = aggregate_per_adapter(
+            mask_f, mask_f, adapter_ids, "token_mean", {int(i): 1.0 for i in ids.tolist()}
+        )[1]
+        names = list(columns)
+        table = torch.stack([columns[n].float() for n in names], dim=1).cpu().tolist()
+    per_adapter = {
+        int(aid): dict(zip(names, row, strict=True)) for aid, row in zip(ids.tolist(), table, strict=True)
+    }
+    return PolicyLossOutput(loss=loss, per_adapter=per_adapter)

@@ -1,0 +1,188 @@
+"""The ``miles-multilora submit | status | cancel | list`` subcommands, as plain functions.
+
+No argument parsing here: the CLI entry point parses its arguments and calls
+:func:`run_command` (or one function directly). Every function takes keyword arguments
+``url``/``token``/``state_dir`` to find the controller (see :meth:`ControllerClient.from_env`),
+prints with rich and returns the server's JSON.
+
+    run_command("submit", {"specs": ["a.yaml", "b.yaml"], "url": "http://127.0.0.1:8470"})
+    run_command("status", {"name": "a"}); run_command("list", {}); run_command("cancel", {"name": "a"})
+
+:func:`run_command` returns a process exit code: 0 on success, 1 when the controller refused
+(the message, and the spec field to change, are printed), 2 when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from miles_multilora.controller.client import ControllerClient
+from miles_multilora.controller.errors import ControllerUnavailableError
+from miles_multilora.errors import ConfigError, MilesError
+
+
+def _client(url: str | None, token: str | None, state_dir: str | Path | None) -> ControllerClient:
+    return ControllerClient.from_env(url=url, token=token, state_dir=state_dir)
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _budget(record: Mapping[str, Any]) -> str:
+    if record.get("num_steps") is not None:
+        return f"{record['step']}/{record['num_steps']}"
+    return f"{record['step']} ({record.get('num_epochs')} epochs)"
+
+
+def adapters_table(records: Sequence[Mapping[str, Any]], title: str = "adapters") -> Table:
+    """One row per adapter: name, state, slot, steps, last checkpoint, reason, last update."""
+    table = Table(title=title)
+    for column in ("name", "state", "slot", "step", "checkpoint", "reason", "updated"):
+        table.add_column(column)
+    for r in records:
+        table.add_row(
+            str(r["name"]),
+            str(r["state"]),
+            "-" if r.get("slot") is None else str(r["slot"]),
+            _budget(r),
+            str(r.get("last_checkpoint") or "-"),
+            str(r.get("reason") or ""),
+            _when(r.get("updated_at")),
+        )
+    return table
+
+
+def metrics_table(record: Mapping[str, Any]) -> Table:
+    """The adapter's recent per-step metrics, one row per step."""
+    entries = record.get("metrics") or []
+    keys = sorted({k for m in entries for k in m if k not in ("step", "time")})
+    table = Table(title=f"{record['name']}: recent metrics")
+    table.add_column("step")
+    for key in keys:
+        table.add_column(key)
+    for m in entries:
+        table.add_row(str(m.get("step")), *(_fmt(m.get(k)) for k in keys))
+    return table
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
+
+
+def submit(
+    specs: Sequence[str | Path],
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    state_dir: str | Path | None = None,
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Submit spec files (YAML/JSON) in order; stops at the first refusal (raising it)."""
+    if not specs:
+        raise ConfigError("specs", "give at least one adapter spec file to submit")
+    console = console or Console()
+    client = _client(url, token, state_dir)
+    records = []
+    for spec in specs:
+        record = client.submit(spec)
+        console.print(f"submitted [bold]{record['name']}[/bold] (run {record['run_id']}): {record['state']}")
+        records.append(record)
+    return records
+
+
+def status(
+    name: str,
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    state_dir: str | Path | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Print one adapter's state and its recent metrics."""
+    console = console or Console()
+    record = _client(url, token, state_dir).status(name)
+    console.print(adapters_table([record], title=f"adapter {name}"))
+    if record.get("metrics"):
+        console.print(metrics_table(record))
+    return record
+
+
+def cancel(
+    name: str,
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    state_dir: str | Path | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Cancel an adapter (a running one drains first, then ends CANCELLED)."""
+    console = console or Console()
+    record = _client(url, token, state_dir).cancel(name)
+    console.print(f"cancel [bold]{name}[/bold]: now {record['state']}")
+    return record
+
+
+def list_adapters(
+    *,
+    all_runs: bool = False,
+    url: str | None = None,
+    token: str | None = None,
+    state_dir: str | Path | None = None,
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Print every adapter (``all_runs``: earlier runs of re-registered names too)."""
+    console = console or Console()
+    records = _client(url, token, state_dir).list(all_runs=all_runs)
+    console.print(adapters_table(records))
+    return records
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "submit": submit,
+    "status": status,
+    "cancel": cancel,
+    "list": list_adapters,
+}
+_POSITIONAL = {"submit": "specs", "status": "name", "cancel": "name"}
+_OPTIONS = ("url", "token", "state_dir")
+
+
+def run_command(command: str, args: Mapping[str, Any] | Any, console: Console | None = None) -> int:
+    """Run ``command`` with parsed ``args`` (a mapping or an object with attributes, e.g. an
+    argparse Namespace or a DictConfig); print errors instead of raising; return an exit code."""
+    console = console or Console()
+    if command not in COMMANDS:
+        console.print(f"[red]unknown command {command!r}; use one of {', '.join(COMMANDS)}[/red]")
+        return 1
+    values = dict(args) if isinstance(args, Mapping) else vars(args)
+    kwargs: dict[str, Any] = {k: values.get(k) for k in _OPTIONS}
+    if command in _POSITIONAL:
+        key = _POSITIONAL[command]
+        if values.get(key) in (None, "", []):
+            console.print(f"[red]{command}: missing '{key}'[/red]")
+            return 1
+        positional = values[key]
+        if key == "specs" and isinstance(positional, str | Path):
+            positional = [positional]
+    try:
+        if command == "list":
+            COMMANDS[command](all_runs=bool(values.get("all_runs", False)), console=console, **kwargs)
+        else:
+            COMMANDS[command](positional, console=console, **kwargs)
+    except ControllerUnavailableError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    except ConfigError as exc:
+        console.print(f"[red]refused: {exc.key}: {exc.message}[/red]")
+        return 1
+    except MilesError as exc:
+        console.print(f"[red]refused: {exc}[/red]")
+        return 1
+    return 0

@@ -1,0 +1,483 @@
+"""ControllerCore: the adapter registry, state machine and slot allocator (plain Python).
+
+No Ray, no HTTP: the Ray actor (:mod:`.actor`) and the HTTP API (:mod:`.http_api`) are thin
+wrappers around one instance. Every public method takes the lock, validates everything first,
+and only then changes state (errors change nothing), then persists the new state atomically to
+``state_dir`` when one is set.
+
+Who calls what:
+
+- users (HTTP API / CLI): :meth:`register`, :meth:`cancel`, :meth:`get`, :meth:`list`
+- the trainer, once per step on rank 0::
+
+      snap = core.snapshot()            # grants free slots to PENDING adapters (FIFO), then
+                                        # broadcast ``snap`` to every rank
+      for slot in snap.slots_to_clear:  # ... clear_slot(model, slot) ...
+          core.slot_cleared(slot)
+      # (re)initialise every assignment with needs_init (fresh or from resume_checkpoint),
+      # train snap.running (+ in-flight rollouts of snap.draining), then:
+      core.report_step({name: {"trained": bool, "step": int, "checkpoint": str | None,
+                               "metrics": {...}} for name in resident adapters})
+      core.mark_done(name, final_checkpoint)      # budget reached
+      core.drained(name, final_checkpoint)        # DRAINING adapter finished its in-flight work
+      core.mark_failed(name, reason)              # its reward/data failed, ...
+
+- after a restart: ``ControllerCore.restore(state_dir, num_slots, max_rank)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
+from miles_multilora.controller.errors import (
+    AdapterConflictError,
+    ControllerError,
+    IllegalTransitionError,
+    UnknownAdapterError,
+)
+from miles_multilora.controller.persistence import load_state, save_state, state_path
+from miles_multilora.controller.record import AdapterRecord, jsonable_metrics
+from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
+from miles_multilora.controller.states import (
+    AdapterState,
+    SlotState,
+    check_transition,
+)
+from miles_multilora.errors import ConfigError, SpecError
+
+SpecSource = AdapterSpec | dict[str, Any] | str | Path
+ResourceValidator = Callable[[AdapterSpec], Any]
+DEFAULT_RESOURCE_VALIDATOR = "miles_multilora.data.validation:validate_adapter_resources"
+
+
+def resolve_resource_validator(validator: ResourceValidator | str | None) -> ResourceValidator | None:
+    """A resource validator given as a callable or as ``"package.module:function"`` (e.g.
+    :data:`DEFAULT_RESOURCE_VALIDATOR`); None means no resource check."""
+    if validator is None or callable(validator):
+        return validator
+    module_name, sep, attr = str(validator).partition(":")
+    if not sep:
+        raise ConfigError(
+            "controller.validate_resources", f"{validator!r} is not of the form 'module:function'"
+        )
+    try:
+        func = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("controller.validate_resources", f"cannot import {validator!r}: {exc}") from exc
+    if not callable(func):
+        raise ConfigError("controller.validate_resources", f"{validator!r} is not callable")
+    return func
+
+
+class ControllerCore:
+    """Registry + state machine + slot allocation + persistence. Thread-safe.
+
+    Args:
+        num_slots: resident adapter slots of the model (adapters beyond that wait PENDING).
+        max_rank: largest LoRA rank a slot holds; specs with a larger rank are refused.
+        state_dir: where the state file is written after every change (None: memory only).
+            Must not already hold a state (use :meth:`restore` for that).
+        validate_resources: optional ``f(spec)`` (or its ``"module:function"`` path) raising
+            :class:`SpecError` when the adapter's dataset or reward cannot be resolved; called on
+            :meth:`register` before any change. The project's own is
+            :data:`DEFAULT_RESOURCE_VALIDATOR`.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_rank: int,
+        state_dir: str | Path | None = None,
+        validate_resources: ResourceValidator | str | None = None,
+    ) -> None:
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ConfigError("num_slots", f"must be an integer >= 1, got {num_slots!r}")
+        if not isinstance(max_rank, int) or max_rank < 1:
+            raise ConfigError("max_rank", f"must be an integer >= 1, got {max_rank!r}")
+        if state_dir is not None and state_path(state_dir).exists():
+            raise ConfigError(
+                "state_dir",
+                f"{state_dir} already holds a controller state; use ControllerCore.restore() to "
+                "resume it, or choose an empty directory",
+            )
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self._validate_resources = resolve_resource_validator(validate_resources)
+        self._lock = threading.RLock()
+        self._runs: dict[str, AdapterRecord] = {}  # run_id -> record, registration order
+        self._latest: dict[str, str] = {}  # adapter name -> run_id of its latest run
+        self._slot_states = [SlotState.FREE] * num_slots
+        self._slot_owner: list[str | None] = [None] * num_slots  # run_id
+        self._seq = 0
+        self._snapshot_id = 0
+        self._state_dir = Path(state_dir) if state_dir is not None else None
+        self._saved: dict[str, Any] | None = None
+        self._commit()
+
+    # ------------------------------------------------------------------ users
+
+    def register(self, spec_source: SpecSource) -> dict[str, Any]:
+        """Validate and queue an adapter (PENDING). Returns its record.
+
+        Raises :class:`SpecError` (invalid spec or resources) or :class:`AdapterConflictError`
+        (an adapter of that name is live). A finished name may be registered again: new run id.
+        """
+        spec = parse_adapter_spec(spec_source, max_rank=self.max_rank)
+        if self._validate_resources is not None:
+            self._validate_resources(spec)
+        with self._lock:
+            current = self._latest_record(spec.name)
+            if current is not None and not current.state.finished:
+                raise AdapterConflictError(
+                    f"adapter {spec.name!r} is already {current.state.value} (run {current.run_id}); "
+                    "cancel it or choose another name"
+                )
+            self._seq += 1
+            record = AdapterRecord(
+                name=spec.name, run_id=f"{spec.name}-{self._seq}", seq=self._seq, spec=spec
+            )
+            self._runs[record.run_id] = record
+            self._latest[spec.name] = record.run_id
+            self._commit()
+            return record.public(with_spec=True)
+
+    def cancel(self, name: str) -> dict[str, Any]:
+        """PENDING -> CANCELLED at once; RUNNING -> DRAINING (the trainer finishes it with
+        :meth:`drained`); DRAINING stays DRAINING. A finished adapter raises IllegalTransitionError."""
+        with self._lock:
+            record = self._record(name)
+            if record.state is AdapterState.PENDING:
+                self._finish(record, AdapterState.CANCELLED, reason="cancelled while pending")
+            elif record.state is AdapterState.RUNNING:
+                self._transition(record, AdapterState.DRAINING)
+                record.reason = "cancelled"
+            elif record.state is not AdapterState.DRAINING:
+                check_transition(name, record.state, AdapterState.DRAINING)
+            self._commit()
+            return record.public()
+
+    def get(self, name: str) -> dict[str, Any]:
+        """The latest run of ``name`` (with its spec). Raises :class:`UnknownAdapterError`."""
+        with self._lock:
+            return self._record(name).public(with_spec=True)
+
+    def list(self, all_runs: bool = False) -> list[dict[str, Any]]:
+        """Every adapter's latest run in registration order (``all_runs``: earlier runs too)."""
+        with self._lock:
+            records = self._runs.values() if all_runs else (self._runs[r] for r in self._latest.values())
+            return [r.public() for r in sorted(records, key=lambda r: r.seq)]
+
+    def health(self) -> dict[str, Any]:
+        """Counts for monitoring: adapters per state and slots per state."""
+        with self._lock:
+            latest = [self._runs[r] for r in self._latest.values()]
+            return {
+                "status": "ok",
+                "num_slots": self.num_slots,
+                "max_rank": self.max_rank,
+                "snapshot_id": self._snapshot_id,
+                "adapters": {s.value: sum(r.state is s for r in latest) for s in AdapterState},
+                "slots": {s.value: self._slot_states.count(s) for s in SlotState},
+            }
+
+    # ---------------------------------------------------------------- trainer
+
+    def snapshot(self) -> Snapshot:
+        """Grant FREE slots to PENDING adapters (FIFO), then return this step's immutable view."""
+        with self._lock:
+            self._grant_free_slots()
+            self._snapshot_id += 1
+            resident = sorted((r for r in self._runs.values() if r.state.owns_slot), key=lambda r: r.slot)
+            snap = Snapshot(
+                snapshot_id=self._snapshot_id,
+                num_slots=self.num_slots,
+                running=tuple(self._assignment(r) for r in resident if r.state is AdapterState.RUNNING),
+                draining=tuple(self._assignment(r) for r in resident if r.state is AdapterState.DRAINING),
+                slots_to_clear=tuple(i for i, s in enumerate(self._slot_states) if s is SlotState.DIRTY),
+            )
+            self._commit()
+            return snap
+
+    def report_step(self, results: Mapping[str, Mapping[str, Any]]) -> None:
+        """Record one training step. ``results[name] = {"trained": bool, "step": int (optional,
+        checked), "checkpoint": str | None, "metrics": dict}`` for resident adapters.
+
+        Only adapters with ``trained=True`` advance their step; a reported ``step`` must equal the
+        controller's count after this step. ``checkpoint`` (a complete checkpoint at that step)
+        becomes the adapter's resume point. Reporting an adapter clears its ``needs_init``.
+        """
+        with self._lock:
+            updates = [self._check_result(name, result) for name, result in results.items()]
+            now = time.time()
+            for record, trained, checkpoint, metrics in updates:
+                if trained:
+                    record.step += 1
+                if checkpoint is not None:
+                    record.last_checkpoint = checkpoint
+                    record.checkpoint_step = record.step
+                if metrics:
+                    record.metrics.append({"step": record.step, "time": now, **metrics})
+                record.needs_init = False
+                record.updated_at = now
+            self._commit()
+
+    def mark_done(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:
+        """RUNNING/DRAINING -> DONE: budget reached and ``checkpoint`` (the final one) written."""
+        with self._lock:
+            record = self._record(name)
+            check_transition(name, record.state, AdapterState.DONE)
+            self._set_checkpoint(record, checkpoint)
+            self._finish(record, AdapterState.DONE, reason=None)
+            self._commit()
+            return record.public()
+
+    def drained(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:
+        """DRAINING -> CANCELLED once the trainer finished its in-flight work and wrote
+        ``checkpoint`` (the final one; None keeps the last reported checkpoint)."""
+        with self._lock:
+            record = self._record(name)
+            if record.state is not AdapterState.DRAINING:
+                raise IllegalTransitionError(
+                    f"adapter {name!r} is {record.state.value}, not DRAINING; only a cancelled running "
+                    "adapter is drained"
+                )
+            self._set_checkpoint(record, checkpoint)
+            self._finish(record, AdapterState.CANCELLED, reason=record.reason or "cancelled")
+            self._commit()
+            return record.public()
+
+    def mark_failed(self, name: str, reason: str) -> dict[str, Any]:
+        """Any live state -> FAILED with ``reason``; its slot (if any) must be cleared."""
+        with self._lock:
+            record = self._record(name)
+            check_transition(name, record.state, AdapterState.FAILED)
+            self._finish(record, AdapterState.FAILED, reason=str(reason))
+            self._commit()
+            return record.public()
+
+    def slot_cleared(self, slot: int) -> None:
+        """The trainer cleared ``slot`` (weights, grads, optimizer state): DIRTY -> FREE.
+
+        Clearing a FREE slot again is a no-op; a slot still owned raises IllegalTransitionError.
+        """
+        with self._lock:
+            if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+                raise ControllerError(f"slot {slot!r} does not exist (num_slots={self.num_slots})")
+            if self._slot_states[slot] is SlotState.OWNED:
+                raise IllegalTransitionError(
+                    f"slot {slot} is owned by run {self._slot_owner[slot]}; only a DIRTY slot is cleared"
+                )
+            self._slot_states[slot] = SlotState.FREE
+            self._commit()
+
+    # ---------------------------------------------------------------- restart
+
+    @classmethod
+    def restore(
+        cls,
+        state_dir: str | Path,
+        num_slots: int,
+        max_rank: int,
+        validate_resources: ResourceValidator | str | None = None,
+    ) -> ControllerCore:
+        """The controller as persisted in ``state_dir`` (a fresh one when it holds no state).
+
+        Slots are all fresh after a restart. Every RUNNING/DRAINING adapter gets a slot again
+        (in its old slot order), marked ``needs_init`` with ``resume_checkpoint`` = its last
+        complete checkpoint, and its step goes back to that checkpoint's step. Without a slot to
+        spare (fewer slots than before) a RUNNING adapter is requeued PENDING and a DRAINING one
+        is CANCELLED at its last checkpoint. PENDING adapters stay queued in order; finished
+        adapters keep their records. An adapter whose spec no longer validates (e.g. rank above
+        a smaller max_rank) is marked FAILED with the reason.
+        """
+        data = load_state(state_dir)
+        core = cls(num_slots, max_rank, state_dir=None, validate_resources=validate_resources)
+        core._state_dir = Path(state_dir)
+        if data is None:
+            core._commit()
+            return core
+        core._load(data, reset_slots=True)
+        resident = sorted(
+            (r for r in core._runs.values() if r.state.owns_slot), key=lambda r: (r.slot, r.seq)
+        )
+        for record in core._runs.values():
+            record.slot = None
+            if not record.state.finished:
+                record.step = record.checkpoint_step
+        now = time.time()
+        for record in core._runs.values():
+            if not record.state.finished and record.spec.rank > max_rank:
+                record.state, record.finished_at = AdapterState.FAILED, now
+                record.reason = f"after restart: rank {record.spec.rank} exceeds max_rank {max_rank}"
+        for record in resident:
+            if record.state.finished:
+                continue
+            free = core._free_slot()
+            if free is not None:
+                core._own(record, free)
+            elif record.state is AdapterState.RUNNING:
+                core._transition(record, AdapterState.PENDING)
+            else:
+                core._finish(record, AdapterState.CANCELLED, reason="cancelled; no slot after restart")
+        core._commit()
+        return core
+
+    # --------------------------------------------------------------- internal
+
+    def _latest_record(self, name: str) -> AdapterRecord | None:
+        run_id = self._latest.get(name)
+        return self._runs[run_id] if run_id is not None else None
+
+    def _record(self, name: str) -> AdapterRecord:
+        record = self._latest_record(name)
+        if record is None:
+            raise UnknownAdapterError(f"no adapter named {name!r} was registered")
+        return record
+
+    def _transition(self, record: AdapterRecord, target: AdapterState) -> None:
+        check_transition(record.name, record.state, target)
+        record.state = target
+        record.updated_at = time.time()
+
+    def _finish(self, record: AdapterRecord, target: AdapterState, reason: str | None) -> None:
+        self._transition(record, target)
+        record.reason = reason
+        record.finished_at = record.updated_at
+        record.needs_init = False
+        if record.slot is not None:
+            self._slot_states[record.slot] = SlotState.DIRTY
+            self._slot_owner[record.slot] = None
+            record.slot = None
+
+    def _set_checkpoint(self, record: AdapterRecord, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            record.last_checkpoint = str(checkpoint)
+            record.checkpoint_step = record.step
+
+    def _free_slot(self) -> int | None:
+        return next((i for i, s in enumerate(self._slot_states) if s is SlotState.FREE), None)
+
+    def _own(self, record: AdapterRecord, slot: int) -> None:
+        self._slot_states[slot] = SlotState.OWNED
+        self._slot_owner[slot] = record.run_id
+        record.slot = slot
+        record.needs_init = True
+        record.updated_at = time.time()
+
+    def _grant_free_slots(self) -> None:
+        pending = sorted(
+            (r for r in self._runs.values() if r.state is AdapterState.PENDING), key=lambda r: r.seq
+        )
+        for record in pending:
+            slot = self._free_slot()
+            if slot is None:
+                return
+            self._transition(record, AdapterState.RUNNING)
+            if record.started_at is None:
+                record.started_at = record.updated_at
+            self._own(record, slot)
+
+    def _assignment(self, record: AdapterRecord) -> SlotAssignment:
+        assert record.slot is not None
+        return SlotAssignment(
+            name=record.name,
+            run_id=record.run_id,
+            slot=record.slot,
+            spec=copy.deepcopy(record.spec),
+            step=record.step,
+            version=record.step,
+            resume_checkpoint=record.last_checkpoint,
+            needs_init=record.needs_init,
+        )
+
+    def _check_result(
+        self, name: str, result: Mapping[str, Any]
+    ) -> tuple[AdapterRecord, bool, str | None, dict]:
+        record = self._record(name)
+        if not record.state.owns_slot:
+            raise IllegalTransitionError(
+                f"step reported for adapter {name!r}, which is {record.state.value}; only RUNNING or "
+                "DRAINING adapters train"
+            )
+        if not isinstance(result, Mapping) or not isinstance(result.get("trained"), bool):
+            raise ControllerError(f"result for {name!r} needs a bool 'trained', got {result!r}")
+        trained = result["trained"]
+        expected = record.step + int(trained)
+        reported = result.get("step")
+        if reported is not None and reported != expected:
+            raise ControllerError(
+                f"adapter {name!r}: trainer reports step {reported} but the controller counts {expected} "
+                f"(trained={trained}); trainer and controller disagree"
+            )
+        checkpoint = result.get("checkpoint")
+        metrics = result.get("metrics") or {}
+        if not isinstance(metrics, Mapping):
+            raise ControllerError(
+                f"result for {name!r}: 'metrics' must be a dict, got {type(metrics).__name__}"
+            )
+        return (
+            record,
+            trained,
+            None if checkpoint is None else str(checkpoint),
+            jsonable_metrics(dict(metrics)),
+        )
+
+    # ------------------------------------------------------------ persistence
+
+    def _to_state(self) -> dict[str, Any]:
+        return {
+            "num_slots": self.num_slots,
+            "max_rank": self.max_rank,
+            "seq": self._seq,
+            "snapshot_id": self._snapshot_id,
+            "slots": [s.value for s in self._slot_states],
+            "slot_owners": list(self._slot_owner),
+            "runs": [r.to_state() for r in self._runs.values()],
+            "latest": dict(self._latest),
+        }
+
+    def _load(self, data: dict[str, Any], reset_slots: bool) -> None:
+        self._seq = int(data["seq"])
+        self._snapshot_id = int(data["snapshot_id"])
+        self._runs = {}
+        for item in data["runs"]:
+            try:
+                spec = parse_adapter_spec(item["spec"])
+            except SpecError as exc:  # e.g. the schema changed since it was saved
+                spec = AdapterSpec(name=item["name"])
+                item = {**item, "spec_error": str(exc)}
+            record = AdapterRecord.from_state({k: v for k, v in item.items() if k != "spec_error"}, spec)
+            if "spec_error" in item and not record.state.finished:
+                record.state, record.reason = (
+                    AdapterState.FAILED,
+                    f"stored spec invalid: {item['spec_error']}",
+                )
+                record.finished_at = time.time()
+            self._runs[item["run_id"]] = record
+        self._latest = dict(data["latest"])
+        if reset_slots:
+            self._slot_states = [SlotState.FREE] * self.num_slots
+            self._slot_owner = [None] * self.num_slots
+        else:
+            self._slot_states = [SlotState(s) for s in data["slots"]]
+            self._slot_owner = list(data["slot_owners"])
+
+    def _commit(self) -> None:
+        """Persist the current state; if writing fails, roll memory back to the last saved state."""
+        if self._state_dir is None:
+            return
+        state = self._to_state()
+        try:
+            save_state(self._state_dir, state)
+        except BaseException:
+            if self._saved is not None:
+                self._load(self._saved, reset_slots=False)
+            raise
+        self._saved = state

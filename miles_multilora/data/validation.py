@@ -1,0 +1,51 @@
+"""Register-time checks that an adapter's data and reward can actually be used."""
+
+from __future__ import annotations
+
+from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.data.datasets import (
+    create_reasoning_gym_dataset,
+    is_hub_id,
+    load_hf_dataset,
+    looks_local,
+)
+from miles_multilora.data.prompts import fill_template
+from miles_multilora.data.records import DatasetRow
+from miles_multilora.data.rewards import check_reward_spec
+from miles_multilora.errors import SpecError
+
+
+def validate_adapter_resources(spec: AdapterSpec) -> None:
+    """Check that ``spec``'s dataset and reward resolve; raise :class:`SpecError` naming the key.
+
+    - local dataset: the file/dir exists, loads, and has ``prompt_key`` / ``answer_key`` columns,
+      and the prompt template's fields exist in its rows;
+    - hub id (not local): well-formed (not downloaded here: the hub may be unreachable);
+    - reasoning-gym: the task exists and accepts ``task_params``;
+    - reward: a built-in name with what it needs, or an importable ``module:function``.
+    """
+    ds = spec.dataset
+    if (ds.path is None) == (ds.task is None):
+        raise SpecError("dataset", "set exactly one of dataset.path or dataset.task")
+    row: DatasetRow | None = None
+    if ds.task is not None:
+        generator = create_reasoning_gym_dataset(ds.task, dict(ds.task_params or {}), 1, ds.seed)
+        entry = generator[0]
+        row = DatasetRow(str(entry["question"]), str(entry.get("answer")), {}, dict(entry))
+    elif looks_local(ds.path or ""):
+        data = load_hf_dataset(ds.path or "", ds.split)
+        columns = list(data.column_names)
+        for key, column in (("dataset.prompt_key", ds.prompt_key), ("dataset.answer_key", ds.answer_key)):
+            if column not in columns:
+                raise SpecError(key, f"{column!r} is not a column of {ds.path}; columns: {columns}")
+        if len(data) == 0:
+            raise SpecError("dataset.path", f"{ds.path} has no rows")
+        first = dict(data[0])
+        row = DatasetRow(str(first[ds.prompt_key]), str(first[ds.answer_key]), {}, first)
+    elif not is_hub_id(ds.path or ""):
+        raise SpecError(
+            "dataset.path", f"{ds.path!r} is neither an existing local path nor a hub id (owner/name)"
+        )
+    if row is not None:
+        fill_template(row, spec.prompt.template)
+    check_reward_spec(spec)

@@ -1,0 +1,46 @@
+"""Rollout engines: the interface, the embedded engine (default) and the SGLang HTTP engine.
+
+The Megatron-backed parts (``EmbeddedEngine``, ``compute_logprobs``, ``sequence_logprobs``) are
+imported on first use, so an SGLang-only client does not import Megatron.
+"""
+
+from typing import Any
+
+from miles_multilora.rollout.engine import RolloutEngine, RolloutError
+from miles_multilora.rollout.sglang_engine import SGLangEngine, lora_name
+from miles_multilora.rollout.types import (
+    BASE_ADAPTER,
+    BASE_SLOT,
+    AdapterVersion,
+    GenerationRequest,
+    GenerationResult,
+)
+
+_LAZY = {
+    "EmbeddedEngine": "miles_multilora.rollout.embedded",
+    "compute_logprobs": "miles_multilora.rollout.logprobs",
+    "sequence_logprobs": "miles_multilora.rollout.logprobs",
+}
+
+__all__ = [
+    "BASE_ADAPTER",
+    "BASE_SLOT",
+    "AdapterVersion",
+    "EmbeddedEngine",
+    "GenerationRequest",
+    "GenerationResult",
+    "RolloutEngine",
+    "RolloutError",
+    "SGLangEngine",
+    "compute_logprobs",
+    "lora_name",
+    "sequence_logprobs",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

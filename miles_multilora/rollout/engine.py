@@ -1,0 +1,88 @@
+"""The rollout engine interface: generate tagged completions for many adapters at once."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+
+from miles_multilora.errors import MilesError
+from miles_multilora.rollout.types import (
+    BASE_ADAPTER,
+    BASE_SLOT,
+    AdapterVersion,
+    GenerationRequest,
+    GenerationResult,
+)
+
+
+class RolloutError(MilesError):
+    """A rollout engine could not serve a request or apply an adapter update."""
+
+
+class RolloutEngine(ABC):
+    """Generates completions, each tagged (adapter, version); knows which adapter versions it serves.
+
+    Subclasses keep ``self._adapters`` (adapter name -> :class:`AdapterVersion`) up to date in
+    :meth:`update_adapters` / :meth:`remove_adapters`; :meth:`check_requests` uses it to refuse any
+    request whose slot or version does not match what the engine serves, so a sample is never
+    produced by the base model or another adapter by mistake.
+    """
+
+    def __init__(self) -> None:
+        self._adapters: dict[str, AdapterVersion] = {}
+
+    @abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generate one result per request, in request order."""
+
+    @abstractmethod
+    def update_adapters(self, changed: Mapping[str, AdapterVersion]) -> None:
+        """Serve the given adapters at the given versions from now on (only changed ones are passed)."""
+
+    @abstractmethod
+    def remove_adapters(self, names: Iterable[str]) -> None:
+        """Stop serving these adapters (their slots may be reused)."""
+
+    def adapter_versions(self) -> dict[str, int]:
+        """Adapter name -> the version this engine currently serves."""
+        return {name: av.version for name, av in self._adapters.items()}
+
+    def check_requests(self, requests: Sequence[GenerationRequest]) -> None:
+        """Raise :class:`RolloutError` for a request this engine cannot serve exactly as tagged."""
+        for i, req in enumerate(requests):
+            if not req.prompt_ids:
+                raise RolloutError(f"request {i} ({req.adapter!r}): prompt_ids is empty")
+            if req.slot == BASE_SLOT or req.adapter == BASE_ADAPTER:
+                if req.slot != BASE_SLOT or req.adapter != BASE_ADAPTER:
+                    raise RolloutError(
+                        f"request {i}: base-model requests need adapter={BASE_ADAPTER!r} and slot={BASE_SLOT}, "
+                        f"got adapter={req.adapter!r} slot={req.slot}"
+                    )
+                continue
+            served = self._adapters.get(req.adapter)
+            if served is None:
+                raise RolloutError(f"request {i}: adapter {req.adapter!r} is not loaded in this engine")
+            if (served.slot, served.version) != (req.slot, req.version):
+                raise RolloutError(
+                    f"request {i}: adapter {req.adapter!r} asks for slot {req.slot} version {req.version}, "
+                    f"but the engine serves slot {served.slot} version {served.version}"
+                )
+            sp = req.sampling
+            if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.max_new_tokens < 1:
+                raise RolloutError(
+                    f"request {i} ({req.adapter!r}): invalid sampling params {sp} "
+                    "(need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1)"
+                )
+
+    @staticmethod
+    def check_slots(adapters: Mapping[str, AdapterVersion]) -> None:
+        """Raise :class:`RolloutError` if two adapters claim the same slot or a slot is negative."""
+        owners: dict[int, str] = {}
+        for name, av in adapters.items():
+            if name == BASE_ADAPTER:
+                raise RolloutError(f"{BASE_ADAPTER!r} is reserved for base-model requests")
+            if av.slot < 0:
+                raise RolloutError(f"adapter {name!r}: slot must be >= 0, got {av.slot}")
+            if av.slot in owners:
+                raise RolloutError(f"adapters {owners[av.slot]!r} and {name!r} both claim slot {av.slot}")
+            owners[av.slot] = name

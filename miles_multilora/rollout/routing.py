@@ -1,0 +1,42 @@
+"""Route each token of a forward pass to its LoRA slot (``-1`` = base model only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import Tensor
+
+from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.lora.routing import token_slots
+from miles_multilora.rollout.engine import RolloutError
+
+
+def has_multi_lora(model: torch.nn.Module) -> bool:
+    """Whether the model has MultiLoRA layers (a plain base model can only serve slot -1)."""
+    return any(isinstance(m, MultiLoRALinear) for m in model.modules())
+
+
+def check_servable_slots(model: torch.nn.Module, slots: Sequence[int]) -> bool:
+    """Raise if adapter slots are asked of a model without MultiLoRA layers; return whether it has them."""
+    routed = has_multi_lora(model)
+    if not routed and any(s >= 0 for s in slots):
+        raise RolloutError(
+            "the model has no MultiLoRA layers (apply_multi_lora first); only slot -1 can be served"
+        )
+    return routed
+
+
+def slot_routing(model: torch.nn.Module, slot_ids: Tensor, routed: bool = True) -> AbstractContextManager:
+    """Context manager routing the next forward's ``[batch, seq]`` tokens to ``slot_ids``.
+
+    ``routed=False`` (from :func:`check_servable_slots`) is for a plain base model: nothing to route.
+    """
+    return token_slots(model, slot_ids) if routed else nullcontext()
+
+
+def per_sequence_slots(slots: Tensor | Sequence[int], seq_len: int, device: torch.device) -> Tensor:
+    """Expand one slot per sequence ``[batch]`` to one slot per token ``[batch, seq_len]``."""
+    slot_t = torch.as_tensor(slots, dtype=torch.long, device=device)
+    return slot_t.view(-1, 1).expand(-1, seq_len).contiguous()

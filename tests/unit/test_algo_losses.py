@@ -1,0 +1,183 @@
+"""Policy loss: PPO clip-higher, aggregation, KL, TIS and per-adapter normalisation."""
+
+import math
+
+import pytest
+import torch
+
+from miles_multilora.algo import AlgoConfig, adapter_normalizers, kl_penalty, policy_loss
+from miles_multilora.errors import ConfigError
+
+LOG = math.log
+
+
+def _batch():
+    """Adapter 0: two sequences; adapter 7: one sequence. old logprobs are 0, so ratio = exp(logprob)."""
+    ratios = torch.tensor(
+        [
+            [1.5, 0.5, 1.0],  # adapter 0, A=+1, last token padded
+            [0.5, 1.5, 1.0],  # adapter 0, A=-1
+            [1.0, 1.0, 1.0],  # adapter 7, A=+2, last token padded
+        ]
+    )
+    logprobs = ratios.log().requires_grad_(True)
+    old = torch.zeros(3, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    ids = torch.tensor([0, 0, 7])
+    return logprobs, old, adv, mask, ids
+
+
+DAPO_CLIP = AlgoConfig(name="grpo", eps_low=0.2, eps_high=0.28)
+
+
+def test_token_mean_clip_higher_by_hand():
+    logprobs, old, adv, mask, ids = _batch()
+    cfg = AlgoConfig(eps_low=0.2, eps_high=0.28, aggregation="token_mean")
+    out = policy_loss(logprobs, old, adv, mask, ids, config=cfg)
+    # adapter 0 per-token pg: seq0 [-1.28 (clipped at 1+0.28), -0.5]; seq1 [0.8 (clipped at 1-0.2), 1.5, 1.0]
+    a0 = (-1.28 - 0.5 + 0.8 + 1.5 + 1.0) / 5
+    a7 = -2.0
+    assert out.per_adapter[0]["loss"] == pytest.approx(a0, abs=1e-5)
+    assert out.per_adapter[7]["loss"] == pytest.approx(a7, abs=1e-5)
+    assert out.loss.item() == pytest.approx(a0 + a7, abs=1e-5)
+    assert out.per_adapter[0]["clip_frac"] == pytest.approx(2 / 5)
+    assert out.per_adapter[7]["clip_frac"] == 0.0
+    assert out.per_adapter[0]["num_tokens"] == 5.0
+    out.loss.backward()
+    # d(-A r)/d logprob = -A r for unclipped tokens, 0 for clipped ones; divided by the adapter's 5 tokens
+    expected_grad = torch.tensor(
+        [
+            [0.0, -0.5 / 5, 0.0],
+            [0.0, 1.5 / 5, 1.0 / 5],
+            [-2.0 / 2, -2.0 / 2, 0.0],
+        ]
+    )
+    torch.testing.assert_close(logprobs.grad, expected_grad, atol=1e-6, rtol=0)
+
+
+def test_seq_mean_by_hand():
+    logprobs, old, adv, mask, ids = _batch()
+    cfg = AlgoConfig(eps_low=0.2, eps_high=0.28, aggregation="seq_mean")
+    out = policy_loss(logprobs, old, adv, mask, ids, config=cfg)
+    seq0 = (-1.28 - 0.5) / 2
+    seq1 = (0.8 + 1.5 + 1.0) / 3
+    assert out.per_adapter[0]["loss"] == pytest.approx((seq0 + seq1) / 2, abs=1e-5)
+    assert out.loss.item() == pytest.approx((seq0 + seq1) / 2 - 2.0, abs=1e-5)
+
+
+def test_symmetric_clip_for_grpo_default():
+    logprobs, old, adv, mask, ids = _batch()
+    out = policy_loss(logprobs, old, adv, mask, ids, config=AlgoConfig(name="grpo", eps_low=0.2))
+    # grpo: eps_high defaults to eps_low, seq_mean: seq0 [-1.2, -0.5], seq1 [0.8, 1.5, 1.0]
+    expected = ((-1.2 - 0.5) / 2 + (0.8 + 1.5 + 1.0) / 3) / 2
+    assert out.per_adapter[0]["loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_dapo_defaults():
+    cfg = AlgoConfig(name="dapo").resolved()
+    assert (cfg.eps_high, cfg.aggregation, cfg.dynamic_sampling) == (0.28, "token_mean", True)
+    grpo = AlgoConfig().resolved()
+    assert (grpo.eps_high, grpo.aggregation, grpo.dynamic_sampling) == (0.2, "seq_mean", False)
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.tensor([LOG(0.5)])
+    ref = torch.tensor([LOG(0.25)])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(LOG(2.0))
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * LOG(2.0) ** 2)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 - 1.0 + LOG(2.0))
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_penalty(logp, ref, "k9")
+
+
+def test_kl_term_added_to_loss():
+    logprobs = torch.full((1, 2), LOG(0.5), requires_grad=True)
+    old = logprobs.detach().clone()  # ratio 1
+    ref = torch.full((1, 2), LOG(0.25))
+    mask = torch.ones(1, 2)
+    cfg = AlgoConfig(kl_coef=0.1, kl_estimator="k3", aggregation="token_mean")
+    out = policy_loss(
+        logprobs, old, torch.tensor([1.0]), mask, torch.tensor([3]), config=cfg, ref_logprobs=ref
+    )
+    k3 = 0.5 - 1.0 + LOG(2.0)
+    assert out.per_adapter[3]["kl"] == pytest.approx(k3, abs=1e-6)
+    assert out.loss.item() == pytest.approx(-1.0 + 0.1 * k3, abs=1e-6)
+    out.loss.backward()
+    # d/dlogp: -A*r = -1, plus kl_coef * d k3/d logp = 0.1 * (1 - exp(ref - logp)) = 0.1 * 0.5; / 2 tokens
+    assert logprobs.grad.tolist()[0] == pytest.approx([(-1.0 + 0.05) / 2] * 2, abs=1e-6)
+
+
+def test_truncated_importance_sampling_weight():
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    old = torch.zeros(1, 2)
+    rollout = torch.tensor([[-LOG(3.0), -LOG(1.5)]])  # trainer/rollout ratio 3 (capped to 2) and 1.5
+    cfg = AlgoConfig(tis_cap=2.0, aggregation="token_mean")
+    out = policy_loss(
+        logprobs,
+        old,
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        torch.tensor([0]),
+        config=cfg,
+        rollout_logprobs=rollout,
+    )
+    assert out.loss.item() == pytest.approx((-2.0 - 1.5) / 2, abs=1e-5)
+    assert out.per_adapter[0]["tis_clip_frac"] == pytest.approx(0.5)
+
+
+def test_adapter_gradient_independent_of_other_adapters():
+    torch.manual_seed(0)
+    cfg = AlgoConfig(name="dapo")
+    lp_a = (torch.randn(3, 5) * 0.3 - 1).requires_grad_(True)
+    old_a, mask_a = lp_a.detach() + 0.1 * torch.randn(3, 5), (torch.rand(3, 5) > 0.3).float()
+    adv_a = torch.tensor([1.0, -0.5, 0.2])
+    alone = policy_loss(lp_a, old_a, adv_a, mask_a, torch.tensor([0, 0, 0]), config=cfg)
+    (grad_alone,) = torch.autograd.grad(alone.loss, lp_a)
+
+    lp_b = torch.randn(4, 5) * 0.3 - 1
+    mixed_lp = torch.cat([lp_a, lp_b])
+    mixed = policy_loss(
+        mixed_lp,
+        torch.cat([old_a, lp_b + 0.2]),
+        torch.cat([adv_a, torch.tensor([3.0, -2.0, 1.0, 0.5])]),
+        torch.cat([mask_a, torch.ones(4, 5)]),
+        torch.tensor([0, 0, 0, 1, 1, 1, 1]),
+        config=cfg,
+    )
+    (grad_mixed,) = torch.autograd.grad(mixed.loss, lp_a)
+    torch.testing.assert_close(grad_mixed, grad_alone, atol=1e-7, rtol=1e-6)
+    assert mixed.per_adapter[0]["loss"] == pytest.approx(alone.per_adapter[0]["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_micro_batches_sum_to_full_batch_with_normalizers(aggregation):
+    torch.manual_seed(1)
+    cfg = AlgoConfig(aggregation=aggregation)
+    lp = torch.randn(6, 4) * 0.2 - 1
+    old = lp + 0.05 * torch.randn(6, 4)
+    adv = torch.randn(6)
+    mask = (torch.rand(6, 4) > 0.25).float()
+    mask[:, 0] = 1
+    ids = torch.tensor([0, 1, 0, 1, 1, 0])
+    full = policy_loss(lp, old, adv, mask, ids, config=cfg).loss
+    norms = adapter_normalizers(mask, ids, aggregation)
+    parts = [
+        policy_loss(lp[s], old[s], adv[s], mask[s], ids[s], config=cfg, normalizers=norms).loss
+        for s in (slice(0, 2), slice(2, 5), slice(5, 6))
+    ]
+    assert sum(p.item() for p in parts) == pytest.approx(full.item(), abs=1e-6)
+
+
+def test_bad_config_names_the_key():
+    with pytest.raises(ConfigError, match="algo.aggregation"):
+        AlgoConfig(aggregation="sum").validate()
+    with pytest.raises(ConfigError, match="algo.kl_estimator"):
+        AlgoConfig(kl_estimator="k4").resolved()
+    with pytest.raises(ConfigError, match="algo.name"):
+        AlgoConfig(name="ppo").validate()
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="adapter_ids"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), torch.tensor([0]))
