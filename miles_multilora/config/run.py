@@ -62,7 +62,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    world_size: int = 1  # trainer ranks (Ray actors); TP*PP must divide it
+    world_size: int = 1  # trainer ranks (Ray actors); equals model.tp * model.pp
     micro_batch_size: int = 8  # sequences per forward/backward micro-batch
     seed: int = 0
     output_dir: str = "runs/default"
@@ -124,10 +124,11 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     t = cfg.trainer
     _check(t.world_size >= 1, "trainer.world_size", "must be >= 1")
     _check(
-        t.world_size % (m.tp * m.pp) == 0,
+        t.world_size == m.tp * m.pp,
         "trainer.world_size",
-        f"must be a multiple of model.tp * model.pp = {m.tp * m.pp}",
+        f"must equal model.tp * model.pp = {m.tp * m.pp} (data parallelism is not supported yet)",
     )
+    _check(m.pp == 1, "model.pp", "pipeline parallelism is not supported by the trainer yet; use model.pp=1")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
     _check(

@@ -28,7 +28,7 @@ from miles_multilora.data.records import PromptItem
 from miles_multilora.lora import apply_multi_lora, clear_slot, export_slot, init_slot
 from miles_multilora.models import compat, provider
 from miles_multilora.optim import SlotAdamW
-from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult
+from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutEngine
 from miles_multilora.rollout.logprobs import right_pad, sequence_logprobs
 from miles_multilora.trainer import checkpoint as ckpt
 from miles_multilora.trainer.tokenizer import encode_prompt, load_tokenizer
@@ -113,20 +113,26 @@ class TrainerWorker:
             max_rank=cfg.lora.max_rank,
         )
         self.optimizer = SlotAdamW(self.model)
-        from miles_multilora.rollout.embedded import EmbeddedEngine
-
         eos = getattr(self.tokenizer, "eos_token_id", None)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else 0)
-        self.engine = EmbeddedEngine(
-            self.model,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            tokenizer=self.tokenizer,
-            eos_token_ids=eos,
-            max_batch_size=cfg.rollout.max_batch_size,
-            pad_id=self.pad_id,
-        )
+        self.engine: RolloutEngine
+        if cfg.rollout.engine == "sglang":
+            from miles_multilora.rollout.sglang_engine import SGLangEngine
+
+            self.engine = SGLangEngine([u.strip() for u in str(cfg.rollout.sglang_url).split(",")])
+        else:
+            from miles_multilora.rollout.embedded import EmbeddedEngine
+
+            self.engine = EmbeddedEngine(
+                self.model,
+                vocab_size=self.vocab_size,
+                max_seq_len=self.max_seq_len,
+                tokenizer=self.tokenizer,
+                eos_token_ids=eos,
+                max_batch_size=cfg.rollout.max_batch_size,
+                pad_id=self.pad_id,
+            )
         self.data = MultiLoRADataSource(tokenizer=self.tokenizer, seed=cfg.trainer.seed)
         self.rewards = RewardManager()
         self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
@@ -180,7 +186,27 @@ class TrainerWorker:
             step = int(state["step"])
         self.resident[spec.name] = assignment
         self.steps[spec.name] = step
-        self.engine.update_adapters({spec.name: AdapterVersion(assignment.slot, step)})
+        self.sync_adapters([spec.name])
+
+    def sync_adapters(self, names: list[str]) -> None:
+        """Push the current version of ``names`` to the rollout engine.
+
+        The embedded engine serves the trainer's own weights: only the version tag changes. A remote
+        engine (SGLang) gets each changed adapter as a PEFT dir exported for that version.
+        """
+        changed = {}
+        for name in names:
+            slot, version = self.resident[name].slot, self.steps[name]
+            path = None
+            if self.cfg.rollout.engine != "embedded":
+                out = self.output_dir / "sync" / name / f"v{version:06d}"
+                export_slot(self.model, slot, out, self.hf_config, write=self._is_writer())
+                if self.world_size > 1:
+                    dist.barrier()
+                path = str(out.resolve())
+            changed[name] = AdapterVersion(slot, version, path)
+        if changed:
+            self.engine.update_adapters(changed)
 
     # ----------------------------------------------------------------- rollout + rewards
     def _requests(self, name: str, items: list[PromptItem]) -> list[Group]:
@@ -442,8 +468,7 @@ class TrainerWorker:
         for name in train_metrics:
             if not train_metrics[name].get("skipped"):
                 self.steps[name] += 1
-        changed = {n: AdapterVersion(self.resident[n].slot, self.steps[n]) for n in train_metrics}
-        self.engine.update_adapters(changed)  # embedded engine: same weights, new version tag
+        self.sync_adapters(list(train_metrics))  # only adapters that changed
         t4 = time.perf_counter()
         n_tokens = sum(len(r.output_ids) for g in groups for r in g.results)
         for a in running:

@@ -1,0 +1,239 @@
+"""Service mode end to end on the tiny model, as a user runs it: ``start_service.sh`` in its own
+process group, ``submit_schedule.sh`` driving it over HTTP, a SIGKILL of the whole service mid-run,
+a restart on the same output_dir that resumes every unfinished adapter from its checkpoint, and a
+graceful SIGTERM. No Ray process may outlive the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from miles_multilora.controller.client import ControllerClient
+from miles_multilora.controller.errors import ControllerUnavailableError
+from miles_multilora.models.compat import free_port
+from miles_multilora.trainer import checkpoint as ckpt
+from tests.e2e.conftest import REPO_ROOT, toy_adapter
+
+SCRIPTS = REPO_ROOT / "examples" / "multi_lora"
+STEPS = {"a": 10, "b": 10, "c": 6}
+
+
+def _write_specs(spec_dir: Path) -> Path:
+    """Adapter specs a/b/c (checkpoint every 2 steps) and the schedule driving them."""
+    spec_dir.mkdir()
+    for name in STEPS:
+        spec = toy_adapter(
+            name, "fraction_of_letter_a", steps=STEPS[name], save_interval=2, sampling={"max_new_tokens": 8}
+        )
+        (spec_dir / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    schedule = {
+        "events": [
+            {"at": 0, "submit": "a.yaml"},
+            {"at": 0, "submit": "b.yaml"},
+            {"at": 0, "submit": "c.yaml"},  # 2 slots: waits PENDING until b's slot frees up
+            {"when": {"adapter": "b", "step": 2}, "cancel": "b"},
+        ]
+    }
+    path = spec_dir / "schedule.yaml"
+    path.write_text(yaml.safe_dump(schedule))
+    return path
+
+
+def _env(ray_tmp: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        MILES_RAY_TMPDIR=ray_tmp,
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="disabled",
+        PYTHONPATH=str(REPO_ROOT),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _start_service(out: Path, port: int, ray_tmp: str, log: Path) -> subprocess.Popen:
+    overrides = [
+        "model.source=tiny",
+        "lora.num_slots=2",
+        "lora.max_rank=8",
+        f"trainer.output_dir={out}",
+        f"controller.port={port}",
+        "controller.idle_sleep_s=0.3",
+        "logging.wandb_mode=disabled",
+        "logging.console=false",
+        "logging.plot=false",
+    ]
+    with log.open("a") as fh:
+        return subprocess.Popen(
+            ["bash", str(SCRIPTS / "start_service.sh"), *overrides],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=_env(ray_tmp),
+            start_new_session=True,  # its own process group: Ray's processes included
+        )
+
+
+def _ray_pids(ray_tmp: str) -> list[int]:
+    """Processes whose command line names this test's Ray temp dir (raylet, gcs, workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if ray_tmp in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _ray_gone(ray_tmp: str, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _ray_pids(ray_tmp):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _wait_for(
+    what: str, pred: Callable[[], Any], timeout_s: float, service: subprocess.Popen, log: Path
+) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = pred()
+        except ControllerUnavailableError:
+            value = None
+        if value:
+            return value
+        if service.poll() is not None:
+            pytest.fail(
+                f"service exited ({service.returncode}) while waiting for {what}:\n{log.read_text()[-4000:]}"
+            )
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
+
+
+def _records(client: ControllerClient) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in client.list()}
+
+
+def _checkpoint_steps(out: Path, name: str) -> list[int]:
+    return [int(ckpt.read_state(p)["step"]) for p in ckpt.complete_checkpoints(out, name)]
+
+
+def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    log = tmp_path / "service.log"
+    runner_log = tmp_path / "schedule.log"
+    schedule = _write_specs(tmp_path / "specs")
+    ray_tmp = tempfile.mkdtemp(prefix="ray_svc_", dir="/tmp")  # short: Ray's socket paths are limited
+    port = free_port()
+    client = ControllerClient(f"http://127.0.0.1:{port}")
+    service = _start_service(out, port, ray_tmp, log)
+    runner = None
+    try:
+        with runner_log.open("w") as fh:
+            runner = subprocess.Popen(
+                ["bash", str(SCRIPTS / "submit_schedule.sh"), str(schedule), "--state-dir", str(out / "controller"),
+                 "--wait", "--poll", "0.3", "--timeout", "400"],
+                stdout=fh, stderr=subprocess.STDOUT, env={**_env(ray_tmp), "COLUMNS": "200"},
+            )  # fmt: skip
+
+        # Phase 1: a and b run, c waits PENDING; b is cancelled at step 2 and c takes its slot.
+        def c_checkpointed() -> dict[str, dict[str, Any]] | None:
+            recs = _records(client)
+            c = recs.get("c")
+            if c and c["state"] == "RUNNING" and (c["checkpoint_step"] or 0) >= 2:
+                return recs
+            return None
+
+        seen_pending = _wait_for(
+            "c to wait PENDING",
+            lambda: _records(client).get("c", {}).get("state") == "PENDING",
+            120,
+            service,
+            log,
+        )
+        assert seen_pending
+        before = _wait_for("c to checkpoint step 2", c_checkpointed, 240, service, log)
+        _kill_group(service)  # crash: the whole process group, mid-run
+        assert before["b"]["state"] == "CANCELLED" and before["b"]["step"] >= 2
+        assert before["a"]["state"] == "RUNNING", "a must still be training when the service is killed"
+        assert _ray_gone(ray_tmp), f"Ray outlived the killed service: {_ray_pids(ray_tmp)}"
+        killed_at = time.time()
+        resume_from = {n: before[n]["checkpoint_step"] for n in ("a", "c")}
+        assert all(step >= 2 for step in resume_from.values()), resume_from
+        for name in ("a", "c"):  # the last complete checkpoint on disk is the controller's resume point
+            assert _checkpoint_steps(out, name)[-1] >= resume_from[name]
+
+        # Phase 2: restart on the same output_dir: a and c resume without being resubmitted.
+        service = _start_service(out, port, ray_tmp, log)
+        _wait_for("the restarted controller", lambda: client.health()["status"] == "ok", 120, service, log)
+        _wait_for(
+            "every adapter to end",
+            lambda: all(r["state"] in ("DONE", "CANCELLED") for r in _records(client).values()),
+            300,
+            service,
+            log,
+        )
+        final = _records(client)
+        assert {n: r["state"] for n, r in final.items()} == {"a": "DONE", "b": "CANCELLED", "c": "DONE"}
+        for name in ("a", "b", "c"):
+            assert final[name]["run_id"] == before[name]["run_id"], "no adapter was registered again"
+        for name in ("a", "c"):
+            assert final[name]["step"] == STEPS[name]
+            resumed = [m["step"] for m in final[name]["metrics"] if m["time"] > killed_at]
+            # the first step after the restart continues from the checkpoint, not from 0
+            assert resumed[0] == resume_from[name] + 1, (name, resumed, resume_from)
+            assert sorted(set(resumed)) == list(range(resume_from[name] + 1, STEPS[name] + 1))
+            assert _checkpoint_steps(out, name)[-1] == STEPS[name]
+            assert final[name]["last_checkpoint"].endswith(ckpt.step_name(STEPS[name]))
+        assert _checkpoint_steps(out, "b")[-1] == final["b"]["step"]  # drained: final checkpoint at cancel
+
+        # The schedule runner rode out the crash and saw every adapter end.
+        assert runner.wait(timeout=60) == 0, runner_log.read_text()
+        timeline = runner_log.read_text()
+        assert "c: PENDING" in timeline and "cancel b" in timeline and "controller unreachable" in timeline
+        assert "finished: a=DONE@10, b=CANCELLED" in timeline and "c=DONE@6" in timeline
+
+        # Graceful stop: SIGTERM ends the idle service cleanly, and its Ray goes with it.
+        service.send_signal(signal.SIGTERM)
+        assert service.wait(timeout=90) == 0, log.read_text()[-4000:]
+        assert "service stopped" in log.read_text()
+        assert _ray_gone(ray_tmp), f"Ray outlived the stopped service: {_ray_pids(ray_tmp)}"
+    finally:
+        if runner is not None and runner.poll() is None:
+            runner.kill()
+            runner.wait()
+        if service.poll() is None:
+            _kill_group(service)
+        leftover = [] if _ray_gone(ray_tmp) else _ray_pids(ray_tmp)
+        for pid in leftover:  # only processes of this test's own Ray
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not leftover, f"Ray processes left behind: {leftover}"
