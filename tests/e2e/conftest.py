@@ -1,0 +1,99 @@
+"""Shared helpers for the tiny-model training tests: adapter specs, run configs, Ray teardown."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from miles_multilora.config.run import RunConfig, config_from_container
+from miles_multilora.trainer import checkpoint as ckpt
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOY_PROMPTS = str(REPO_ROOT / "tests" / "e2e" / "data" / "toy_prompts.jsonl")
+REWARDS = "tests.e2e.toy_rewards"
+
+# Ray workers import the custom rewards (tests.e2e.toy_rewards) by module path.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
+def toy_adapter(name: str, reward: str, *, steps: int, batched: bool = False, **overrides: Any) -> dict:
+    """An inline adapter spec on the toy prompts with a custom reward of :mod:`toy_rewards`."""
+    spec: dict[str, Any] = {
+        "name": name,
+        "rank": 4,
+        "alpha": 8,
+        "optimizer": {"lr": 3e-2, "clip_grad": 1.0},
+        "dataset": {"path": TOY_PROMPTS, "seed": 0},
+        "prompt": {"template": "{question}:", "use_chat_template": False},
+        "reward": {"type": f"{REWARDS}:{reward}", "batched": batched},
+        "n_samples_per_prompt": 4,
+        "prompts_per_step": 2,
+        "num_steps": steps,
+        "sampling": {"temperature": 1.0, "max_new_tokens": 12},
+        "save_interval": 0,
+        "seed": 1,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+def tiny_run_config(output_dir: str | Path, adapters: list[dict], **sections: dict[str, Any]) -> RunConfig:
+    """A validated run config for the tiny model; ``sections`` update e.g. ``trainer={...}``."""
+    data: dict[str, Any] = {
+        "model": {"source": "tiny"},
+        "lora": {"num_slots": max(2, len(adapters)), "max_rank": 8},
+        "trainer": {"output_dir": str(output_dir), "micro_batch_size": 8, "seed": 0},
+        "logging": {"wandb_mode": "disabled", "console": False, "plot": False},
+        "adapters": adapters,
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return config_from_container(data)
+
+
+def final_checkpoint(output_dir: str | Path, adapter: str) -> Path:
+    """The newest complete checkpoint of ``adapter``."""
+    found = ckpt.complete_checkpoints(output_dir, adapter)
+    assert found, f"no complete checkpoint of {adapter} under {output_dir}"
+    return found[-1]
+
+
+def checkpoint_tensors(path: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Slot tensors of one rank's shard plus the exported PEFT adapter tensors (prefixed ``peft/``)."""
+    tensors = dict(ckpt.read_rank_shard(path, rank)["slot"])
+    for key, value in load_file(str(path / "adapter" / "adapter_model.safetensors")).items():
+        tensors[f"peft/{key}"] = value
+    return tensors
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].numel())
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """Ray is started by the first run of a module and shut down after the module."""
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def optimizer_tensors(path: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    """The Adam moments of one rank's shard, plus its step counter as a tensor."""
+    state = ckpt.read_rank_shard(path, rank)["optimizer"]
+    out = {f"{part}/{name}": t for part in ("exp_avg", "exp_avg_sq") for name, t in state[part].items()}
+    out["step"] = torch.tensor(float(state["step"]))
+    return out
