@@ -68,7 +68,7 @@ class TrainerConfig:
     output_dir: str = "runs/default"
     resume: bool = False
     keep_checkpoints: int = 2  # per adapter; older complete checkpoints are deleted
-    max_steps: int | None = None  # global cap on training steps (None: until every adapter is done)
+    max_steps: int | None = None  # stop after this many steps of this invocation (None: when all are done)
 
 
 @dataclass
@@ -181,7 +181,9 @@ def load_run_config(
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             composed = compose(config_name=config_name, overrides=list(overrides or []))
     except HydraException as exc:
-        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip() and "full_key" not in line)
+        detail = " ".join(
+            line.strip() for line in str(exc).splitlines() if line.strip() and "full_key" not in line
+        )
         raise ConfigError("override", detail) from exc
     finally:
         GlobalHydra.instance().clear()

@@ -41,9 +41,10 @@ def run_loop(
     max_steps: int | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    start_step: int = 0,
 ) -> int:
     """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run."""
-    global_step = 0
+    global_step = start_step  # a resumed run continues the global step count of its metrics
     while not (should_stop and should_stop()):
         snapshot = ray.get(controller.snapshot.remote())
         if not snapshot.adapters and not snapshot.slots_to_clear:
@@ -64,9 +65,9 @@ def run_loop(
             global_step += 1
         if on_step is not None:
             on_step(global_step, out)
-        if max_steps is not None and global_step >= max_steps:
+        if max_steps is not None and global_step - start_step >= max_steps:
             break
-    return global_step
+    return global_step - start_step
 
 
 def _progress(controller: Any) -> tuple[int, int]:

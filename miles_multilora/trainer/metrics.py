@@ -101,7 +101,13 @@ class MetricsLogger:
     def _table(
         self, global_step: int, per_adapter: dict[str, dict[str, Any]], step_info: dict[str, float]
     ) -> Table:
-        timing = "  ".join(f"{k}={v:.1f}s" for k, v in step_info.items() if k.endswith("_s"))
+        timing = "  ".join(
+            f"{k.removesuffix('_s')}={v:.1f}s"
+            for k, v in step_info.items()
+            if k.endswith("_s") and k != "tokens_per_s"
+        )
+        if "tokens_per_s" in step_info:
+            timing += f"  tokens/s={step_info['tokens_per_s']:.1f}"
         table = Table(title=f"step {global_step}   {timing}", title_justify="left")
         table.add_column("adapter")
         for col in CONSOLE_COLUMNS:
@@ -124,6 +130,12 @@ def _fmt(value: Any) -> str:
             return "nan"
         return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.3e}"
     return str(value)
+
+
+def next_global_step(jsonl_path: str | Path) -> int:
+    """The global step after the last one logged in ``jsonl_path`` (0 for a new run)."""
+    rows = read_metrics(jsonl_path)
+    return max((int(r.get("global_step", -1)) for r in rows), default=-1) + 1
 
 
 def read_metrics(jsonl_path: str | Path) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from miles_multilora.controller.persistence import state_path
 from miles_multilora.errors import ConfigError
 from miles_multilora.trainer.cluster import start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
-from miles_multilora.trainer.metrics import MetricsLogger, plot_rewards
+from miles_multilora.trainer.metrics import MetricsLogger, next_global_step, plot_rewards
 
 
 def controller_state_dir(cfg: RunConfig) -> Path:
@@ -67,7 +67,14 @@ def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, di
     console.print(f"trainer ready in {time.perf_counter() - t0:.1f}s")
     logger = MetricsLogger(cfg.logging, output_dir, run_name=output_dir.name, console=console)
     try:
-        steps = run_loop(controller, workers, logger, stop_when_idle=True, max_steps=cfg.trainer.max_steps)
+        steps = run_loop(
+            controller,
+            workers,
+            logger,
+            stop_when_idle=True,
+            max_steps=cfg.trainer.max_steps,
+            start_step=next_global_step(logger.jsonl_path),
+        )
     finally:
         logger.finish()
     records = {r["name"]: r for r in ray.get(controller.list.remote())}

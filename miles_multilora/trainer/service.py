@@ -31,7 +31,7 @@ from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
 from miles_multilora.errors import ConfigError
 from miles_multilora.trainer.cluster import start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
-from miles_multilora.trainer.metrics import MetricsLogger
+from miles_multilora.trainer.metrics import MetricsLogger, next_global_step
 from miles_multilora.trainer.run import controller_state_dir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -203,6 +203,7 @@ def run_service(
             stop_when_idle=False,
             idle_sleep_s=cfg.controller.idle_sleep_s,
             should_stop=stopping,
+            start_step=next_global_step(logger.jsonl_path),
         )
         console.print(f"stopping after {steps} steps ({stop.signal_name or 'stop requested'})")
         _checkpoint_moved_adapters(controller, workers, console)
