@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ CONSOLE_COLUMNS = (
 )
 
 
+def make_console() -> Console:
+    """A rich console; 120 columns when writing to a file or CI log instead of a terminal."""
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -41,7 +47,7 @@ class MetricsLogger:
         self.cfg = cfg
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.console = console or Console()
+        self.console = console or make_console()
         self.jsonl_path = self.output_dir / "metrics.jsonl"
         self._wandb = None
         if cfg.wandb_mode != "disabled":
@@ -109,7 +115,7 @@ class MetricsLogger:
         if "tokens_per_s" in step_info:
             timing += f"  tokens/s={step_info['tokens_per_s']:.1f}"
         table = Table(title=f"step {global_step}   {timing}", title_justify="left")
-        table.add_column("adapter")
+        table.add_column("adapter", no_wrap=True)
         for col in CONSOLE_COLUMNS:
             table.add_column(col, justify="right")
         for adapter, m in per_adapter.items():

@@ -13,7 +13,7 @@ from miles_multilora.controller.persistence import state_path
 from miles_multilora.errors import ConfigError
 from miles_multilora.trainer.cluster import start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
-from miles_multilora.trainer.metrics import MetricsLogger, next_global_step, plot_rewards
+from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step, plot_rewards
 
 
 def controller_state_dir(cfg: RunConfig) -> Path:
@@ -22,7 +22,7 @@ def controller_state_dir(cfg: RunConfig) -> Path:
 
 def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, dict]:
     """Train ``cfg.adapters`` together; returns the controller's final record of each adapter."""
-    console = console or Console()
+    console = console or make_console()
     specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
     if not specs:
         raise ConfigError("adapters", "no adapters to train: list spec files or inline specs under adapters")

@@ -31,7 +31,7 @@ from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
 from miles_multilora.errors import ConfigError
 from miles_multilora.trainer.cluster import start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
-from miles_multilora.trainer.metrics import MetricsLogger, next_global_step
+from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step
 from miles_multilora.trainer.run import controller_state_dir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -148,7 +148,7 @@ def run_service(
     cfg: RunConfig, console: Console | None = None, should_stop: Callable[[], bool] | None = None
 ) -> int:
     """Serve until SIGINT/SIGTERM (or ``should_stop()``); returns the number of training steps run."""
-    console = console or Console()
+    console = console or make_console()
     specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
     from miles_multilora.data.validation import validate_adapter_resources
 

@@ -1,0 +1,22 @@
+"""Resident multi-slot LoRA: layers, routing, injection, slot lifecycle and PEFT I/O."""
+
+from miles_multilora.lora.inject import ALL_LINEAR, apply_multi_lora, multi_lora_layers
+from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.lora.routing import RoutingPlan, build_routing_plan, set_token_slots, token_slots
+from miles_multilora.lora.slots import clear_slot, export_slot, init_slot, load_slot, slot_rank
+
+__all__ = [
+    "ALL_LINEAR",
+    "MultiLoRALinear",
+    "RoutingPlan",
+    "apply_multi_lora",
+    "build_routing_plan",
+    "clear_slot",
+    "export_slot",
+    "init_slot",
+    "load_slot",
+    "multi_lora_layers",
+    "set_token_slots",
+    "slot_rank",
+    "token_slots",
+]

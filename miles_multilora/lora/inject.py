@@ -1,0 +1,84 @@
+"""Inject MultiLoRA layers into a Megatron ``GPTModel`` (or any module tree)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch import nn
+
+from miles_multilora.errors import ConfigError
+from miles_multilora.lora.layer import MultiLoRALinear
+
+ALL_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+KNOWN_TARGETS = (*ALL_LINEAR, "output_layer")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(target_modules, str):
+        if target_modules != "all-linear":
+            raise ConfigError(
+                "target_modules", f"must be 'all-linear' or a list of {KNOWN_TARGETS}, got {target_modules!r}"
+            )
+        return ALL_LINEAR
+    targets = tuple(target_modules)
+    unknown = [t for t in targets if t not in KNOWN_TARGETS]
+    if unknown or not targets:
+        raise ConfigError("target_modules", f"unknown {unknown or 'empty list'}: choose from {KNOWN_TARGETS}")
+    return targets
+
+
+def _stable_key(name: str, module: nn.Module, layer_offset: int) -> str:
+    """``layers.{global index}.{leaf}`` for transformer layers (PP-stable), else the module path."""
+    leaf = name.rsplit(".", 1)[-1]
+    match = _LAYER_INDEX.search(name + ".")
+    if match is None:
+        return leaf
+    return f"layers.{int(match.group(1)) + layer_offset}.{leaf}"
+
+
+def _layer_offset(model: nn.Module) -> int:
+    decoder = getattr(model, "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is not None and len(layers) and hasattr(layers[0], "layer_number"):
+        return int(layers[0].layer_number) - 1  # Megatron's layer_number is global and 1-based
+    return 0
+
+
+def apply_multi_lora(
+    model: nn.Module,
+    target_modules: str | Sequence[str] = "all-linear",
+    num_slots: int = 8,
+    max_rank: int = 16,
+) -> list[MultiLoRALinear]:
+    """Replace the targeted linear layers with :class:`MultiLoRALinear` and freeze every base param.
+
+    ``target_modules``: ``"all-linear"`` (qkv, proj, fc1, fc2) or a list of those names, plus
+    ``"output_layer"`` to adapt the LM head. Returns the new layers in module order.
+    """
+    targets = _resolve_targets(target_modules)
+    if any(isinstance(m, MultiLoRALinear) for m in model.modules()):
+        raise ConfigError("model", "already has MultiLoRA layers (apply_multi_lora was called twice)")
+    offset = _layer_offset(model)
+    found = [(name, mod) for name, mod in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
+    if not found:
+        raise ConfigError("target_modules", f"none of {targets} exist in {type(model).__name__}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layers = []
+    for name, base in found:
+        layer = MultiLoRALinear(base, num_slots, max_rank, key=_stable_key(name, base, offset))
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, layer)
+        layers.append(layer)
+    return layers
+
+
+def multi_lora_layers(model: nn.Module) -> list[MultiLoRALinear]:
+    """The model's MultiLoRA layers in module order (raises if there are none)."""
+    layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
+    if not layers:
+        raise ConfigError("model", "has no MultiLoRA layers: call apply_multi_lora(model, ...) first")
+    return layers

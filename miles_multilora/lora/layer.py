@@ -1,0 +1,203 @@
+"""MultiLoRALinear: N LoRA slots resident next to one frozen base linear layer.
+
+``lora_A`` is ``[N, R, in]`` and ``lora_B`` is ``[N, out, R]`` (stacked once, never re-stacked).
+Slot ``s`` has its own rank ``r_s <= R`` (rows/columns past ``r_s`` stay zero, so they also get a
+zero gradient) and scale ``alpha_s / r_s`` kept in fp32. Each token is routed by the model-wide
+:class:`~miles_multilora.lora.routing.RoutingPlan`: ``y = base(x) + scale_s * B_s A_s x``.
+
+Tensor parallelism follows the base layer: column-parallel shards ``B``'s out dim (``A``
+replicated), row-parallel shards ``A``'s in dim (``B`` replicated). Per layer there is one TP
+collective on the rank-R intermediate for all slots: column-parallel all-reduces its gradient in
+backward, row-parallel all-reduces it in forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from miles_multilora.errors import ConfigError
+from miles_multilora.lora.kernels import add_rows_, gather_rows, segmented_matmul
+from miles_multilora.lora.routing import RoutingPlan
+
+PLAIN, COLUMN, ROW = "plain", "column", "row"
+
+
+def _base_kind(base: nn.Module) -> str:
+    if isinstance(base, nn.Linear):
+        return PLAIN
+    try:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    except ImportError:  # megatron-core is optional for plain torch use
+        ColumnParallelLinear = RowParallelLinear = ()  # type: ignore[assignment,misc]
+    if ColumnParallelLinear and isinstance(base, ColumnParallelLinear):
+        return COLUMN
+    if RowParallelLinear and isinstance(base, RowParallelLinear):
+        return ROW
+    raise ConfigError(
+        "target_modules",
+        f"{type(base).__name__} is not supported: MultiLoRA wraps torch.nn.Linear and Megatron "
+        "ColumnParallelLinear/RowParallelLinear (use the local layer spec, not Transformer Engine)",
+    )
+
+
+class MultiLoRALinear(nn.Module):
+    """Wrap ``base`` (frozen) with ``num_slots`` LoRA slots of rank at most ``max_rank``.
+
+    ``key`` names the layer stably across ranks (used for seeding and export). ``batch_first``
+    applies to plain ``nn.Linear`` inputs only (Megatron layers are always sequence-first).
+    """
+
+    def __init__(
+        self, base: nn.Module, num_slots: int, max_rank: int, key: str = "", batch_first: bool = False
+    ) -> None:
+        super().__init__()
+        if num_slots < 1:
+            raise ConfigError("num_slots", f"must be >= 1, got {num_slots}")
+        if max_rank < 1:
+            raise ConfigError("max_rank", f"must be >= 1, got {max_rank}")
+        self.kind = _base_kind(base)
+        self.base = base
+        self.key = key
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.batch_first = batch_first and self.kind == PLAIN
+        self.tp_group = None
+        self.tp_size, self.tp_rank = 1, 0
+        weight = base.weight
+        if weight is None:
+            raise ConfigError(
+                "target_modules",
+                f"{key}: the base layer has no own weight (tied embeddings?); drop it from the targets",
+            )
+        out_local, in_local = weight.shape
+        self.in_features, self.out_features = in_local, out_local  # this rank's shard
+        self.full_in_features, self.full_out_features = in_local, out_local
+        if self.kind != PLAIN:
+            self._init_tp(base)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        dev, dtype = weight.device, weight.dtype
+        self.lora_A = nn.Parameter(torch.zeros(num_slots, max_rank, in_local, device=dev, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank, device=dev, dtype=dtype))
+        # Which stacked dim (if any) is sharded across TP ranks; the optimizer's norm reads this.
+        self.lora_A.tp_sharded = self.kind == ROW and self.tp_size > 1  # type: ignore[attr-defined]
+        self.lora_B.tp_sharded = self.kind == COLUMN and self.tp_size > 1  # type: ignore[attr-defined]
+        self.slot_rank = [0] * num_slots  # effective rank of each slot in this layer
+        self.slot_scale = [0.0] * num_slots  # alpha / rank, exact (Python float)
+        self.register_buffer(
+            "lora_scale", torch.zeros(num_slots, dtype=torch.float32, device=dev), persistent=False
+        )
+        self.routing: RoutingPlan | None = None
+
+    def _init_tp(self, base: nn.Module) -> None:
+        if getattr(base.config, "sequence_parallel", False) and getattr(base, "sequence_parallel", False):
+            raise ConfigError(
+                "sequence_parallel", "MultiLoRA does not support Megatron sequence parallelism yet"
+            )
+        if self.kind == COLUMN and getattr(base, "gather_output", False):
+            raise ConfigError(
+                "target_modules", f"{self.key}: column-parallel layers with gather_output are not supported"
+            )
+        if self.kind == ROW and not getattr(base, "input_is_parallel", True):
+            raise ConfigError(
+                "target_modules", f"{self.key}: row-parallel layers need input_is_parallel=True"
+            )
+        from megatron.core import parallel_state
+
+        group = getattr(base, "tp_group", None)
+        if group is None and parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_group = group
+        if group is not None and torch.distributed.is_initialized():
+            self.tp_size = torch.distributed.get_world_size(group)
+            self.tp_rank = torch.distributed.get_rank(group)
+        if self.kind == COLUMN:
+            self.full_out_features = self.out_features * self.tp_size
+        else:
+            self.full_in_features = self.in_features * self.tp_size
+
+    # ----- slot bookkeeping (used by miles_multilora.lora.slots) -----
+    def set_slot_scale(self, slot: int, rank: int, scale: float) -> None:
+        """Record slot ``slot``'s effective rank and exact scale in this layer."""
+        self.slot_rank[slot] = rank
+        self.slot_scale[slot] = float(scale)
+        with torch.no_grad():
+            self.lora_scale[slot] = float(scale)  # rounded once to fp32, as PEFT's fp32 multiply does
+
+    def _apply(self, fn, recurse=True):  # keep the scales fp32 whatever dtype the model is cast to
+        super()._apply(fn, recurse)
+        self.lora_scale = torch.tensor(self.slot_scale, dtype=torch.float32, device=self.lora_A.device)
+        return self
+
+    # ----- forward -----
+    def _lora_delta(self, x2d: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        """LoRA output for the routed tokens, in the plan's grouped order: [num_routed, out_local]."""
+        xs = gather_rows(x2d, plan.token_order(self.batch_first))
+        h = self._tp_h(segmented_matmul(xs, self.lora_A, plan))  # [Tr, R]; partial sum when row-parallel
+        scale = self.lora_scale.index_select(0, plan.sorted_slots).unsqueeze(1)
+        h = (h.float() * scale).to(h.dtype)
+        return segmented_matmul(h, self.lora_B, plan)
+
+    def _tp_h(self, h: torch.Tensor) -> torch.Tensor:
+        """The one TP collective of the layer, on the rank-R intermediate."""
+        if self.tp_size > 1:
+            from megatron.core.tensor_parallel import mappings
+
+            if self.kind == ROW:
+                return mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+            return mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        return h
+
+    def _add_lora_per_sequence(self, x: torch.Tensor, out: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        """Every sequence has one slot: gather the (small) A/B of each sequence and run batched GEMMs
+        on strided [batch, seq, features] views of x and out: no activation row gather or scatter."""
+        assert plan.seq_slots is not None
+        slots = plan.seq_slots.clamp(min=0)
+        xb = x if self.batch_first else x.transpose(0, 1)  # [B, S, in_local]
+        a = self.lora_A.index_select(0, slots)  # [B, R, in_local]
+        h = self._tp_h(torch.bmm(xb, a.transpose(1, 2)))  # [B, S, R]
+        scale = self.lora_scale.index_select(0, slots) * (plan.seq_slots >= 0)  # slot -1 adds exactly 0
+        h = (h.float() * scale.view(-1, 1, 1)).to(h.dtype)
+        b = self.lora_B.index_select(0, slots)  # [B, out_local, R]
+        delta = torch.bmm(h, b.transpose(1, 2)).to(out.dtype)  # [B, S, out_local]
+        return out + (delta if self.batch_first else delta.transpose(0, 1))
+
+    def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        plan = self.routing
+        if plan is None:
+            raise RuntimeError(
+                f"MultiLoRA layer {self.key or type(self.base).__name__} has no token routing: call "
+                "set_token_slots(model, slot_ids) (slot -1 = base only) before the forward"
+            )
+        tokens = x.numel() // x.shape[-1]
+        if tokens != plan.num_tokens:
+            raise ConfigError(
+                "slot_ids",
+                f"routes {plan.num_tokens} tokens ([batch={plan.batch}, seq={plan.seq}]) but layer "
+                f"{self.key or ''} got {tokens}: pass slot_ids shaped like input_ids [batch, seq]",
+            )
+        if plan.num_routed == 0:
+            return out
+        expected = (plan.batch, plan.seq) if self.batch_first else (plan.seq, plan.batch)
+        if plan.seq_slots is not None and x.dim() == 3 and tuple(x.shape[:2]) == expected:
+            return self._add_lora_per_sequence(x, out, plan)
+        delta = self._lora_delta(x.reshape(tokens, x.shape[-1]), plan)
+        index, delta = plan.token_order(self.batch_first), delta.to(out.dtype)
+        if out._base is None and out.is_contiguous():
+            # In place on the base output: a fresh tensor that no backward needs (autograd checks it).
+            return add_rows_(out, index, delta)
+        # A view (e.g. returned as-is by a custom Function) must not be modified in place.
+        return out.reshape(tokens, out.shape[-1]).index_add(0, index, delta).view(out.shape)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        if self.kind == PLAIN:
+            return self._add_lora(x, self.base(x))
+        out, bias = self.base(x, *args, **kwargs)
+        return self._add_lora(x, out), bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"key={self.key!r}, kind={self.kind}, slots={self.num_slots}, max_rank={self.max_rank}, "
+            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}"
+        )

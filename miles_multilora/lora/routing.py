@@ -1,0 +1,147 @@
+"""Per-token slot routing: one plan per micro-batch, shared by every MultiLoRA layer of a model.
+
+``slot_ids`` come batch-first (``[batch, seq]``, like ``input_ids``); Megatron hidden states are
+sequence-first, so the plan flattens tokens in ``[seq, batch]`` order. The plan holds the sort
+permutation that groups routed tokens by slot and the per-slot segment counts (read to the host
+once per micro-batch, never per layer). Slot ``-1`` means "base model only".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from miles_multilora.errors import ConfigError
+
+
+@dataclass
+class RoutingPlan:
+    """Where each token goes. Built once per micro-batch by :func:`build_routing_plan`."""
+
+    num_slots: int
+    batch: int
+    seq: int
+    order: torch.Tensor  # [num_routed] long: token indices (seq-first flat order), grouped by slot
+    sorted_slots: torch.Tensor  # [num_routed] long: the slot of each grouped token
+    counts: tuple[int, ...]  # [num_slots] tokens per slot (host)
+    offsets: torch.Tensor  # [num_slots] int32 cumulative segment ends (device), for grouped GEMM
+    # [batch] long: set when every sequence's tokens share one slot (training rows, decode steps);
+    # the layers then take the per-sequence path (batched GEMMs on strided views, no row gather).
+    seq_slots: torch.Tensor | None = None
+    _batch_first_order: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def num_routed(self) -> int:
+        return int(self.order.numel())
+
+    @property
+    def active_slots(self) -> list[int]:
+        """Slots that got at least one token in this micro-batch."""
+        return [s for s, c in enumerate(self.counts) if c > 0]
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """``(slot, start, end)`` in the grouped order, for non-empty slots only."""
+        out, start = [], 0
+        for slot, count in enumerate(self.counts):
+            if count:
+                out.append((slot, start, start + count))
+                start += count
+        return out
+
+    def token_order(self, batch_first: bool = False) -> torch.Tensor:
+        """Indices of the routed tokens into a flattened ``[seq, batch]`` (or ``[batch, seq]``) tensor."""
+        if not batch_first:
+            return self.order
+        if self._batch_first_order is None:
+            b = self.order % self.batch
+            s = self.order // self.batch
+            self._batch_first_order = b * self.seq + s
+        return self._batch_first_order
+
+
+def build_routing_plan(slot_ids: torch.Tensor, num_slots: int, per_sequence: bool = True) -> RoutingPlan:
+    """Validate ``slot_ids`` ``[batch, seq]`` and group its tokens by slot (one host sync).
+
+    ``per_sequence``: allow the per-sequence fast path when each sequence has a single slot.
+    """
+    if not isinstance(slot_ids, torch.Tensor) or slot_ids.dim() != 2:
+        shape = tuple(slot_ids.shape) if isinstance(slot_ids, torch.Tensor) else type(slot_ids).__name__
+        raise ConfigError("slot_ids", f"must be a LongTensor [batch, seq] (like input_ids), got {shape}")
+    if slot_ids.dtype not in (torch.int64, torch.int32):
+        raise ConfigError("slot_ids", f"must be an integer tensor, got {slot_ids.dtype}")
+    batch, seq = slot_ids.shape
+    flat = slot_ids.t().reshape(-1).long()
+    n = num_slots
+    if flat.numel() == 0:
+        raise ConfigError("slot_ids", "is empty")
+    lo_hi = torch.stack(torch.aminmax(flat))
+    hist = torch.bincount(flat.clamp(-1, n - 1) + 1, minlength=n + 1)
+    uniform = (slot_ids == slot_ids[:, :1]).all().long().view(1)
+    host = torch.cat([lo_hi, hist, uniform]).tolist()  # the plan's only device->host sync
+    lo, hi, counts, is_uniform = host[0], host[1], host[3:-1], bool(host[-1])
+    if lo < -1 or hi >= n:
+        bad = lo if lo < -1 else hi
+        raise ConfigError("slot_ids", f"slot {bad} is out of range: use -1 (base only) or 0..{n - 1}")
+    num_routed = flat.numel() - host[2]
+    key = torch.where(flat < 0, torch.full_like(flat, n), flat)
+    sorted_key, order = torch.sort(key, stable=True)
+    offsets = (
+        torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(flat.device, non_blocking=True)
+    )
+    return RoutingPlan(
+        num_slots=n,
+        batch=batch,
+        seq=seq,
+        order=order[:num_routed],
+        sorted_slots=sorted_key[:num_routed],
+        counts=tuple(counts),
+        offsets=offsets,
+        seq_slots=slot_ids[:, 0].long() if (per_sequence and is_uniform) else None,
+    )
+
+
+def _routed_layers(model: nn.Module) -> list[nn.Module]:
+    from miles_multilora.lora.layer import MultiLoRALinear
+
+    layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
+    if not layers:
+        raise ConfigError("model", "has no MultiLoRA layers: call apply_multi_lora(model, ...) first")
+    return layers
+
+
+def set_token_slots(model: nn.Module, slot_ids: torch.Tensor | None) -> RoutingPlan | None:
+    """Route the next forward's tokens: ``slot_ids`` ``[batch, seq]``; ``None`` clears the routing."""
+    layers = _routed_layers(model)
+    if slot_ids is None:
+        for layer in layers:
+            layer.routing = None
+        return None
+    num_slots = {layer.num_slots for layer in layers}
+    if len(num_slots) != 1:
+        raise ConfigError("model", f"MultiLoRA layers disagree on num_slots: {sorted(num_slots)}")
+    plan = build_routing_plan(slot_ids, num_slots.pop())
+    for layer in layers:
+        layer.routing = plan
+    return plan
+
+
+@contextmanager
+def token_slots(model: nn.Module, slot_ids: torch.Tensor) -> Iterator[RoutingPlan]:
+    """Context manager form of :func:`set_token_slots`; restores the previous routing on exit."""
+    layers = _routed_layers(model)
+    previous = [layer.routing for layer in layers]
+    plan = set_token_slots(model, slot_ids)
+    try:
+        assert plan is not None
+        yield plan
+    finally:
+        for layer, prev in zip(layers, previous, strict=True):
+            layer.routing = prev

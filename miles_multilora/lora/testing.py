@@ -1,0 +1,113 @@
+"""Test helpers for MultiLoRA (used by this package's tests and by others'): tiny Megatron setup, PEFT references."""
+
+from __future__ import annotations
+
+import torch
+
+from miles_multilora.lora.layer import MultiLoRALinear
+
+
+def megatron_tp1() -> None:
+    """Single-process Megatron (TP=1, PP=1) on CPU."""
+    from miles_multilora.models import compat
+
+    compat.init_distributed(tp=1, pp=1, seed=0)
+
+
+def tiny_config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        params_dtype=torch.float32,
+        add_bias_linear=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def randomize_slots(layer: MultiLoRALinear, ranks: list[int], alphas: list[float], seed: int = 0) -> None:
+    """Random non-zero A and B for each slot, zero beyond its rank (ranks[s] == 0: empty slot)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.lora_A.zero_()
+        layer.lora_B.zero_()
+        for s, (r, alpha) in enumerate(zip(ranks, alphas, strict=True)):
+            if r:
+                layer.lora_A[s, :r] = torch.randn(r, layer.in_features, generator=gen)
+                layer.lora_B[s, :, :r] = torch.randn(layer.out_features, r, generator=gen)
+            layer.set_slot_scale(s, r, alpha / r if r else 0.0)
+
+
+def peft_reference(layer: MultiLoRALinear, base_fn, x: torch.Tensor, slot_ids: torch.Tensor, ranks, alphas):
+    """Independent single-LoRA references: y = base(x) + (alpha/r) * B_r A_r x per token.
+
+    ``x`` is [S, B, in] and ``slot_ids`` [B, S]. Returns (y, x_leaf, {slot: (A_r, B_r)}).
+    """
+    x_ref = x.detach().clone().requires_grad_(True)
+    params = {
+        s: (
+            layer.lora_A[s, :r].detach().clone().requires_grad_(True),
+            layer.lora_B[s, :, :r].detach().clone().requires_grad_(True),
+        )
+        for s, r in enumerate(ranks)
+        if r
+    }
+    y = base_fn(x_ref)
+    rows = []
+    S, B = slot_ids.shape[1], slot_ids.shape[0]
+    for si in range(S):
+        row = []
+        for bi in range(B):
+            s = int(slot_ids[bi, si])
+            tok = x_ref[si, bi]
+            if s >= 0 and ranks[s]:
+                a, b = params[s]
+                row.append((alphas[s] / ranks[s]) * (b @ (a @ tok)))
+            else:
+                row.append(torch.zeros(y.shape[-1]))
+        rows.append(torch.stack(row))
+    return y + torch.stack(rows), x_ref, params
+
+
+def tiny_gpt_with_lora(num_slots: int, max_rank: int, seed: int = 0, **sizes):
+    """A tiny CPU GPTModel (the provider's) with MultiLoRA on all linear layers."""
+    from miles_multilora.lora.inject import apply_multi_lora
+    from miles_multilora.models import compat
+    from miles_multilora.models.provider import build_tiny_gpt
+
+    compat.init_distributed(tp=1, pp=1, seed=0)
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=64,
+        max_seq_len=32,
+    )
+    kwargs.update(sizes)
+    model = build_tiny_gpt(seed=seed, **kwargs)
+    apply_multi_lora(model, "all-linear", num_slots=num_slots, max_rank=max_rank)
+    return model
+
+
+def lm_logits(model, input_ids: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S, V] of a GPTModel with tokens routed by ``slot_ids`` [B, S]."""
+    from miles_multilora.lora.routing import token_slots
+
+    pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with token_slots(model, slot_ids):
+        return model(input_ids, pos, None)
+
+
+def per_row_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean per row: [B]."""
+    lp = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1), reduction="none"
+    )
+    return lp.view(input_ids.shape[0], -1).mean(1)

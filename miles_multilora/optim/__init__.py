@@ -1,0 +1,6 @@
+"""Per-slot optimizer and LR schedules."""
+
+from miles_multilora.optim.schedule import learning_rate
+from miles_multilora.optim.slot_adamw import SlotAdamW, SlotStepStats
+
+__all__ = ["SlotAdamW", "SlotStepStats", "learning_rate"]

@@ -1,0 +1,140 @@
+"""TP=2 equals TP=1 (two gloo processes) on a tiny GPTModel: logits, LoRA grads, norms, one step, export."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+VOCAB, BATCH, SEQ = 64, 4, 6
+SLOT_ROWS = [0, 1, -1, 1]
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _worker(rank: int, world: int, port: int, hf_dir: str, adapter_dir: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from megatron.core.tensor_parallel import mappings
+
+    from miles_multilora.config.adapter import OptimizerSpec
+    from miles_multilora.lora import (
+        apply_multi_lora,
+        export_slot,
+        init_slot,
+        layout,
+        load_slot,
+        multi_lora_layers,
+    )
+    from miles_multilora.lora.testing import lm_logits, per_row_lm_loss
+    from miles_multilora.models import compat
+    from miles_multilora.models.provider import build_tiny_gpt
+    from miles_multilora.optim import SlotAdamW
+
+    compat.init_distributed(tp=world, pp=1, seed=0, rank=rank, world_size=world)
+    # CPU init draws each full weight, then shards it: the same model for any TP size.
+    model = build_tiny_gpt(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        max_seq_len=64,
+        seed=0,
+    )
+    apply_multi_lora(model, "all-linear", num_slots=3, max_rank=4)
+    init_slot(model, 0, rank=2, alpha=4.0, seed=5)  # B = 0: only B gets grads
+    load_slot(model, 1, adapter_dir)  # peft-made, r=1: fused qkv rank 3, all grads non-zero
+    opt = SlotAdamW(model)
+    opt.configure_slot(0, OptimizerSpec(lr=1e-2, clip_grad=1e-3))
+    opt.configure_slot(1, OptimizerSpec(lr=2e-2, clip_grad=0.0, weight_decay=0.1))
+
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor(SLOT_ROWS)[:, None].expand(BATCH, SEQ)
+    logits = lm_logits(model, ids, slots)
+    if logits.shape[-1] != VOCAB:  # vocab-parallel logits: gather them
+        logits = mappings.gather_from_tensor_model_parallel_region(logits)
+    per_row_lm_loss(logits, ids).sum().backward()
+    grads = {}
+    for layer in multi_lora_layers(model):
+        for s in (0, 1):
+            grads[f"{layer.key}.A.{s}"] = layout.gather_A(layer, layer.lora_A.grad[s])
+            grads[f"{layer.key}.B.{s}"] = layout.gather_B(layer, layer.lora_B.grad[s])
+    stats = opt.step([0, 1])
+    for s in (0, 1):
+        export_slot(model, s, os.path.join(out_dir, f"slot{s}"))
+    if rank == 0:
+        norms = {s: st.grad_norm for s, st in stats.items()}
+        torch.save(
+            {"logits": logits.detach(), "grads": grads, "norms": norms}, os.path.join(out_dir, "result.pt")
+        )
+    compat.destroy_distributed()
+
+
+def _run(world: int, hf_dir, adapter_dir, out_dir) -> dict:
+    from miles_multilora.models.compat import free_port
+
+    mp.spawn(
+        _worker,
+        args=(world, free_port(), str(hf_dir), str(adapter_dir), str(out_dir)),
+        nprocs=world,
+        join=True,
+    )
+    return torch.load(out_dir / "result.pt")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tp")
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg)
+    hf.save_pretrained(root / "hf")
+    peft_model = get_peft_model(
+        hf, LoraConfig(r=1, lora_alpha=3.0, target_modules=HF_TARGETS, lora_dropout=0.0)
+    )
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(str(root / "adapter"))
+    return root
+
+
+def test_tp2_equals_tp1(checkpoints):
+    from safetensors.torch import load_file
+
+    results = {}
+    for world in (1, 2):
+        out = checkpoints / f"out{world}"
+        out.mkdir()
+        results[world] = _run(world, checkpoints / "hf", checkpoints / "adapter", out)
+    one, two = results[1], results[2]
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(two["logits"], one["logits"], **tol)
+    assert one["grads"].keys() == two["grads"].keys()
+    for key, g in one["grads"].items():
+        torch.testing.assert_close(two["grads"][key], g, **tol, msg=key)
+    assert any(g.abs().sum() > 0 for k, g in one["grads"].items() if k.endswith(".A.1"))
+    for s in (0, 1):
+        assert two["norms"][s] == pytest.approx(one["norms"][s], rel=1e-5)
+        w1 = load_file(str(checkpoints / "out1" / f"slot{s}" / "adapter_model.safetensors"))
+        w2 = load_file(str(checkpoints / "out2" / f"slot{s}" / "adapter_model.safetensors"))
+        assert w1.keys() == w2.keys()
+        for key in w1:
+            torch.testing.assert_close(w2[key], w1[key], **tol, msg=key)
