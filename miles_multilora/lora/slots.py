@@ -54,6 +54,17 @@ def _write_slot(
     layer.set_slot_scale(slot, rank, scale if rank else 0.0)
 
 
+def _empty_slot(layer: MultiLoRALinear, slot: int) -> None:
+    """Zero the slot's weights and grads and set its rank and scale to 0."""
+    _write_slot(
+        layer,
+        slot,
+        layer.lora_A.new_zeros(0, layer.in_features),
+        layer.lora_B.new_zeros(layer.out_features, 0),
+        0.0,
+    )
+
+
 def init_slot(model: nn.Module, slot: int, rank: int, alpha: float, seed: int, optimizer: Any = None) -> None:
     """Fresh adapter in ``slot``: ``A`` kaiming-uniform (as PEFT), ``B = 0``, scale ``alpha / rank`` (fp32)."""
     layers = multi_lora_layers(model)
@@ -79,13 +90,7 @@ def clear_slot(model: nn.Module, slot: int, optimizer: Any = None) -> None:
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
     for layer in layers:
-        _write_slot(
-            layer,
-            slot,
-            layer.lora_A.new_zeros(0, layer.in_features),
-            layer.lora_B.new_zeros(layer.out_features, 0),
-            0.0,
-        )
+        _empty_slot(layer, slot)
     if optimizer is not None:
         optimizer.reset_slot(slot)
 
@@ -285,12 +290,6 @@ def load_slot(model: nn.Module, slot: int, adapter_dir: str | Path, optimizer: A
             b_local = layout.shard_B(layer, b_full).to(layer.lora_B.dtype)
             _write_slot(layer, slot, a_local, b_local, scale)
         else:
-            _write_slot(
-                layer,
-                slot,
-                layer.lora_A.new_zeros(0, layer.in_features),
-                layer.lora_B.new_zeros(layer.out_features, 0),
-                0.0,
-            )
+            _empty_slot(layer, slot)
     if optimizer is not None:
         optimizer.reset_slot(slot)
