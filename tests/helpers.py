@@ -23,10 +23,21 @@ TINY_DIMS = dict(
 
 
 def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Save a randomly initialised tiny HF Llama or Qwen2 causal LM as safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a randomly initialised tiny HF Llama, Qwen2 or Qwen3 causal LM as safetensors."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # qk-norm, explicit head_dim
+    }
     config_cls, model_cls = classes[arch]
     config = config_cls(**TINY_DIMS, tie_word_embeddings=False, rms_norm_eps=1e-6)
     torch.manual_seed(seed)

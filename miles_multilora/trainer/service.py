@@ -109,18 +109,27 @@ def _checkpoint_moved_adapters(controller: Any, workers: list[Any], console: Con
             console.print(f"  [yellow]could not checkpoint {name}: {exc}[/yellow]")
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail early (before Ray starts) when the controller's HTTP port is taken on this host."""
+def check_port_free(host: str, port: int, wait_s: float = 20.0) -> None:
+    """Fail early (before Ray starts) when the controller's HTTP port stays taken on this host.
+
+    Waits up to ``wait_s``: right after a crashed service, its dying processes may still hold it.
+    """
     if port == 0:
         return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ConfigError(
-                "controller.port", f"cannot listen on {host}:{port} ({exc}); is another service running?"
-            ) from exc
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+            try:
+                sock.bind((host, port))
+                return
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise ConfigError(
+                        "controller.port",
+                        f"cannot listen on {host}:{port} ({exc}); is another service running?",
+                    ) from exc
+        time.sleep(0.5)
 
 
 def start_controller(cfg: RunConfig, state_dir: Path) -> tuple[Any, str]:

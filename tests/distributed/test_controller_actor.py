@@ -40,9 +40,11 @@ def spec(name: str, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A private local Ray cluster with its own auth token (passed to second drivers by env)."""
-    saved = {k: os.environ.get(k) for k in (*RAY_ENV, "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    saved = {k: os.environ.get(k) for k in (*RAY_ENV, "RAY_AUTH_MODE")}
     os.environ.update(RAY_ENV)
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    # Ray caches the token a process first used: every cluster this process starts must share it,
+    # so the token is set once per process (as miles_multilora's start_ray does) and left set.
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
     temp_dir = f"/tmp/ray_ctrl_{os.getpid()}"
     context = ray.init(
         address="local",

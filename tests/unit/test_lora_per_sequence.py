@@ -8,7 +8,7 @@ import torch
 
 from miles_multilora.lora import build_routing_plan
 from miles_multilora.lora.testing import peft_reference, randomize_slots
-from tests.unit.test_lora_layer import ALPHAS, N, RANKS, _make_layer, _run
+from tests.unit.test_lora_layer import ALPHAS, RANKS, N, _make_layer, _run
 
 
 def _per_sequence_ids(batch: int, seq: int) -> torch.Tensor:

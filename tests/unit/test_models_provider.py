@@ -26,7 +26,7 @@ def _hf_logits(path, ids):
         return hf(ids).logits, hf
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_hf_checkpoint_gives_same_logits_and_exports_exactly(tmp_path, arch):
     path = make_tiny_hf_checkpoint(tmp_path / arch, arch=arch, seed=3)
     loaded = provider.load_hf_model(path)
