@@ -184,7 +184,9 @@ def load_run_config(
         detail = " ".join(
             line.strip() for line in str(exc).splitlines() if line.strip() and "full_key" not in line
         )
-        raise ConfigError("override", detail) from exc
+        if exc.__cause__ is not None:
+            detail = f"{detail} ({str(exc.__cause__).splitlines()[0]})".strip()
+        raise ConfigError("override", detail or type(exc).__name__) from exc
     finally:
         GlobalHydra.instance().clear()
     return config_from_container(composed)

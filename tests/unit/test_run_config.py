@@ -1,0 +1,44 @@
+"""The hydra run config: composed from configs/, validated against the schema, errors name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_multilora.cli import main
+from miles_multilora.config.run import load_run_config, parse_adapters
+from miles_multilora.errors import ConfigError
+
+
+def test_default_configs_compose_and_validate():
+    cfg = load_run_config("train", ["lora.num_slots=3", "algo=dapo", "trainer.max_steps=2"])
+    assert cfg.lora.num_slots == 3 and cfg.algo.name == "dapo" and cfg.trainer.max_steps == 2
+    specs = parse_adapters(cfg)
+    assert [s.name for s in specs] == ["arithmetic", "letter_count", "gcd"]
+    assert {s.reward.type for s in specs} == {"reasoning_gym", "exact_match", "math_verify"}
+    service = load_run_config("service")
+    assert service.adapters == [] and service.controller.port > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "text"),
+    [
+        (["lora.num_slots=abc"], "override", "lora.num_slots"),
+        (["trainer.nope=1"], "override", "trainer.nope"),
+        (["model.source=gpt9"], "model.source", "demo, hf or tiny"),
+        (["model.source=hf"], "model.hf_path", "hf_path"),
+        (["trainer.world_size=2"], "trainer.world_size", "model.tp"),
+        (["algo.eps_low=2"], "algo.eps_low", "[0, 1)"),
+        (["lora.max_rank=12"], "adapters[2].rank", "max_rank 12"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, key, text):
+    with pytest.raises(ConfigError) as err:
+        cfg = load_run_config("train", overrides)
+        parse_adapters(cfg)
+    assert err.value.key == key and text in str(err.value)
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    assert main(["show-config", "train", "lora.num_slots=abc"]) == 2
+    assert "lora.num_slots" in capsys.readouterr().out
+    assert main(["show-config", "train", "model.tp=1"]) == 0
