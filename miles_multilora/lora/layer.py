@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from miles_multilora.errors import ConfigError
+from miles_multilora.lora import seq_kernels
 from miles_multilora.lora.kernels import add_rows_, gather_rows, segmented_matmul
 from miles_multilora.lora.routing import RoutingPlan
 
@@ -151,17 +152,19 @@ class MultiLoRALinear(nn.Module):
 
     def _add_lora_per_sequence(self, x: torch.Tensor, out: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """Every sequence has one slot: gather the (small) A/B of each sequence and run batched GEMMs
-        on strided [batch, seq, features] views of x and out: no activation row gather or scatter."""
+        directly on the sequence-first activations (see :mod:`seq_kernels`): no row gather/scatter."""
         assert plan.seq_slots is not None
-        slots = plan.seq_slots.clamp(min=0)
-        xb = x if self.batch_first else x.transpose(0, 1)  # [B, S, in_local]
-        a = self.lora_A.index_select(0, slots)  # [B, R, in_local]
-        h = self._tp_h(torch.bmm(xb, a.transpose(1, 2)))  # [B, S, R]
-        scale = self.lora_scale.index_select(0, slots) * (plan.seq_slots >= 0)  # slot -1 adds exactly 0
-        h = (h.float() * scale.view(-1, 1, 1)).to(h.dtype)
-        b = self.lora_B.index_select(0, slots)  # [B, out_local, R]
-        delta = torch.bmm(h, b.transpose(1, 2)).to(out.dtype)  # [B, S, out_local]
-        return out + (delta if self.batch_first else delta.transpose(0, 1))
+        seq_slots = plan.seq_slots.to(self.lora_A.device, non_blocking=True)  # no-op when already there
+        slots = seq_slots.clamp(min=0)
+        seq_first = not self.batch_first
+        h = self._tp_h(seq_kernels.shrink(x, self.lora_A.index_select(0, slots), seq_first))  # [B, S, R]
+        scale = self.lora_scale.index_select(0, slots) * (seq_slots >= 0)  # slot -1 adds exactly 0
+        h = (h.float() * scale.view(-1, 1, 1)).to(out.dtype)
+        b = self.lora_B.index_select(0, slots).to(out.dtype)  # [B, out_local, R]
+        if out._base is None and out.is_contiguous():  # a fresh output no backward needs: accumulate in place
+            return seq_kernels.expand_add_(out, h, b, seq_first)
+        delta = torch.bmm(h, b.transpose(1, 2))  # [B, S, out_local]
+        return out + (delta.transpose(0, 1) if seq_first else delta)
 
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         plan = self.routing

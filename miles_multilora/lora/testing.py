@@ -100,7 +100,9 @@ def lm_logits(model, input_ids: torch.Tensor, slot_ids: torch.Tensor) -> torch.T
     """Logits [B, S, V] of a GPTModel with tokens routed by ``slot_ids`` [B, S]."""
     from miles_multilora.lora.routing import token_slots
 
-    pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    device = next(model.parameters()).device
+    input_ids, slot_ids = input_ids.to(device), slot_ids.to(device)
+    pos = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
     with token_slots(model, slot_ids):
         return model(input_ids, pos, None)
 
@@ -108,6 +110,8 @@ def lm_logits(model, input_ids: torch.Tensor, slot_ids: torch.Tensor) -> torch.T
 def per_row_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy, mean per row: [B]."""
     lp = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1), reduction="none"
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        input_ids[:, 1:].reshape(-1).to(logits.device),
+        reduction="none",
     )
     return lp.view(input_ids.shape[0], -1).mean(1)

@@ -58,3 +58,26 @@ def test_mixed_slots_within_a_sequence_use_the_per_token_path():
     ids = torch.tensor([[0, 0, 1], [2, 2, 2]])
     assert build_routing_plan(ids, 4).seq_slots is None
     assert build_routing_plan(ids[:, :2], 4).seq_slots.tolist() == [0, 2]
+
+
+def test_batch_first_plain_layer_per_sequence_equals_per_token():
+    from torch import nn
+
+    from miles_multilora.lora import MultiLoRALinear
+
+    torch.manual_seed(0)
+    layer = MultiLoRALinear(nn.Linear(12, 10), N, 4, key="bf", batch_first=True)
+    randomize_slots(layer, RANKS, ALPHAS, seed=4)
+    B, S = 6, 5
+    ids = _per_sequence_ids(B, S)
+    x = torch.randn(B, S, 12)
+    results = []
+    for per_sequence in (True, False):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        layer.routing = build_routing_plan(ids, N, per_sequence=per_sequence)
+        y = layer(xi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append((y.detach(), xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
