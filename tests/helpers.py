@@ -22,8 +22,8 @@ TINY_DIMS = dict(
 )
 
 
-def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Save a randomly initialised tiny HF Llama, Qwen2 or Qwen3 causal LM as safetensors."""
+def tiny_hf_model(arch: str = "llama", seed: int = 0, **dims: int) -> Any:
+    """A randomly initialised tiny HF Llama, Qwen2 or Qwen3 causal LM (``dims`` override TINY_DIMS)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -39,11 +39,15 @@ def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int 
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # qk-norm, explicit head_dim
     }
     config_cls, model_cls = classes[arch]
-    config = config_cls(**TINY_DIMS, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    config = config_cls(**{**TINY_DIMS, **dims}, tie_word_embeddings=False, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    return model_cls(config).eval()
+
+
+def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Save :func:`tiny_hf_model` as safetensors in ``out_dir``."""
     out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    tiny_hf_model(arch, seed).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 

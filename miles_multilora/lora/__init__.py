@@ -3,7 +3,15 @@
 from miles_multilora.lora.inject import ALL_LINEAR, apply_multi_lora, multi_lora_layers
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.routing import RoutingPlan, build_routing_plan, set_token_slots, token_slots
-from miles_multilora.lora.slots import clear_slot, export_slot, init_slot, load_slot, slot_rank
+from miles_multilora.lora.slots import (
+    clear_slot,
+    export_slot,
+    init_slot,
+    load_slot,
+    load_slot_state,
+    slot_rank,
+    slot_state,
+)
 
 __all__ = [
     "ALL_LINEAR",
@@ -15,8 +23,10 @@ __all__ = [
     "export_slot",
     "init_slot",
     "load_slot",
+    "load_slot_state",
     "multi_lora_layers",
     "set_token_slots",
     "slot_rank",
+    "slot_state",
     "token_slots",
 ]

@@ -103,6 +103,31 @@ def slot_rank(model: nn.Module, slot: int) -> int:
 
 
 # ----- export -----
+def slot_state(model: nn.Module, slot: int) -> dict[str, torch.Tensor]:
+    """This rank's exact tensors of ``slot`` (A/B shards, rank and scale of every layer), for checkpoints."""
+    layers = multi_lora_layers(model)
+    _check_slot(layers, slot)
+    out: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        out[f"{layer.key}.lora_A"] = layer.lora_A[slot].detach().cpu().clone()
+        out[f"{layer.key}.lora_B"] = layer.lora_B[slot].detach().cpu().clone()
+        out[f"{layer.key}.rank"] = torch.tensor(int(layer.slot_rank[slot]))
+        out[f"{layer.key}.scale"] = torch.tensor(float(layer.slot_scale[slot]), dtype=torch.float64)
+    return out
+
+
+@torch.no_grad()
+def load_slot_state(model: nn.Module, slot: int, state: dict[str, torch.Tensor]) -> None:
+    """Put back tensors saved by :func:`slot_state` (same TP size) into ``slot``, exactly."""
+    layers = multi_lora_layers(model)
+    _check_slot(layers, slot)
+    for layer in layers:
+        rank = int(state[f"{layer.key}.rank"])
+        a = state[f"{layer.key}.lora_A"][:rank].to(layer.lora_A.dtype)
+        b = state[f"{layer.key}.lora_B"][:, :rank].to(layer.lora_B.dtype)
+        _write_slot(layer, slot, a, b, float(state[f"{layer.key}.scale"]))
+
+
 def _hf_name(hf_config: Any) -> str | None:
     if hf_config is None:
         return None

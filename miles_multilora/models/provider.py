@@ -33,12 +33,8 @@ class LoadedModel:
 
     model: GPTModel
     vocab_size: int  # the tokenizer's vocab size (logits may be padded beyond it)
-    hf_path: str | None = None
-    bridge: Any = None  # megatron-bridge AutoBridge, for export back to HF
-    num_layers: int = 0
-    num_attention_heads: int = 0
-    num_query_groups: int = 0
-    hidden_size: int = 0
+    hf_config: Any  # the checkpoint's transformers config (PEFT export names, context length)
+    bridge: Any  # megatron-bridge AutoBridge, for export back to HF
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -172,19 +168,13 @@ def load_hf_model(path: str | Path, dtype: str = "float32", load_weights: bool =
     return LoadedModel(
         model=model,
         vocab_size=int(hf_config["vocab_size"]),
-        hf_path=str(path),
+        hf_config=bridge.hf_pretrained.config,
         bridge=bridge,
-        num_layers=int(hf_config["num_hidden_layers"]),
-        num_attention_heads=int(hf_config["num_attention_heads"]),
-        num_query_groups=int(hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])),
-        hidden_size=int(hf_config["hidden_size"]),
     )
 
 
 def export_hf(loaded: LoadedModel, out_dir: str | Path) -> Path:
     """Write the Megatron model's base weights back as an HF checkpoint dir (via the bridge)."""
-    if loaded.bridge is None:
-        raise ConfigError("model", "export_hf needs a model loaded from an HF checkpoint (load_hf_model)")
     out_dir = Path(out_dir)
     loaded.bridge.save_hf_pretrained([loaded.model], str(out_dir))
     return out_dir
@@ -192,8 +182,6 @@ def export_hf(loaded: LoadedModel, out_dir: str | Path) -> Path:
 
 def export_hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     """The model's weights as HF-named tensors (full, gathered across TP), via the bridge."""
-    if loaded.bridge is None:
-        raise ConfigError("model", "export needs a model loaded from an HF checkpoint (load_hf_model)")
     return {
         name: t.detach().cpu().clone()
         for name, t in loaded.bridge.export_hf_weights([loaded.model], cpu=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from miles_multilora.lora.inject import multi_lora_layers
+from miles_multilora.lora.slots import slot_state
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -50,33 +50,11 @@ def complete_checkpoints(output_dir: str | Path, adapter: str) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith("step_") and is_complete(p))
 
 
-def slot_tensors(model: torch.nn.Module, slot: int) -> dict[str, torch.Tensor]:
-    """This rank's exact tensors of ``slot`` (A/B shards, rank and scale of every layer)."""
-    out: dict[str, torch.Tensor] = {}
-    for layer in multi_lora_layers(model):
-        out[f"{layer.key}.lora_A"] = layer.lora_A[slot].detach().cpu().clone()
-        out[f"{layer.key}.lora_B"] = layer.lora_B[slot].detach().cpu().clone()
-        out[f"{layer.key}.rank"] = torch.tensor(int(layer.slot_rank[slot]))
-        out[f"{layer.key}.scale"] = torch.tensor(float(layer.slot_scale[slot]), dtype=torch.float64)
-    return out
-
-
-@torch.no_grad()
-def restore_slot_tensors(model: torch.nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-    from miles_multilora.lora.slots import _write_slot
-
-    for layer in multi_lora_layers(model):
-        rank = int(tensors[f"{layer.key}.rank"])
-        a = tensors[f"{layer.key}.lora_A"][:rank].to(layer.lora_A.dtype)
-        b = tensors[f"{layer.key}.lora_B"][:, :rank].to(layer.lora_B.dtype)
-        _write_slot(layer, slot, a, b, float(tensors[f"{layer.key}.scale"]))
-
-
 def write_rank_shard(
     stage: Path, rank: int, model: torch.nn.Module, slot: int, optimizer_state: dict
 ) -> None:
     stage.mkdir(parents=True, exist_ok=True)
-    payload = {"slot": slot_tensors(model, slot), "optimizer": optimizer_state}
+    payload = {"slot": slot_state(model, slot), "optimizer": optimizer_state}
     tmp = stage / f".slot_rank{rank}.pt.part"
     torch.save(payload, tmp)
     os.replace(tmp, stage / f"slot_rank{rank}.pt")

@@ -80,6 +80,6 @@ def start_trainer_group(cfg: RunConfig) -> list[Any]:
             "MILES_TORCH_THREADS": str(threads),
             "OMP_NUM_THREADS": str(threads),
         }
-        workers.append(actor_cls.options(runtime_env={"env_vars": env}, name=None).remote(cfg, rank, world))
+        workers.append(actor_cls.options(runtime_env={"env_vars": env}).remote(cfg, rank, world))
     ray.get([w.__ray_ready__.remote() for w in workers])
     return workers

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 from rich.console import Console
 
+from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
 from miles_multilora.controller.persistence import state_path
 from miles_multilora.errors import ConfigError
@@ -20,27 +22,43 @@ def controller_state_dir(cfg: RunConfig) -> Path:
     return Path(cfg.controller.state_dir or Path(cfg.trainer.output_dir) / "controller")
 
 
+def prepare_run(cfg: RunConfig) -> tuple[list[AdapterSpec], Path, Path]:
+    """Parse and check the configured adapters (datasets and rewards resolvable) before anything
+    starts; create the output dir and record the config. Returns (specs, output_dir, state_dir)."""
+    from miles_multilora.data.validation import validate_adapter_resources
+
+    specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
+    for spec in specs:
+        validate_adapter_resources(spec)
+    output_dir = Path(cfg.trainer.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(to_yaml(cfg))
+    return specs, output_dir, controller_state_dir(cfg)
+
+
+def register_new_adapters(controller: Any, specs: list[AdapterSpec]) -> None:
+    """Register the specs the controller does not know yet (after a restart it knows them)."""
+    known = {r["name"] for r in ray.get(controller.list.remote())}
+    for spec in specs:
+        if spec.name not in known:
+            ray.get(controller.register.remote(spec.to_dict()))
+
+
 def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, dict]:
     """Train ``cfg.adapters`` together; returns the controller's final record of each adapter."""
     console = console or make_console()
-    specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
-    if not specs:
+    if not cfg.adapters:
         raise ConfigError("adapters", "no adapters to train: list spec files or inline specs under adapters")
-    output_dir = Path(cfg.trainer.output_dir)
     state_dir = controller_state_dir(cfg)
     if state_path(state_dir).exists() and not cfg.trainer.resume:
         raise ConfigError(
             "trainer.output_dir",
-            f"{output_dir} holds an earlier run: set trainer.resume=true to "
+            f"{cfg.trainer.output_dir} holds an earlier run: set trainer.resume=true to "
             "continue it, or choose another trainer.output_dir",
         )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(to_yaml(cfg))
+    specs, output_dir, state_dir = prepare_run(cfg)
     from miles_multilora.controller.actor import get_or_create_controller
-    from miles_multilora.data.validation import validate_adapter_resources
 
-    for spec in specs:  # fail before starting anything
-        validate_adapter_resources(spec)
     start_ray(namespace=cfg.controller.namespace)
     console.print(
         f"[bold]miles_multilora[/bold]: {len(specs)} adapters, {cfg.lora.num_slots} slots, "
@@ -57,10 +75,7 @@ def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, di
         port=0,
         token=cfg.controller.token,
     )
-    known = {r["name"] for r in ray.get(controller.list.remote())}
-    for spec in specs:
-        if spec.name not in known:  # on resume the controller already knows them
-            ray.get(controller.register.remote(spec.to_dict()))
+    register_new_adapters(controller, specs)
     t0 = time.perf_counter()
     console.print("starting trainer ranks (loading the model) ...")
     workers = start_trainer_group(cfg)

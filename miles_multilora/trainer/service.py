@@ -26,13 +26,13 @@ from typing import Any
 import ray
 from rich.console import Console
 
-from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
+from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
 from miles_multilora.errors import ConfigError
 from miles_multilora.trainer.cluster import start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step
-from miles_multilora.trainer.run import controller_state_dir
+from miles_multilora.trainer.run import prepare_run, register_new_adapters
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -158,16 +158,8 @@ def run_service(
 ) -> int:
     """Serve until SIGINT/SIGTERM (or ``should_stop()``); returns the number of training steps run."""
     console = console or make_console()
-    specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
-    from miles_multilora.data.validation import validate_adapter_resources
-
-    for spec in specs:  # fail before starting anything
-        validate_adapter_resources(spec)
-    output_dir = Path(cfg.trainer.output_dir)
-    state_dir = controller_state_dir(cfg)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    specs, output_dir, state_dir = prepare_run(cfg)
     state_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(to_yaml(cfg))
 
     attached = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     if not attached:
@@ -179,10 +171,7 @@ def run_service(
     steps = 0
     try:
         controller, url = start_controller(cfg, state_dir)
-        known = {r["name"] for r in ray.get(controller.list.remote())}
-        for spec in specs:
-            if spec.name not in known:
-                ray.get(controller.register.remote(spec.to_dict()))
+        register_new_adapters(controller, specs)
         records = ray.get(controller.list.remote())
         live = [r for r in records if r["state"] in ("PENDING", "RUNNING", "DRAINING")]
         console.print(f"[bold]miles_multilora service[/bold]: controller URL {url}", soft_wrap=True)

@@ -25,7 +25,8 @@ from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.data import MultiLoRADataSource, RewardManager, RewardSample
 from miles_multilora.data.records import PromptItem
-from miles_multilora.lora import apply_multi_lora, clear_slot, export_slot, init_slot
+from miles_multilora.errors import ConfigError, SpecError
+from miles_multilora.lora import apply_multi_lora, clear_slot, export_slot, init_slot, load_slot_state
 from miles_multilora.models import compat, provider
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutEngine
@@ -46,6 +47,31 @@ class Group:
     correct: list[bool | None] = field(default_factory=list)
 
 
+@dataclass
+class TrainRow:
+    """One completion to train on: prompt + output tokens, rollout logprobs and its advantage."""
+
+    slot: int
+    tokens: list[int]  # prompt + output
+    prompt_len: int
+    rollout_logprobs: list[float]  # one per output token
+    advantage: float
+    temperature: float
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def _response_values(per_position: torch.Tensor, rows: list[TrainRow], width: int) -> torch.Tensor:
+    """``[len(rows), width]``: each row's values at its response positions (``per_position[i, t]``
+    belongs to token ``t + 1``), zero-padded. Differentiable."""
+    out = per_position.new_zeros(len(rows), width, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.response_len] = per_position[i, r.prompt_len - 1 : r.prompt_len - 1 + r.response_len]
+    return out
+
+
 def _seed(*parts: Any) -> int:
     digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:4], "little")
@@ -60,8 +86,6 @@ def resolve_model_path(cfg: RunConfig) -> Path | None:
 
     path = demo_model_dir(Path(cfg.model.cache_dir).expanduser())
     if not (path / ".complete").is_file():
-        from miles_multilora.errors import ConfigError
-
         raise ConfigError(
             "model.cache_dir",
             f"demo model not prepared in {path}: run `bash provision.sh` "
@@ -75,6 +99,7 @@ class TrainerWorker:
 
     def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
+        self.algo = cfg.algo.resolved()  # GRPO/DAPO defaults filled in once
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", os.cpu_count() or 1))))
@@ -98,11 +123,7 @@ class TrainerWorker:
             self.vocab_size, self.max_seq_len, self.hf_config = t.vocab_size, t.max_seq_len, None
         else:
             loaded = provider.load_hf_model(model_path, dtype=cfg.model.dtype)
-            self.model = loaded.model
-            self.vocab_size = loaded.vocab_size
-            from transformers import AutoConfig
-
-            self.hf_config = AutoConfig.from_pretrained(str(model_path))
+            self.model, self.vocab_size, self.hf_config = loaded.model, loaded.vocab_size, loaded.hf_config
             self.max_seq_len = int(min(getattr(self.hf_config, "max_position_embeddings", 4096), 4096))
         self.tokenizer = load_tokenizer(model_path, self.vocab_size)
         targets = list(cfg.lora.target_modules)
@@ -180,7 +201,7 @@ class TrainerWorker:
             path = Path(assignment.resume_checkpoint)
             state = ckpt.read_state(path)
             shard = ckpt.read_rank_shard(path, self.rank)
-            ckpt.restore_slot_tensors(self.model, assignment.slot, shard["slot"])
+            load_slot_state(self.model, assignment.slot, shard["slot"])
             self.optimizer.load_slot_state_dict(assignment.slot, shard["optimizer"])
             self.data.restore_adapter_state(spec.name, state["data"])
             step = int(state["step"])
@@ -216,8 +237,6 @@ class TrainerWorker:
             ids = encode_prompt(self.tokenizer, item.prompt)
             budget = self.max_seq_len - 1 - spec.sampling.max_new_tokens
             if budget < 1:
-                from miles_multilora.errors import SpecError
-
                 raise SpecError(
                     "sampling.max_new_tokens", f"leaves no room for the prompt in {self.max_seq_len}"
                 )
@@ -287,7 +306,7 @@ class TrainerWorker:
         self._generate(groups)
         report = self._score(groups)
         ds_metrics: dict[str, Any] = {}
-        if self.cfg.algo.resolved().dynamic_sampling:
+        if self.algo.dynamic_sampling:
             by_adapter: dict[str, list[Group]] = {}
             for g in groups:
                 if g.rewards:
@@ -307,7 +326,7 @@ class TrainerWorker:
 
             targets = {name: self.resident[name].spec.prompts_per_step for name in by_adapter}
             result = dynamic_sampling(
-                by_adapter, targets, more, self.cfg.algo.max_refill_rounds, rewards_of=lambda g: g.rewards
+                by_adapter, targets, more, self.algo.max_refill_rounds, rewards_of=lambda g: g.rewards
             )
             groups = [g for gs in result.groups.values() for g in gs]
             ds_metrics = {name: result.metrics(name) for name in by_adapter}
@@ -316,71 +335,53 @@ class TrainerWorker:
     # ----------------------------------------------------------------- training
     def _train(self, groups: list[Group]) -> dict[str, dict[str, float]]:
         """One mixed batch: per-adapter normalised loss, micro-batches sorted by slot, per-slot step."""
-        algo = self.cfg.algo.resolved()
-        rows = []  # (slot, full ids, prompt_len, rollout logprobs, advantage, temperature, adapter)
+        algo = self.algo
+        rows: list[TrainRow] = []
         for g in groups:
             if not g.rewards:
                 continue
             adv = group_advantages(
                 g.rewards, [0] * len(g.rewards), std_normalize=algo.std_normalize, eps=algo.adv_eps
             )
-            spec = self.resident[g.adapter].spec
-            temp = spec.sampling.temperature if spec.sampling.temperature > 0 else 1.0
+            sampling = self.resident[g.adapter].spec.sampling
+            temp = sampling.temperature if sampling.temperature > 0 else 1.0
             for r, a in zip(g.results, adv.tolist(), strict=True):
-                if not r.output_ids:
-                    continue
-                rows.append(
-                    (
-                        r.slot,
-                        list(r.prompt_ids) + list(r.output_ids),
-                        len(r.prompt_ids),
-                        r.logprobs,
-                        a,
-                        temp,
-                        g.adapter,
-                    )
-                )
+                if r.output_ids:
+                    tokens = list(r.prompt_ids) + list(r.output_ids)
+                    rows.append(TrainRow(r.slot, tokens, len(r.prompt_ids), r.logprobs, a, temp))
         if not rows:
             return {}
-        rows.sort(key=lambda row: row[0])  # tokens sorted by slot
-        slots = torch.tensor([r[0] for r in rows])
-        max_resp = max(len(r[1]) - r[2] for r in rows)
-        full_mask = torch.zeros(len(rows), max_resp)
+        rows.sort(key=lambda row: row.slot)  # tokens sorted by slot
+        full_mask = torch.zeros(len(rows), max(r.response_len for r in rows))
         for i, r in enumerate(rows):
-            full_mask[i, : len(r[1]) - r[2]] = 1
-        normalizers = adapter_normalizers(full_mask, slots, algo.aggregation)
+            full_mask[i, : r.response_len] = 1
+        normalizers = adapter_normalizers(full_mask, torch.tensor([r.slot for r in rows]), algo.aggregation)
         per_slot: dict[int, dict[str, float]] = {}
         mb = self.cfg.trainer.micro_batch_size
         self.model.train()
         for start in range(0, len(rows), mb):
             chunk = rows[start : start + mb]
-            input_ids, lengths = right_pad([r[1] for r in chunk], self.pad_id, compat.default_device())
-            chunk_slots = [r[0] for r in chunk]
-            temps = [r[5] for r in chunk]
+            input_ids, _ = right_pad([r.tokens for r in chunk], self.pad_id, compat.default_device())
+            chunk_slots = [r.slot for r in chunk]
+            temps = [r.temperature for r in chunk]
+            width = max(r.response_len for r in chunk)
             lp_all = sequence_logprobs(self.model, input_ids, chunk_slots, temps, self.vocab_size)
-            resp_len = max(int(n) - r[2] for n, r in zip(lengths.tolist(), chunk, strict=True))
-            logprobs = torch.zeros(len(chunk), resp_len)
-            old = torch.zeros(len(chunk), resp_len)
-            mask = torch.zeros(len(chunk), resp_len)
+            logprobs = _response_values(lp_all, chunk, width)
+            old, mask = torch.zeros_like(logprobs), torch.zeros_like(logprobs)
             for i, r in enumerate(chunk):
-                n = len(r[1]) - r[2]
-                logprobs[i, :n] = lp_all[i, r[2] - 1 : r[2] - 1 + n]
-                old[i, :n] = torch.tensor(r[3][:n])
-                mask[i, :n] = 1
+                old[i, : r.response_len] = torch.tensor(r.rollout_logprobs[: r.response_len])
+                mask[i, : r.response_len] = 1
             ref = None
             if algo.kl_coef > 0:
                 with torch.no_grad():
                     ref_all = sequence_logprobs(
                         self.model, input_ids, [-1] * len(chunk), temps, self.vocab_size
                     )
-                ref = torch.zeros_like(old)
-                for i, r in enumerate(chunk):
-                    n = len(r[1]) - r[2]
-                    ref[i, :n] = ref_all[i, r[2] - 1 : r[2] - 1 + n]
+                ref = _response_values(ref_all, chunk, width)
             out = policy_loss(
                 logprobs,
                 old,
-                torch.tensor([r[4] for r in chunk]),
+                torch.tensor([r.advantage for r in chunk]),
                 mask,
                 torch.tensor(chunk_slots),
                 config=algo,
@@ -397,7 +398,7 @@ class TrainerWorker:
                         acc[k] = acc.get(k, 0.0) + float(v)
                     elif k != "num_tokens":  # token means of this micro-batch: weight by tokens
                         acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * n
-        active = sorted({r[0] for r in rows})
+        active = sorted({r.slot for r in rows})
         stats = self.optimizer.step(active)
         self.optimizer.zero_grad(active)
         out_metrics: dict[str, dict[str, float]] = {}
@@ -459,7 +460,7 @@ class TrainerWorker:
         drained: dict[str, str] = {}
         for a in snapshot.draining:  # no in-flight work in a synchronous step: final checkpoint now
             drained[a.name] = self.save_checkpoint(a.name)
-        running = [a for a in snapshot.running]
+        running = list(snapshot.running)
         t1 = time.perf_counter()
         groups, report, ds_metrics = self._rollout(running) if running else ([], {}, {})
         t2 = time.perf_counter()
@@ -531,6 +532,7 @@ class TrainerWorker:
         if lengths:
             m["response_len"] = sum(lengths) / len(lengths)
         m.update({k: v for k, v in train.items()})
+        m.update(rep.get("metrics") or {})  # the reward manager's counters: failures, timeouts, latency
         if rep.get("error"):
             m["reward_error"] = rep["error"]
         m.update(ds)

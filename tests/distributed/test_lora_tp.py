@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import tiny_hf_model
+
 VOCAB, BATCH, SEQ = 64, 4, 6
 SLOT_ROWS = [0, 1, -1, 1]
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -88,22 +90,11 @@ def _run(world: int, hf_dir, adapter_dir, out_dir) -> dict:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tp")
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+    hf = tiny_hf_model(
+        "llama", seed=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, max_position_embeddings=64
     )
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(cfg)
     hf.save_pretrained(root / "hf")
     peft_model = get_peft_model(
         hf, LoraConfig(r=1, lora_alpha=3.0, target_modules=HF_TARGETS, lora_dropout=0.0)

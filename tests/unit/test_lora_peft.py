@@ -10,6 +10,7 @@ import torch
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import apply_multi_lora, export_slot, init_slot, load_slot, multi_lora_layers
 from miles_multilora.lora.testing import lm_logits
+from tests.helpers import tiny_hf_model
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BATCH, SEQ = 2, 7
@@ -17,25 +18,13 @@ BATCH, SEQ = 2, 7
 
 @pytest.fixture(scope="module")
 def hf_and_megatron(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from miles_multilora.models import compat
     from miles_multilora.models.provider import load_hf_model
 
     compat.init_distributed(tp=1, pp=1, seed=0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+    hf = tiny_hf_model(
+        "llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=48, max_position_embeddings=64
     )
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("tiny_llama")
     hf.save_pretrained(path)
     model = load_hf_model(path).model.eval()
