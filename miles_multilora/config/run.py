@@ -51,6 +51,7 @@ class LoRAConfig:
     num_slots: int = 4
     max_rank: int = 16
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    kernels: str = "auto"  # auto (Triton on CUDA when installed) | triton | torch
 
 
 @dataclass
@@ -115,6 +116,11 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.tp >= 1 and m.pp >= 1, "model.tp", "tp and pp must be >= 1")
     _check(cfg.lora.num_slots >= 1, "lora.num_slots", "must be >= 1")
     _check(cfg.lora.max_rank >= 1, "lora.max_rank", "must be >= 1")
+    _check(
+        cfg.lora.kernels in ("auto", "triton", "torch"),
+        "lora.kernels",
+        f"must be auto, triton or torch; got {cfg.lora.kernels!r}",
+    )
     _check(cfg.rollout.engine in ("embedded", "sglang"), "rollout.engine", "must be embedded or sglang")
     _check(
         cfg.rollout.engine != "sglang" or bool(cfg.rollout.sglang_url),

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from miles_multilora.errors import ConfigError
-from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.lora.layer import MultiLoRALinear, check_kernels
 
 ALL_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 KNOWN_TARGETS = (*ALL_LINEAR, "output_layer")
@@ -51,12 +51,15 @@ def apply_multi_lora(
     target_modules: str | Sequence[str] = "all-linear",
     num_slots: int = 8,
     max_rank: int = 16,
+    kernels: str = "auto",
 ) -> list[MultiLoRALinear]:
     """Replace the targeted linear layers with :class:`MultiLoRALinear` and freeze every base param.
 
     ``target_modules``: ``"all-linear"`` (qkv, proj, fc1, fc2) or a list of those names, plus
-    ``"output_layer"`` to adapt the LM head. Returns the new layers in module order.
+    ``"output_layer"`` to adapt the LM head. ``kernels``: see :class:`MultiLoRALinear`.
+    Returns the new layers in module order.
     """
+    check_kernels(kernels)
     targets = _resolve_targets(target_modules)
     if any(isinstance(m, MultiLoRALinear) for m in model.modules()):
         raise ConfigError("model", "already has MultiLoRA layers (apply_multi_lora was called twice)")
@@ -68,7 +71,9 @@ def apply_multi_lora(
         p.requires_grad_(False)
     layers = []
     for name, base in found:
-        layer = MultiLoRALinear(base, num_slots, max_rank, key=_stable_key(name, base, offset))
+        layer = MultiLoRALinear(
+            base, num_slots, max_rank, key=_stable_key(name, base, offset), kernels=kernels
+        )
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, layer)

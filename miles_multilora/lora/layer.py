@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 from miles_multilora.errors import ConfigError
-from miles_multilora.lora import seq_kernels
+from miles_multilora.lora import routed_ops, seq_kernels
 from miles_multilora.lora.kernels import add_rows_, gather_rows, segmented_matmul
 from miles_multilora.lora.routing import RoutingPlan
+from miles_multilora.lora.triton_kernels import HAVE_TRITON
 
 PLAIN, COLUMN, ROW = "plain", "column", "row"
+KERNELS = ("auto", "triton", "torch")
 
 
 def _base_kind(base: nn.Module) -> str:
@@ -47,12 +49,22 @@ class MultiLoRALinear(nn.Module):
 
     ``key`` names the layer stably across ranks (used for seeding and export). ``batch_first``
     applies to plain ``nn.Linear`` inputs only (Megatron layers are always sequence-first).
+    ``kernels``: ``"auto"`` runs the Triton kernels on CUDA when Triton is installed and the
+    PyTorch kernels otherwise; ``"triton"`` always uses Triton (on CPU only under
+    ``TRITON_INTERPRET=1``); ``"torch"`` never does.
     """
 
     def __init__(
-        self, base: nn.Module, num_slots: int, max_rank: int, key: str = "", batch_first: bool = False
+        self,
+        base: nn.Module,
+        num_slots: int,
+        max_rank: int,
+        key: str = "",
+        batch_first: bool = False,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
+        self.kernels = check_kernels(kernels)
         if num_slots < 1:
             raise ConfigError("num_slots", f"must be >= 1, got {num_slots}")
         if max_rank < 1:
@@ -150,6 +162,24 @@ class MultiLoRALinear(nn.Module):
             return mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
         return h
 
+    def _use_triton(self, x: torch.Tensor) -> bool:
+        if self.kernels == "torch" or x.dtype != self.lora_A.dtype:
+            return False
+        if self.kernels == "triton":
+            return True
+        return HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+    def _add_lora_triton(self, x: torch.Tensor, out: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        """Triton kernels read and write the routed activation rows in place (:mod:`routed_ops`)."""
+        rows = plan.token_order(self.batch_first)
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        h = self._tp_h(routed_ops.gather_shrink(x2d, self.lora_A, self.lora_scale, plan, rows))
+        if not (out._base is None and out.is_contiguous()):  # a view must not be modified in place
+            out = out.contiguous() if not out.is_contiguous() else out.clone()
+        return routed_ops.scatter_expand_add_(out, h, self.lora_B, plan, rows)
+
     def _add_lora_per_sequence(self, x: torch.Tensor, out: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """Every sequence has one slot: gather the (small) A/B of each sequence and run batched GEMMs
         directly on the sequence-first activations (see :mod:`seq_kernels`): no row gather/scatter."""
@@ -182,6 +212,8 @@ class MultiLoRALinear(nn.Module):
             )
         if plan.num_routed == 0:
             return out
+        if self._use_triton(x):
+            return self._add_lora_triton(x, out, plan)
         expected = (plan.batch, plan.seq) if self.batch_first else (plan.seq, plan.batch)
         if plan.seq_slots is not None and x.dim() == 3 and tuple(x.shape[:2]) == expected:
             return self._add_lora_per_sequence(x, out, plan)
@@ -202,5 +234,14 @@ class MultiLoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"key={self.key!r}, kind={self.kind}, slots={self.num_slots}, max_rank={self.max_rank}, "
-            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}"
+            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, kernels={self.kernels}"
         )
+
+
+def check_kernels(kernels: str) -> str:
+    """Validate a ``kernels`` choice (``auto``, ``triton`` or ``torch``)."""
+    if kernels not in KERNELS:
+        raise ConfigError("kernels", f"must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels == "triton" and not HAVE_TRITON:
+        raise ConfigError("kernels", "'triton' needs the triton package: pip install triton, or use 'auto'")
+    return kernels

@@ -33,6 +33,8 @@ class RoutingPlan:
     # the layers then take the per-sequence path (batched GEMMs on strided views, no row gather).
     seq_slots: torch.Tensor | None = None
     _batch_first_order: torch.Tensor | None = field(default=None, repr=False)
+    # Kernel schedules derived from ``counts`` (see lora.routed_ops), built once per plan.
+    schedules: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,28 @@ import torch
 from miles_multilora.lora.layer import MultiLoRALinear
 
 
+def patch_triton_interpreter() -> None:
+    """Make Triton 3.6's CPU interpreter (``TRITON_INTERPRET=1``) work with NumPy >= 2.4.
+
+    The interpreter turns loop bounds into ints with ``int(ndarray)``, which NumPy 2.4 refuses for
+    1-element 1-d arrays; this converts through ``.item()`` instead. Interpreter only, idempotent.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_miles_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._miles_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
 def megatron_tp1() -> None:
     """Single-process Megatron (TP=1, PP=1) on CPU."""
     from miles_multilora.models import compat

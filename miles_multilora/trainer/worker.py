@@ -132,6 +132,7 @@ class TrainerWorker:
             targets[0] if targets == ["all-linear"] else targets,
             num_slots=cfg.lora.num_slots,
             max_rank=cfg.lora.max_rank,
+            kernels=cfg.lora.kernels,
         )
         self.optimizer = SlotAdamW(self.model)
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -29,6 +29,7 @@ def test_default_configs_compose_and_validate():
         (["trainer.world_size=2"], "trainer.world_size", "model.tp"),
         (["algo.eps_low=2"], "algo.eps_low", "[0, 1)"),
         (["lora.max_rank=12"], "adapters[2].rank", "max_rank 12"),
+        (["lora.kernels=cuda"], "lora.kernels", "auto, triton or torch"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, key, text):

@@ -1,0 +1,170 @@
+"""Autograd ops of the Triton LoRA path: shrink with row gather, expand with in-place row scatter.
+
+Forward of one layer: ``h = gather_shrink(x, A, scale)`` (``[num_routed, R]``, grouped by slot), the
+layer's TP collective on ``h``, then ``scatter_expand_add_(out, h, B)`` adds ``h @ B_s^T`` into the
+base output rows in place. No activation-sized tensor is gathered, scattered or copied; the
+backward reads ``x`` and the output gradient once per GEMM and writes ``dx`` once.
+
+The kernel schedules (tiles of one slot's grouped tokens, weight-gradient chunks) come from the
+routing plan's host-side counts and are cached on the plan: built once per micro-batch, not per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_multilora.lora import triton_kernels as tk
+from miles_multilora.lora.routing import RoutingPlan
+
+
+def _split_segments(counts: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
+    """Split each slot's segment of grouped tokens into pieces of at most ``block``."""
+    c = torch.tensor(counts, dtype=torch.int64)
+    seg_start = c.cumsum(0) - c
+    pieces = (c + block - 1) // block
+    slot = torch.repeat_interleave(torch.arange(len(counts)), pieces)
+    first_piece = pieces.cumsum(0) - pieces
+    local = torch.arange(int(pieces.sum())) - first_piece[slot]
+    start = seg_start[slot] + local * block
+    end = torch.minimum(start + block, seg_start[slot] + c[slot])
+    return slot, start, end, pieces
+
+
+def tile_schedule(plan: RoutingPlan, block_m: int, device: torch.device) -> torch.Tensor:
+    """``[3, tiles]`` int32 (slot, start, end) for the shrink / expand kernels (cached on the plan)."""
+    key = ("tiles", block_m, str(device))
+    if key not in plan.schedules:
+        slot, start, end, _ = _split_segments(plan.counts, block_m)
+        plan.schedules[key] = torch.stack([slot, start, end]).to(torch.int32).to(device, non_blocking=True)
+    return plan.schedules[key]
+
+
+def chunk_length(num_routed: int, cfg: dict) -> int:
+    """Tokens per weight-gradient program: enough programs to fill the GPU, few fp32 partials."""
+    per_pass = -(-num_routed // cfg["CHUNKS_PER_PASS"])
+    block = cfg["BLOCK_T"]
+    return max(cfg["MIN_CHUNK"], -(-per_pass // block) * block)
+
+
+def weight_grad_schedule(
+    plan: RoutingPlan, cfg: dict, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Chunks ``[4, n]`` (slot, start, end, partial index or -1 when the slot has one chunk),
+    reductions ``[3, m]`` (slot, first partial, count) and the number of partials (cached on the plan)."""
+    length = chunk_length(plan.num_routed, cfg)
+    key = ("chunks", length, str(device))
+    if key not in plan.schedules:
+        slot, start, end, pieces = _split_segments(plan.counts, length)
+        multi = pieces[slot] > 1
+        dest = torch.full_like(slot, -1)
+        dest[multi] = torch.arange(int(multi.sum()))
+        red_slots = torch.nonzero(pieces > 1).flatten()
+        red_count = pieces[red_slots]
+        red_first = red_count.cumsum(0) - red_count
+        chunks = torch.stack([slot, start, end, dest]).to(torch.int32).to(device, non_blocking=True)
+        reductions = (
+            torch.stack([red_slots, red_first, red_count]).to(torch.int32).to(device, non_blocking=True)
+        )
+        plan.schedules[key] = (chunks, reductions, int(multi.sum()))
+    return plan.schedules[key]
+
+
+def _new_weight_grad(weight: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """A gradient buffer for ``weight``; zeroed only when some slot got no token (the kernels write
+    every slot that did)."""
+    if all(plan.counts):
+        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+def _weight_grad(
+    p: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, strides, plan
+) -> None:
+    cfg = tk.launch_config(tk.WGRAD_CONFIGS, p.shape[1])
+    chunks, reductions, partials = weight_grad_schedule(plan, cfg, p.device)
+    tk.segment_weight_grad(p, x, rows, grad, strides, chunks, reductions, partials, cfg)
+
+
+def _shrink(x, rows, weight, strides, rank: int, plan: RoutingPlan, scale=None) -> torch.Tensor:
+    cfg = tk.launch_config(tk.SHRINK_CONFIGS, rank)
+    tiles = tile_schedule(plan, cfg["BLOCK_M"], x.device)
+    return tk.gather_shrink(x, rows, weight, strides, rank, tiles, cfg, plan.num_routed, scale)
+
+
+def _expand(out, h, rows, weight, strides, plan: RoutingPlan, accumulate: bool) -> None:
+    cfg = tk.launch_config(tk.EXPAND_CONFIGS, h.shape[1])
+    tiles = tile_schedule(plan, cfg["BLOCK_M"], out.device)
+    tk.scatter_expand(out, h, rows, weight, strides, tiles, cfg, accumulate)
+
+
+class _GatherShrink(torch.autograd.Function):
+    """``x`` [T, K], ``a`` [N, R, K], fp32 ``scale`` [N] -> ``h`` [num_routed, R] = scale_s * x[rows] @ A_s^T."""
+
+    @staticmethod
+    def forward(ctx, x, a, scale, plan: RoutingPlan, rows):  # type: ignore[override]
+        h = _shrink(x, rows, a, (a.stride(0), a.stride(1), a.stride(2)), a.shape[1], plan, scale)
+        ctx.save_for_backward(x, a, scale, rows)
+        ctx.plan = plan
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):  # type: ignore[override]
+        x, a, scale, rows = ctx.saved_tensors
+        plan: RoutingPlan = ctx.plan
+        row_scale = scale.index_select(0, plan.sorted_slots).unsqueeze(1)
+        grad_z = (grad_h.float() * row_scale).to(x.dtype).contiguous()
+        grad_x = grad_a = None
+        if ctx.needs_input_grad[0]:
+            full = plan.num_routed == x.shape[0]
+            grad_x = torch.empty_like(x) if full else torch.zeros_like(x)
+            # dx[rows[i]] = grad_z[i] @ A_s: W[s][r, k] = A[s, r, k]
+            _expand(grad_x, grad_z, rows, a, (a.stride(0), a.stride(2), a.stride(1)), plan, accumulate=False)
+        if ctx.needs_input_grad[1]:
+            grad_a = _new_weight_grad(a, plan)
+            _weight_grad(
+                grad_z, x, rows, grad_a, (grad_a.stride(0), grad_a.stride(1), grad_a.stride(2)), plan
+            )
+        return grad_x, grad_a, None, None, None
+
+
+class _ScatterExpandAdd(torch.autograd.Function):
+    """``out`` [T, M] (any shape with T*M elements, contiguous) += h[i] @ B_s^T at rows[i], in place."""
+
+    @staticmethod
+    def forward(ctx, out, h, b, plan: RoutingPlan, rows):  # type: ignore[override]
+        out2d = out.view(-1, out.shape[-1])
+        _expand(out2d, h, rows, b, (b.stride(0), b.stride(1), b.stride(2)), plan, accumulate=True)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(h, b, rows)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        h, b, rows = ctx.saved_tensors
+        plan: RoutingPlan = ctx.plan
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        if g2d.stride(-1) != 1:
+            g2d = g2d.contiguous()
+        grad_h = grad_b = None
+        b_t = (b.stride(0), b.stride(2), b.stride(1))  # B[s] seen as [R, M]
+        if ctx.needs_input_grad[1]:
+            grad_h = _shrink(g2d, rows, b, b_t, b.shape[2], plan)
+        if ctx.needs_input_grad[2]:
+            grad_b = _new_weight_grad(b, plan)
+            _weight_grad(h, g2d, rows, grad_b, (grad_b.stride(0), grad_b.stride(2), grad_b.stride(1)), plan)
+        return grad_out, grad_h, grad_b, None, None
+
+
+def gather_shrink(
+    x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, plan: RoutingPlan, rows: torch.Tensor
+) -> torch.Tensor:
+    """``h[i] = scale[s_i] * x[rows[i]] @ a[s_i]^T`` for the routed tokens in grouped order."""
+    return _GatherShrink.apply(x, a, scale, plan, rows)
+
+
+def scatter_expand_add_(
+    out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, plan: RoutingPlan, rows: torch.Tensor
+) -> torch.Tensor:
+    """In place: ``out.view(-1, M)[rows[i]] += h[i] @ b[s_i]^T``; returns ``out``."""
+    return _ScatterExpandAdd.apply(out, h, b, plan, rows)
