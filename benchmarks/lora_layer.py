@@ -45,9 +45,9 @@ def _time_once(device: torch.device, fn: Callable[[], None], iters: int) -> floa
 
 def _time_round_robin(
     device: torch.device, fns: list[Callable[[], None]], warmup: int, iters: int, rounds: int
-) -> list[float]:
-    """Median over ``rounds`` of each function's mean time; the rounds visit every function in turn,
-    so clock or thermal drift during the run shifts all variants alike."""
+) -> list[list[float]]:
+    """Each function's mean time in every round; the rounds visit every function in turn, so clock
+    or thermal drift during the run shifts all variants alike."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -57,7 +57,7 @@ def _time_round_robin(
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             samples[i].append(_time_once(device, fn, iters))
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
 def _fwd_bwd(
@@ -86,7 +86,7 @@ def bench(
     seq_len: int = 256,
     kernels: tuple[str, ...] = ("torch",),
     rounds: int = 5,
-) -> list[tuple[str, float, float]]:
+) -> list[tuple[str, float, float, float]]:
     torch.manual_seed(0)
     base = nn.Linear(dim, dim, bias=False, device=device, dtype=dtype).requires_grad_(False)
     x = torch.randn(tokens, 1, dim, device=device, dtype=dtype, requires_grad=True)
@@ -105,6 +105,8 @@ def bench(
     a = nn.Parameter(torch.randn(rank, dim, device=device, dtype=dtype) / dim**0.5)
     b = nn.Parameter(torch.randn(dim, rank, device=device, dtype=dtype) / rank**0.5)
     timed("single LoRA", lambda: base(x) + (x @ a.t() * 0.5) @ b.t(), [x, a, b])
+    # The same single LoRA timed again: how far two runs of identical work differ (the noise).
+    timed("single LoRA (control)", lambda: base(x) + (x @ a.t() * 0.5) @ b.t(), [x, a, b])
     plan_rows = []
     for n in slot_counts:
         layer = MultiLoRALinear(base, n, rank, key=f"bench.{n}")
@@ -116,7 +118,7 @@ def bench(
         ids = torch.randint(0, n, (1, tokens), device=device)
         plan_ms = _time_round_robin(
             device, [lambda ids=ids, n=n: build_routing_plan(ids, n)], warmup, iters, 1
-        )[0]
+        )[0][0]
         token_plan = build_routing_plan(ids, n)
         seq_plan = None
         if tokens % seq_len == 0:
@@ -125,7 +127,7 @@ def bench(
             seq_ids = torch.randint(0, n, (batch, 1), device=device).expand(batch, seq_len).contiguous()
             seq_plan_ms = _time_round_robin(
                 device, [lambda i=seq_ids, n=n: build_routing_plan(i, n)], warmup, iters, 1
-            )[0]
+            )[0][0]
             seq_plan = build_routing_plan(seq_ids, n)
             assert seq_plan.seq_slots is not None
             plan_rows.append((n, plan_ms, seq_plan_ms))
@@ -144,25 +146,30 @@ def bench(
                     lambda kind=kind, r=routed, p=seq_plan, xs=xs: r(plan=p, kind=kind, inp=xs),
                     [xs, *params],
                 )
-    fwd_ms = _time_round_robin(device, [v[1] for v in variants], warmup, iters, rounds)
-    both_ms = _time_round_robin(device, [v[2] for v in variants], warmup, iters, rounds)
+    fwd = _time_round_robin(device, [v[1] for v in variants], warmup, iters, rounds)
+    both = _time_round_robin(device, [v[2] for v in variants], warmup, iters, rounds)
     for n, token_ms, seq_ms in plan_rows:
         print(
             f"routing plan, N={n}: per-token {token_ms:.2f} ms, per-seq {seq_ms:.2f} ms (once per micro-batch)"
         )
-    return [(v[0], f, b) for v, f, b in zip(variants, fwd_ms, both_ms, strict=True)]
+    return [
+        (v[0], statistics.median(f), statistics.median(b), (max(b) - min(b)) / statistics.median(b))
+        for v, f, b in zip(variants, fwd, both, strict=True)
+    ]
 
 
-def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
+def print_table(title: str, rows: list[tuple[str, float, float, float]]) -> None:
+    """Medians over the rounds; ``spread``: (max - min) / median of the fwd+bwd rounds."""
     base_f, base_b = rows[0][1], rows[0][2]
     one_f, one_b = rows[1][1], rows[1][2]
     print(f"\n{title}")
-    header = f"{'variant':<42}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd/1LoRA':>11}{'f+b/1LoRA':>11}{'fwd/base':>10}{'f+b/base':>10}"
+    header = f"{'variant':<42}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd/1LoRA':>11}{'f+b/1LoRA':>11}{'fwd/base':>10}{'f+b/base':>10}{'spread':>8}"
     print(header)
     print("-" * len(header))
-    for name, f, b in rows:
+    for name, f, b, spread in rows:
         print(
-            f"{name:<42}{f:>10.3f}{b:>12.3f}{f / one_f:>11.3f}{b / one_b:>11.3f}{f / base_f:>10.3f}{b / base_b:>10.3f}"
+            f"{name:<42}{f:>10.3f}{b:>12.3f}{f / one_f:>11.3f}{b / one_b:>11.3f}{f / base_f:>10.3f}"
+            f"{b / base_b:>10.3f}{spread:>8.1%}"
         )
 
 

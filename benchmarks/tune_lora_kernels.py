@@ -125,7 +125,7 @@ def tune(
             BLOCK_T=[32, 64],
             BLOCK_Q=[128, 256],
             MIN_CHUNK=[512],
-            CHUNKS_PER_PASS=[16],
+            CHUNKS_PER_SLOT=[16],
             num_warps=[4, 8],
             num_stages=[2, 3],
         ):

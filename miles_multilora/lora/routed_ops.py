@@ -17,11 +17,14 @@ from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.routing import RoutingPlan
 
 
-def _split_segments(counts: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
-    """Split each slot's segment of grouped tokens into pieces of at most ``block``."""
+def _split_segments(counts: tuple[int, ...], block: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Split each slot's segment of grouped tokens into pieces of at most ``block`` (one size, or
+    one per slot)."""
     c = torch.tensor(counts, dtype=torch.int64)
     seg_start = c.cumsum(0) - c
     pieces = (c + block - 1) // block
+    if isinstance(block, torch.Tensor):
+        block = block.repeat_interleave(pieces)
     slot = torch.repeat_interleave(torch.arange(len(counts)), pieces)
     first_piece = pieces.cumsum(0) - pieces
     local = torch.arange(int(pieces.sum())) - first_piece[slot]
@@ -39,11 +42,15 @@ def tile_schedule(plan: RoutingPlan, block_m: int, device: torch.device) -> torc
     return plan.schedules[key]
 
 
-def chunk_length(num_routed: int, cfg: dict) -> int:
-    """Tokens per weight-gradient program: enough programs to fill the GPU, few fp32 partials."""
-    per_pass = -(-num_routed // cfg["CHUNKS_PER_PASS"])
+def chunk_lengths(counts: tuple[int, ...], cfg: dict) -> torch.Tensor:
+    """Tokens per weight-gradient program for each slot: at most ``CHUNKS_PER_SLOT`` chunks of at
+    least ``MIN_CHUNK`` tokens. A slot's chunking depends on its own token count only, so its
+    gradient is summed in the same order whatever the other slots hold (co-training equals
+    training alone)."""
+    c = torch.tensor(counts, dtype=torch.int64)
     block = cfg["BLOCK_T"]
-    return max(cfg["MIN_CHUNK"], -(-per_pass // block) * block)
+    per_chunk = (c + cfg["CHUNKS_PER_SLOT"] - 1) // cfg["CHUNKS_PER_SLOT"]
+    return torch.clamp((per_chunk + block - 1) // block * block, min=cfg["MIN_CHUNK"])
 
 
 def weight_grad_schedule(
@@ -51,13 +58,18 @@ def weight_grad_schedule(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Chunks ``[4, n]`` (slot, start, end, partial index or -1 when the slot has one chunk),
     reductions ``[3, m]`` (slot, first partial, count) and the number of partials (cached on the plan)."""
-    length = chunk_length(plan.num_routed, cfg)
-    key = ("chunks", length, str(device))
+    key = ("chunks", cfg["BLOCK_T"], cfg["MIN_CHUNK"], cfg["CHUNKS_PER_SLOT"], str(device))
     if key not in plan.schedules:
-        slot, start, end, pieces = _split_segments(plan.counts, length)
+        slot, start, end, pieces = _split_segments(plan.counts, chunk_lengths(plan.counts, cfg))
         multi = pieces[slot] > 1
         dest = torch.full_like(slot, -1)
         dest[multi] = torch.arange(int(multi.sum()))
+        # A slot without tokens gets one empty chunk: its program writes the zero gradient, so the
+        # gradient buffer never needs a separate zero fill.
+        empty = torch.nonzero(pieces == 0).flatten()
+        none = torch.zeros_like(empty)
+        slot, start = torch.cat([slot, empty]), torch.cat([start, none])
+        end, dest = torch.cat([end, none]), torch.cat([dest, none - 1])
         red_slots = torch.nonzero(pieces > 1).flatten()
         red_count = pieces[red_slots]
         red_first = red_count.cumsum(0) - red_count
@@ -67,14 +79,6 @@ def weight_grad_schedule(
         )
         plan.schedules[key] = (chunks, reductions, int(multi.sum()))
     return plan.schedules[key]
-
-
-def _new_weight_grad(weight: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """A gradient buffer for ``weight``; zeroed only when some slot got no token (the kernels write
-    every slot that did)."""
-    if all(plan.counts):
-        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def _weight_grad(
@@ -120,7 +124,7 @@ class _GatherShrink(torch.autograd.Function):
             # dx[rows[i]] = grad_z[i] @ A_s: W[s][r, k] = A[s, r, k]
             _expand(grad_x, grad_z, rows, a, (a.stride(0), a.stride(2), a.stride(1)), plan, accumulate=False)
         if ctx.needs_input_grad[1]:
-            grad_a = _new_weight_grad(a, plan)
+            grad_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)  # every slot is written
             _weight_grad(
                 grad_z, x, rows, grad_a, (grad_a.stride(0), grad_a.stride(1), grad_a.stride(2)), plan
             )
@@ -151,7 +155,7 @@ class _ScatterExpandAdd(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_h = _shrink(g2d, rows, b, b_t, b.shape[2], plan)
         if ctx.needs_input_grad[2]:
-            grad_b = _new_weight_grad(b, plan)
+            grad_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)  # every slot is written
             _weight_grad(h, g2d, rows, grad_b, (grad_b.stride(0), grad_b.stride(2), grad_b.stride(1)), plan)
         return grad_out, grad_h, grad_b, None, None
 

@@ -194,8 +194,8 @@ if HAVE_TRITON:
 # per kernel and LoRA rank bucket, measured on an H100 by ``benchmarks/tune_lora_kernels.py``
 # (which can write a JSON file of another GPU's best; point MILES_MULTILORA_LORA_TUNING at it).
 # ``BLOCK_M``: grouped tokens per tile (the schedule is built for it); ``SPLIT_N``: programs per
-# tile along the output columns; ``CHUNKS_PER_PASS`` / ``MIN_CHUNK``: a weight-gradient program
-# reduces at most 1/CHUNKS_PER_PASS of the routed tokens but at least MIN_CHUNK of one slot.
+# tile along the output columns; ``CHUNKS_PER_SLOT`` / ``MIN_CHUNK``: a weight-gradient program
+# reduces at most 1/CHUNKS_PER_SLOT of one slot's tokens but at least MIN_CHUNK of them.
 SHRINK_CONFIGS = {
     16: dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=3),
     64: dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -205,8 +205,8 @@ EXPAND_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=128, SPLIT_N=4, num_warps=4, num_stages=1),
 }
 WGRAD_CONFIGS = {
-    16: dict(BLOCK_T=64, BLOCK_Q=128, MIN_CHUNK=512, CHUNKS_PER_PASS=16, num_warps=4, num_stages=2),
-    64: dict(BLOCK_T=64, BLOCK_Q=128, MIN_CHUNK=512, CHUNKS_PER_PASS=16, num_warps=8, num_stages=2),
+    16: dict(BLOCK_T=64, BLOCK_Q=128, MIN_CHUNK=1024, CHUNKS_PER_SLOT=16, num_warps=4, num_stages=2),
+    64: dict(BLOCK_T=64, BLOCK_Q=128, MIN_CHUNK=1024, CHUNKS_PER_SLOT=16, num_warps=8, num_stages=2),
 }
 REDUCE_BLOCK = 1024
 TUNING_ENV = "MILES_MULTILORA_LORA_TUNING"
@@ -321,7 +321,7 @@ def segment_weight_grad(
 ) -> torch.Tensor:
     """``D[s][p, q] = sum_{i in slot s} p[i, p] * x[rows[i], q]`` into ``out`` (``D[s][p, q]`` at
     ``s*so + p*sp + q*sq``). ``chunks`` is ``[4, n]`` (slot, start, end, partial index or -1) and
-    ``reductions`` ``[3, m]`` (slot, first partial, count). Slots absent from both are not written.
+    ``reductions`` ``[3, m]`` (slot, first partial, count). A chunk with no tokens writes zeros.
     """
     p_dim, q_dim = p.shape[1], x.shape[1]
     if chunks.shape[1] == 0:

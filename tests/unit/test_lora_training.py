@@ -111,7 +111,11 @@ def test_cotrained_adapter_equals_adapter_trained_alone():
         _train_step(alone, opt_a, {target: _data(target, step)})
     assert {0, 2} <= clipped  # clipping was active on some adapters, the target included
     for got, want in zip(_slot_weights(together, target), _slot_weights(alone, target), strict=True):
-        assert ((got - want).norm() / want.norm()).item() <= 1e-6  # fp32: only BLAS rounding differs
+        # fp32: only BLAS rounding differs. On a GPU the frozen base GEMMs see 4x more rows when
+        # co-trained, and cuBLAS picks other kernels (other rounding) for other shapes: measured
+        # 1.1e-6 on the H100 after 5 steps, so the bound there is 5e-6 (a leak would be ~1e-2).
+        tol = 5e-6 if got.is_cuda else 1e-6
+        assert ((got - want).norm() / want.norm()).item() <= tol
     assert opt_t.steps == [5, 5, 5, 5] and opt_a.steps == [0, 0, 5, 0]
     b_moved = _slot_weights(alone, target)[1]
     assert b_moved.abs().sum() > 0  # the adapter did train

@@ -95,7 +95,7 @@ def test_multi_chunk_weight_gradients_and_partial_tiles(device, monkeypatch):
     monkeypatch.setattr(
         tk, "EXPAND_CONFIGS", {16: {**tk.EXPAND_CONFIGS[16], **small, "BLOCK_N": 16, "SPLIT_N": 2}}
     )
-    wgrad = {"BLOCK_T": 32, "MIN_CHUNK": 64, "CHUNKS_PER_PASS": 64}
+    wgrad = {"BLOCK_T": 32, "MIN_CHUNK": 64, "CHUNKS_PER_SLOT": 64}
     monkeypatch.setattr(tk, "WGRAD_CONFIGS", {16: {**tk.WGRAD_CONFIGS[16], **wgrad}})
     torch.manual_seed(0)
     K, M, n = 136, 40, 5  # K is not a multiple of the kernel's K block
