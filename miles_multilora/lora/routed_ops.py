@@ -17,15 +17,14 @@ from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.routing import RoutingPlan
 
 
-def _split_segments(counts: tuple[int, ...], block: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Split each slot's segment of grouped tokens into pieces of at most ``block`` (one size, or
-    one per slot)."""
-    c = torch.tensor(counts, dtype=torch.int64)
+def _split_segments(c: torch.Tensor, block: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Split each slot's segment of grouped tokens (``c``: tokens per slot) into pieces of at most
+    ``block`` (one size, or one per slot)."""
     seg_start = c.cumsum(0) - c
     pieces = (c + block - 1) // block
     if isinstance(block, torch.Tensor):
         block = block.repeat_interleave(pieces)
-    slot = torch.repeat_interleave(torch.arange(len(counts)), pieces)
+    slot = torch.repeat_interleave(torch.arange(len(c)), pieces)
     first_piece = pieces.cumsum(0) - pieces
     local = torch.arange(int(pieces.sum())) - first_piece[slot]
     start = seg_start[slot] + local * block
@@ -37,17 +36,16 @@ def tile_schedule(plan: RoutingPlan, block_m: int, device: torch.device) -> torc
     """``[3, tiles]`` int32 (slot, start, end) for the shrink / expand kernels (cached on the plan)."""
     key = ("tiles", block_m, str(device))
     if key not in plan.schedules:
-        slot, start, end, _ = _split_segments(plan.counts, block_m)
+        slot, start, end, _ = _split_segments(torch.tensor(plan.counts), block_m)
         plan.schedules[key] = torch.stack([slot, start, end]).to(torch.int32).to(device, non_blocking=True)
     return plan.schedules[key]
 
 
-def chunk_lengths(counts: tuple[int, ...], cfg: dict) -> torch.Tensor:
+def chunk_lengths(c: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Tokens per weight-gradient program for each slot: at most ``CHUNKS_PER_SLOT`` chunks of at
     least ``MIN_CHUNK`` tokens. A slot's chunking depends on its own token count only, so its
     gradient is summed in the same order whatever the other slots hold (co-training equals
-    training alone)."""
-    c = torch.tensor(counts, dtype=torch.int64)
+    training alone). ``c``: tokens per slot."""
     block = cfg["BLOCK_T"]
     per_chunk = (c + cfg["CHUNKS_PER_SLOT"] - 1) // cfg["CHUNKS_PER_SLOT"]
     return torch.clamp((per_chunk + block - 1) // block * block, min=cfg["MIN_CHUNK"])
@@ -60,7 +58,8 @@ def weight_grad_schedule(
     reductions ``[3, m]`` (slot, first partial, count) and the number of partials (cached on the plan)."""
     key = ("chunks", cfg["BLOCK_T"], cfg["MIN_CHUNK"], cfg["CHUNKS_PER_SLOT"], str(device))
     if key not in plan.schedules:
-        slot, start, end, pieces = _split_segments(plan.counts, chunk_lengths(plan.counts, cfg))
+        counts = torch.tensor(plan.counts)
+        slot, start, end, pieces = _split_segments(counts, chunk_lengths(counts, cfg))
         multi = pieces[slot] > 1
         dest = torch.full_like(slot, -1)
         dest[multi] = torch.arange(int(multi.sum()))

@@ -96,13 +96,23 @@ def peft_reference(layer: MultiLoRALinear, base_fn, x: torch.Tensor, slot_ids: t
     return y + torch.stack(rows), x_ref, params
 
 
-def tiny_gpt_with_lora(num_slots: int, max_rank: int, seed: int = 0, **sizes):
-    """A tiny CPU GPTModel (the provider's) with MultiLoRA on all linear layers."""
+def tiny_gpt_with_lora(
+    num_slots: int,
+    max_rank: int,
+    seed: int = 0,
+    tp: int = 1,
+    rank: int | None = None,
+    kernels: str = "auto",
+    **sizes,
+):
+    """A tiny CPU GPTModel (the provider's) with MultiLoRA on all linear layers. With ``rank`` set,
+    this process is that rank of a ``tp``-process group (CPU init draws each full weight, then
+    shards it, so every TP size builds the same model)."""
     from miles_multilora.lora.inject import apply_multi_lora
     from miles_multilora.models import compat
     from miles_multilora.models.provider import build_tiny_gpt
 
-    compat.init_distributed(tp=1, pp=1, seed=0)
+    compat.init_distributed(tp=tp, pp=1, seed=0, rank=rank, world_size=None if rank is None else tp)
     kwargs = dict(
         num_layers=2,
         hidden_size=32,
@@ -114,7 +124,7 @@ def tiny_gpt_with_lora(num_slots: int, max_rank: int, seed: int = 0, **sizes):
     )
     kwargs.update(sizes)
     model = build_tiny_gpt(seed=seed, **kwargs)
-    apply_multi_lora(model, "all-linear", num_slots=num_slots, max_rank=max_rank)
+    apply_multi_lora(model, "all-linear", num_slots=num_slots, max_rank=max_rank, kernels=kernels)
     return model
 
 

@@ -45,6 +45,17 @@ def _pad_rank(r: int) -> int:
 if HAVE_TRITON:
 
     @triton.jit
+    def _tile_rows(tile, tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M: tl.constexpr):
+        """A tile's slot, its grouped-token offsets and mask, and their activation rows."""
+        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        return slot, offs_m, mask_m, rows
+
+    @triton.jit
     def _gather_shrink_kernel(
         x_ptr, rows_ptr, w_ptr, scale_ptr, y_ptr,
         tile_slot_ptr, tile_start_ptr, tile_end_ptr,
@@ -53,13 +64,9 @@ if HAVE_TRITON:
         HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        tile = tl.program_id(0)
-        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-        start = tl.load(tile_start_ptr + tile)
-        end = tl.load(tile_end_ptr + tile)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        slot, offs_m, mask_m, rows = _tile_rows(
+            tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
+        )
         offs_r = tl.arange(0, BLOCK_R)
         offs_k = tl.arange(0, BLOCK_K)
         mask_r = offs_r < R
@@ -93,14 +100,10 @@ if HAVE_TRITON:
     ):  # fmt: skip
         # Program (tile, j) covers output column blocks j, j + SPLIT_N, ...: h is loaded once and the
         # loop pipelines the next weight/output loads behind the current store.
-        tile = tl.program_id(0)
         pid_n = tl.program_id(1)
-        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-        start = tl.load(tile_start_ptr + tile)
-        end = tl.load(tile_end_ptr + tile)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        slot, offs_m, mask_m, rows = _tile_rows(
+            tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
+        )
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
         h = tl.load(

@@ -28,32 +28,14 @@ def _worker(
     from megatron.core.tensor_parallel import mappings
 
     from miles_multilora.config.adapter import OptimizerSpec
-    from miles_multilora.lora import (
-        apply_multi_lora,
-        export_slot,
-        init_slot,
-        layout,
-        load_slot,
-        multi_lora_layers,
-    )
-    from miles_multilora.lora.testing import lm_logits, per_row_lm_loss
+    from miles_multilora.lora import export_slot, init_slot, layout, load_slot, multi_lora_layers
+    from miles_multilora.lora.testing import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
     from miles_multilora.models import compat
-    from miles_multilora.models.provider import build_tiny_gpt
     from miles_multilora.optim import SlotAdamW
 
-    compat.init_distributed(tp=world, pp=1, seed=0, rank=rank, world_size=world)
-    # CPU init draws each full weight, then shards it: the same model for any TP size.
-    model = build_tiny_gpt(
-        num_layers=2,
-        hidden_size=32,
-        ffn_hidden_size=48,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=VOCAB,
-        max_seq_len=64,
-        seed=0,
+    model = tiny_gpt_with_lora(
+        num_slots=3, max_rank=4, tp=world, rank=rank, kernels=kernels, ffn_hidden_size=48, max_seq_len=64
     )
-    apply_multi_lora(model, "all-linear", num_slots=3, max_rank=4, kernels=kernels)
     init_slot(model, 0, rank=2, alpha=4.0, seed=5)  # B = 0: only B gets grads
     load_slot(model, 1, adapter_dir)  # peft-made, r=1: fused qkv rank 3, all grads non-zero
     opt = SlotAdamW(model)
