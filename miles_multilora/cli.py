@@ -19,6 +19,7 @@ from rich.console import Console
 from miles_multilora.errors import ConfigError
 
 CLIENT_COMMANDS = ("submit", "status", "cancel", "list")
+TOKEN_FILE_HELP = "file holding the bearer token (default: $MILES_MULTILORA_TOKEN; never on the command line)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                 "--all-runs", action="store_true", help="include earlier runs of re-registered names"
             )
         p.add_argument("--url", default=None, help="controller URL (default: $MILES_MULTILORA_URL)")
-        p.add_argument("--token", default=None, help="bearer token (default: $MILES_MULTILORA_TOKEN)")
+        p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
         p.add_argument("--state-dir", default=None, help="the service's controller state dir (finds its URL)")
     sched = sub.add_parser("schedule", help="submit/cancel adapters of a running service on a schedule file")
     sched.add_argument("schedule", help="schedule YAML (events: at/when + submit/cancel)")
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     sched.add_argument("--poll", type=float, default=1.0, help="seconds between polls of the controller")
     sched.add_argument("--connect-timeout", type=float, default=120.0, help="wait this long for the service")
     sched.add_argument("--url", default=None, help="controller URL (default: $MILES_MULTILORA_URL)")
-    sched.add_argument("--token", default=None, help="bearer token (default: $MILES_MULTILORA_TOKEN)")
+    sched.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
     sched.add_argument("--state-dir", default=None, help="the service's controller state dir (finds its URL)")
     return parser
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     try:
+        if args.command in (*CLIENT_COMMANDS, "schedule"):
+            from miles_multilora.controller.token import read_token
+
+            args.token = read_token(args.token_file, key="--token-file")
         if args.command in CLIENT_COMMANDS:
             from miles_multilora.controller.commands import run_command
 

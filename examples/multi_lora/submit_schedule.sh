@@ -5,7 +5,7 @@
 #   bash examples/multi_lora/submit_schedule.sh examples/multi_lora/schedules/demo.yaml \
 #       --state-dir runs/service/controller --wait          # or --url http://127.0.0.1:8321
 #
-# Options: --wait (until every adapter ended), --timeout S, --poll S, --token T (or
+# Options: --wait (until every adapter ended), --timeout S, --poll S, --token-file F (or
 # $MILES_MULTILORA_TOKEN). Exit code: 0 ok, 1 bad schedule / refused event, 2 unreachable, 3 timeout.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

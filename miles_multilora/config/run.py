@@ -83,13 +83,23 @@ class LoggingConfig:
 
 @dataclass
 class ControllerConfig:
+    """The controller and its HTTP API. The bearer token is never part of the config (it would be
+    written to ``config.yaml`` and show on command lines): it comes from ``$MILES_MULTILORA_TOKEN``
+    or from the file ``token_file`` (readable by its owner only)."""
+
     name: str = "multilora_controller"
     namespace: str = "miles_multilora"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # a non-loopback host requires a token
     port: int = 8321
-    token: str | None = None
+    token_file: str | None = None
     state_dir: str | None = None  # default: <output_dir>/controller
     idle_sleep_s: float = 2.0  # service mode: poll interval while nothing is RUNNING
+    # Specs submitted over HTTP may only name built-in rewards or @reward_function-s of these
+    # modules (imported at start), and local dataset files only under these directories.
+    reward_modules: list[str] = field(default_factory=list)
+    dataset_roots: list[str] = field(default_factory=list)
+    history_retention: int = 10_000  # finished runs remembered (get/list); older ones are forgotten
+    max_live_adapters: int = 1000  # PENDING + RUNNING + DRAINING at once
 
 
 @dataclass
@@ -137,6 +147,9 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.pp == 1, "model.pp", "pipeline parallelism is not supported by the trainer yet; use model.pp=1")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    c = cfg.controller
+    _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
+    _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
     _check(
         cfg.logging.wandb_mode in ("offline", "online", "disabled"),
         "logging.wandb_mode",

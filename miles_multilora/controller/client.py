@@ -6,10 +6,12 @@
 
 Errors come back as the server raised them: :class:`SpecError` (with the field to change),
 :class:`AdapterConflictError` (409), :class:`UnknownAdapterError` (404),
-:class:`ControllerAuthError` (401); an unreachable server raises
-:class:`ControllerUnavailableError`. :meth:`ControllerClient.from_env` resolves the URL and token
-from arguments, then ``MILES_MULTILORA_URL`` / ``MILES_MULTILORA_TOKEN``, then the endpoint file
-the controller actor writes into its ``state_dir``.
+:class:`ControllerAuthError` (401), a spec over the body limit as :class:`SpecError` (413);
+an unreachable or overloaded (503) server raises :class:`ControllerUnavailableError`. Specs are
+always sent as JSON: YAML files and text are parsed here (anchors and aliases refused).
+:meth:`ControllerClient.from_env` resolves the URL and token from arguments, then
+``MILES_MULTILORA_URL`` / ``MILES_MULTILORA_TOKEN``, then the endpoint file the controller actor
+writes into its ``state_dir``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import requests
+import yaml
 
 from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.config.safe_yaml import load_yaml_no_aliases
 from miles_multilora.controller import errors as cerrors
 from miles_multilora.controller.endpoint import read_endpoint
 from miles_multilora.errors import ConfigError, SpecError
@@ -44,6 +48,7 @@ _ERRORS_BY_STATUS: dict[int, type[cerrors.ControllerError]] = {
     401: cerrors.ControllerAuthError,
     404: cerrors.UnknownAdapterError,
     409: cerrors.AdapterConflictError,
+    503: cerrors.ControllerUnavailableError,  # over the server's connection cap: try again
 }
 _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -77,9 +82,10 @@ class ControllerClient:
         return cls(url, token=token or os.environ.get(TOKEN_ENV))
 
     def submit(self, spec: AdapterSpec | dict[str, Any] | str | Path) -> dict[str, Any]:
-        """Register an adapter: a spec file path, YAML/JSON text, a dict or an AdapterSpec."""
-        body, content_type = _spec_body(spec)
-        return self._request("POST", "/adapters", data=body.encode(), headers={"Content-Type": content_type})
+        """Register an adapter: a spec file path, YAML/JSON text, a dict or an AdapterSpec (always
+        sent as JSON; YAML is converted here, refusing anchors/aliases)."""
+        body = _spec_json(spec).encode()
+        return self._request("POST", "/adapters", data=body, headers={"Content-Type": "application/json"})
 
     def status(self, name: str) -> dict[str, Any]:
         return self._request("GET", f"/adapters/{requests.utils.quote(name, safe='')}")
@@ -109,19 +115,30 @@ class ControllerClient:
         raise _error_from_response(response.status_code, payload)
 
 
-def _spec_body(spec: AdapterSpec | dict[str, Any] | str | Path) -> tuple[str, str]:
+def _spec_json(spec: AdapterSpec | dict[str, Any] | str | Path) -> str:
+    """The spec as a JSON object: files and YAML/JSON text are parsed here (YAML without aliases)."""
     if isinstance(spec, AdapterSpec):
         spec = spec.to_dict()
-    if isinstance(spec, dict):
-        return json.dumps(spec), "application/json"
-    is_path = isinstance(spec, Path) or ("\n" not in spec and spec.strip().endswith(_SPEC_SUFFIXES))
-    if is_path:
-        path = Path(spec)
-        if not path.is_file():
-            raise SpecError(str(path), "adapter spec file not found")
-        text = path.read_text()
-        return text, "application/json" if path.suffix == ".json" else "application/yaml"
-    return str(spec), "application/json" if str(spec).lstrip().startswith("{") else "application/yaml"
+    if not isinstance(spec, dict):
+        is_path = isinstance(spec, Path) or ("\n" not in spec and spec.strip().endswith(_SPEC_SUFFIXES))
+        if is_path:
+            path = Path(spec)
+            if not path.is_file():
+                raise SpecError(str(path), "adapter spec file not found")
+            text, as_json = path.read_text(), path.suffix == ".json"
+        else:
+            text, as_json = str(spec), str(spec).lstrip().startswith("{")
+        try:
+            spec = json.loads(text) if as_json else load_yaml_no_aliases(text)
+        except (yaml.YAMLError, ValueError, RecursionError) as exc:
+            kind = "JSON" if as_json else "YAML"
+            raise SpecError("<spec>", f"not valid {kind}: {str(exc)[:300]}") from exc
+    if not isinstance(spec, dict):
+        raise SpecError("<spec>", f"an adapter spec must be a mapping, got {type(spec).__name__}")
+    try:
+        return json.dumps(spec, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise SpecError("<spec>", f"cannot be sent as JSON: {str(exc)[:300]}") from exc
 
 
 def _error_from_response(status: int, payload: Any) -> Exception:
@@ -130,5 +147,7 @@ def _error_from_response(status: int, payload: Any) -> Exception:
     if status == 400:
         cls400 = ConfigError if body.get("type") == "ConfigError" else SpecError
         return cls400(str(body.get("field", "<spec>")), message)
+    if status == 413:  # the spec is too large for the server's body limit
+        return SpecError("<spec>", f"{message} (HTTP 413)")
     cls = _ERRORS_BY_TYPE.get(str(body.get("type"))) or _ERRORS_BY_STATUS.get(status, cerrors.ControllerError)
     return cls(f"{message} (HTTP {status})")

@@ -1,43 +1,83 @@
-"""Small JSON HTTP API over a :class:`ControllerCore` (stdlib ``ThreadingHTTPServer``).
+"""JSON HTTP API over a :class:`ControllerCore` (FastAPI, served by uvicorn in a background thread).
 
-Routes (every response is JSON)::
+Routes (every response of the API is JSON; ``/docs`` is the Swagger UI page)::
 
-    GET    /health               200 {"status": "ok", "num_slots", "adapters": {state: n}, "slots": {...}}
-    POST   /adapters             201 record      body: an adapter spec, YAML or JSON (by Content-Type,
-                                                 else sniffed: a body starting with "{" is JSON)
+    GET    /health                200 {"status": "ok", "num_slots", "adapters": {state: n}, "slots": {...}}
+    POST   /adapters              201 record      body: an adapter spec as a JSON object
+                                                  (Content-Type: application/json)
     GET    /adapters[?all_runs=1] 200 {"adapters": [record, ...]}
-    GET    /adapters/{name}      200 record (with "spec")
-    DELETE /adapters/{name}      200 record      (cancel: PENDING -> CANCELLED, RUNNING -> DRAINING)
+    GET    /adapters/{name}       200 record (with "spec")
+    DELETE /adapters/{name}       200 record      (cancel: PENDING -> CANCELLED, RUNNING -> DRAINING)
+    GET    /docs, /openapi.json   API docs
 
-Errors: ``{"error": message, "type": error class}`` plus ``"field"`` (the spec key to change) on
-400; 401 missing or
-wrong bearer token (when a token is set; ``/health`` stays open), 404 unknown adapter or route,
-405 wrong method, 409 live duplicate name / adapter already finished, 411/413 body missing/too big.
-Binds 127.0.0.1 by default; ``port=0`` picks a free port (see :attr:`ControllerHTTPServer.url`).
+Errors: ``{"error": message, "type": error class}`` plus ``"field"`` (the spec key to change, or
+``"<body>"``) on 400; 401 missing or wrong bearer token, 404 unknown adapter or route, 405 wrong
+method, 408 body too slow, 409 live duplicate name / adapter already finished, 411 no body length,
+413 body over ``max_body_bytes``, 415 body not ``application/json``, 500 unexpected (logged),
+503 over the connection cap (uvicorn's plain-text answer).
+
+Auth: with a token, every route except ``/health``, ``/docs`` and ``/openapi.json`` (which stay
+open) needs ``Authorization: Bearer <token>``. A non-loopback host requires a token; loopback
+without one logs a warning. Specs POSTed here are registered with ``remote=True``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import math
+import socket
 import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+import time
+from typing import Any, NoReturn
 
-import yaml
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles_multilora.controller.core import ControllerCore
-from miles_multilora.controller.errors import ControllerError
+from miles_multilora.controller.errors import ControllerAuthError, ControllerError
 from miles_multilora.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
-JSON_TYPES = ("application/json",)
-YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+MAX_JSON_DEPTH = 32  # a spec nests 3 levels; deeper input is refused before the core sees it
+BODY_TIMEOUT_S = 30.0  # the whole request body must arrive within this
+KEEP_ALIVE_S = 5.0  # idle connections (before the first request too) are closed after this
+MAX_CONNECTIONS = 256  # open connections; a request on one more gets 503
+BACKLOG = 2048
+SHUTDOWN_TIMEOUT_S = 5.0
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+OPEN_PATHS = ("/health", "/docs", "/openapi.json")
+TOKEN_HINT = "set $MILES_MULTILORA_TOKEN or controller.token_file"
+
+
+class _JSON(JSONResponse):
+    """Strict JSON; NaN/Infinity (a diverged adapter's metrics) are written as null."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:
+            return super().render(_finite(content))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 class _HTTPError(Exception):
@@ -46,127 +86,215 @@ class _HTTPError(Exception):
         self.status, self.message, self.field = status, message, field
 
 
-def parse_spec_body(body: bytes, content_type: str | None) -> dict[str, Any]:
-    """Decode a POSTed spec (JSON or YAML) into a dict; raises a 400 naming the body."""
+def _error(
+    status: int, message: str, type_: str, field: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"error": message, "type": type_, **({"field": field} if field is not None else {})}
+    # Close after an error: a request body may be left unread.
+    return _JSON(body, status_code=status, headers={"Connection": "close", **(headers or {})})
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth(value: Any) -> int:
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        level = [
+            child
+            for node in level
+            if isinstance(node, dict | list)
+            for child in (node.values() if isinstance(node, dict) else node)
+        ]
+    return depth
+
+
+def parse_spec_body(body: bytes) -> dict[str, Any]:
+    """Decode a POSTed JSON spec into a dict; raises a 400 naming ``<body>``."""
     try:
-        text = body.decode("utf-8")
+        data = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
     except UnicodeDecodeError as exc:
         raise _HTTPError(400, f"body is not UTF-8: {exc}", "<body>") from exc
-    media = (content_type or "").split(";")[0].strip().lower()
-    as_json = media in JSON_TYPES or (media not in YAML_TYPES and text.lstrip().startswith("{"))
-    try:
-        data = json.loads(text) if as_json else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise _HTTPError(400, f"body is not valid {'JSON' if as_json else 'YAML'}: {exc}", "<body>") from exc
+    except RecursionError as exc:
+        raise _HTTPError(400, "body is not valid JSON: nested too deeply", "<body>") from exc
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity
+        raise _HTTPError(400, f"body is not valid JSON: {exc}", "<body>") from exc
     if not isinstance(data, dict):
-        raise _HTTPError(400, f"an adapter spec must be a mapping, got {type(data).__name__}", "<body>")
+        raise _HTTPError(400, f"an adapter spec must be a JSON object, got {type(data).__name__}", "<body>")
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise _HTTPError(400, f"body nests deeper than {MAX_JSON_DEPTH} levels", "<body>")
     return data
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, read incrementally: 413 as soon as it passes ``limit`` bytes."""
+    length = request.headers.get("content-length")
+    if length is None and "chunked" not in request.headers.get("transfer-encoding", "").lower():
+        raise _HTTPError(411, "a body with Content-Length is required: POST the adapter spec as JSON")
+    if length is not None and int(length) > limit:  # h11 has checked that it is a number
+        raise _HTTPError(413, f"body of {length} bytes is larger than the limit of {limit} bytes")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _HTTPError(413, f"body is larger than the limit of {limit} bytes")
+    except TimeoutError as exc:
+        raise _HTTPError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s") from exc
+    except ClientDisconnect as exc:
+        raise _HTTPError(400, "the client disconnected while sending the body", "<body>") from exc
+    if not body:
+        raise _HTTPError(400, "empty body: POST the adapter spec as a JSON object", "<body>")
+    return bytes(body)
 
-    def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
-        self._dispatch("GET")
 
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
+class _Guard:
+    """ASGI middleware: bearer-token check (except on open paths) and a JSON 500 for anything else."""
 
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._dispatch("DELETE")
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app, self.token = app, token
 
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
-
-    def do_PATCH(self) -> None:  # noqa: N802
-        self._dispatch("PATCH")
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-        logger.debug("%s " + format, self.address_string(), *args)
-
-    def _dispatch(self, method: str) -> None:
-        try:
-            status, body = self._route(method)
-        except _HTTPError as exc:
-            status, body = exc.status, {"error": exc.message, **({"field": exc.field} if exc.field else {})}
-        except ConfigError as exc:  # includes SpecError
-            status, body = 400, {"error": exc.message, "field": exc.key, "type": type(exc).__name__}
-        except ControllerError as exc:
-            status, body = exc.http_status, {"error": exc.message, "type": type(exc).__name__}
-        except Exception as exc:  # keep the server alive; the caller sees a 500 with the message
-            logger.exception("controller HTTP API: %s %s failed", method, self.path)
-            status, body = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
-        if status >= 400:
-            self.close_connection = True  # a request body may be left unread
-        self._send(status, body)
-
-    def _route(self, method: str) -> tuple[int, Any]:
-        url = urlsplit(self.path)
-        parts = [unquote(p) for p in url.path.strip("/").split("/") if p]
-        core = self.server.core
-        if parts == ["health"]:
-            self._allow(method, "GET")
-            return 200, core.health()
-        self._authorize()
-        if parts == ["adapters"]:
-            self._allow(method, "GET", "POST")
-            if method == "POST":
-                return 201, core.register(
-                    parse_spec_body(self._read_body(), self.headers.get("Content-Type"))
-                )
-            all_runs = parse_qs(url.query).get("all_runs", ["0"])[-1].lower() in ("1", "true", "yes")
-            return 200, {"adapters": core.list(all_runs=all_runs)}
-        if len(parts) == 2 and parts[0] == "adapters":
-            self._allow(method, "GET", "DELETE")
-            return 200, core.get(parts[1]) if method == "GET" else core.cancel(parts[1])
-        raise _HTTPError(404, f"no route {url.path}; see GET /health, /adapters, /adapters/{{name}}")
-
-    def _allow(self, method: str, *allowed: str) -> None:
-        if method not in allowed:
-            raise _HTTPError(405, f"{method} not allowed here; use {' or '.join(allowed)}")
-
-    def _authorize(self) -> None:
-        token = self.server.token
-        if token is None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        header = self.headers.get("Authorization", "")
-        given = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise _HTTPError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')")
+        if self.token is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            message = "missing or wrong bearer token (send 'Authorization: Bearer <token>')"
+            response = _error(
+                401, message, ControllerAuthError.__name__, headers={"WWW-Authenticate": "Bearer"}
+            )
+            await response(scope, receive, send)
+            return
+        started = False
 
-    def _read_body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise _HTTPError(411, "Content-Length is required")
-        if int(length) > self.server.max_body_bytes:
-            raise _HTTPError(413, f"body larger than {self.server.max_body_bytes} bytes")
-        return self.rfile.read(int(length))
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
-    def _send(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status, HTTPStatus(status).phrase)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if status == 401:
-            self.send_header("WWW-Authenticate", "Bearer")
-        if self.close_connection:
-            self.send_header("Connection", "close")  # so keep-alive clients open a new connection
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # keep serving; the caller sees a 500 with the message
+            logger.exception("controller HTTP API: %s %s failed", scope["method"], scope["path"])
+            if not started:
+                await _error(500, f"internal error: {type(exc).__name__}: {exc}", type(exc).__name__)(
+                    scope, receive, send
+                )
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.token is not None
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        given = header[len(b"Bearer ") :] if header.startswith(b"Bearer ") else b""
+        return hmac.compare_digest(given, self.token.encode())
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    core: ControllerCore
-    token: str | None
-    max_body_bytes: int
+def create_app(
+    core: ControllerCore, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The FastAPI app over ``core`` (blocking core calls run in the threadpool)."""
+    app = FastAPI(
+        title="miles_multilora controller",
+        description=(
+            "Register, inspect and cancel LoRA adapters. With a token, every route except /health, "
+            "/docs and /openapi.json (open) needs 'Authorization: Bearer <token>'."
+        ),
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
+        redirect_slashes=False,
+        default_response_class=_JSON,
+    )
+    app.add_middleware(_Guard, token=token)
+
+    @app.exception_handler(_HTTPError)
+    async def _on_http_error(request: Request, exc: _HTTPError) -> JSONResponse:
+        return _error(exc.status, exc.message, "HTTPError", exc.field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}; see GET /docs"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} not allowed on {request.url.path}; use {allowed}"
+        else:
+            message = str(exc.detail)
+        return _error(exc.status_code, message, "HTTPError", headers=exc.headers)
+
+    @app.exception_handler(ConfigError)  # SpecError included
+    async def _on_config_error(request: Request, exc: ConfigError) -> JSONResponse:
+        return _error(400, exc.message, type(exc).__name__, exc.key)
+
+    @app.exception_handler(ControllerError)
+    async def _on_controller_error(request: Request, exc: ControllerError) -> JSONResponse:
+        return _error(exc.http_status, exc.message, type(exc).__name__)
+
+    @app.get("/health", summary="Adapter and slot counts (open: no token needed)")
+    def health() -> JSONResponse:
+        return _JSON(core.health())
+
+    def register_body(body: bytes) -> dict[str, Any]:
+        return core.register(parse_spec_body(body), remote=True)
+
+    @app.post(
+        "/adapters",
+        status_code=201,
+        summary="Register an adapter (PENDING)",
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
+        },
+    )
+    async def register(request: Request) -> JSONResponse:
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            got = f"Content-Type {media}" if media else "no Content-Type"
+            raise _HTTPError(
+                415,
+                f"send the adapter spec as JSON (Content-Type: application/json), got {got}; "
+                "`miles-multilora submit` converts YAML files",
+            )
+        body = await _read_body(request, max_body_bytes)
+        return _JSON(await run_in_threadpool(register_body, body), status_code=201)
+
+    @app.get("/adapters", summary="Latest run of every adapter (all_runs=1: every run)")
+    def list_adapters(all_runs: str = "0") -> JSONResponse:
+        return _JSON({"adapters": core.list(all_runs=all_runs.lower() in ("1", "true", "yes"))})
+
+    @app.get("/adapters/{name}", summary="One adapter's latest run, with its spec")
+    def get_adapter(name: str) -> JSONResponse:
+        return _JSON(core.get(name))
+
+    @app.delete("/adapters/{name}", summary="Cancel: PENDING -> CANCELLED, RUNNING -> DRAINING")
+    def cancel_adapter(name: str) -> JSONResponse:
+        return _JSON(core.cancel(name))
+
+    return app
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol, plus: the keep-alive timer also runs until a request's headers are
+    complete, so a connection that sends nothing (or trickles headers) is closed too."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.receive_data(data)
+        self.handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._unset_keepalive_if_required()  # a request is being served
 
 
 class ControllerHTTPServer:
-    """Serves a :class:`ControllerCore` over HTTP in a background thread.
+    """Serves a :class:`ControllerCore` over HTTP from a daemon thread of this process.
 
-    ``start()`` binds and returns the URL (``http://host:port``); ``stop()`` shuts it down.
+    ``start()`` binds, waits until the server accepts connections and returns the URL
+    (``http://host:port``; ``port=0`` picks a free port); ``stop()`` shuts it down (idempotent).
     """
 
     def __init__(
@@ -176,44 +304,106 @@ class ControllerHTTPServer:
         port: int = 0,
         token: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        keep_alive_s: float = KEEP_ALIVE_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if token is not None and not token:
             raise ConfigError(
                 "token", "an empty bearer token is not allowed; leave it unset (None) to disable auth"
             )
-        self._core, self._host, self._port = core, host, port
-        self._token, self._max_body_bytes = token, max_body_bytes
-        self._server: _Server | None = None
+        self._core, self._host, self._port, self._token = core, host, port, token
+        self._max_body_bytes, self._keep_alive_s, self._max_connections = (
+            max_body_bytes,
+            keep_alive_s,
+            max_connections,
+        )
+        self._url: str | None = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        if self._server is None:
+        if self._url is None:
             raise ControllerError("the controller HTTP server is not started")
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._url
 
     def start(self) -> str:
-        if self._server is not None:
-            return self.url
+        if self._url is not None:
+            return self._url
+        if self._token is None:
+            if self._host not in LOOPBACK_HOSTS:
+                raise ConfigError(
+                    "controller.token",
+                    f"a bearer token is required to serve on {self._host} (not loopback): {TOKEN_HINT}",
+                )
+            logger.warning(
+                "controller HTTP API on %s has no bearer token: any local process can submit and cancel "
+                "adapters; %s",
+                self._host,
+                TOKEN_HINT,
+            )
+        sock = self._bind()
+        config = uvicorn.Config(
+            create_app(self._core, self._token, self._max_body_bytes),
+            http=_Protocol,
+            ws="none",
+            lifespan="off",
+            loop="asyncio",
+            log_config=None,  # leave this process's logging alone
+            log_level="warning",
+            access_log=False,
+            server_header=False,
+            proxy_headers=False,
+            backlog=BACKLOG,
+            timeout_keep_alive=self._keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            limit_concurrency=self._max_connections + 1,  # uvicorn counts the asking connection
+            timeout_graceful_shutdown=int(SHUTDOWN_TIMEOUT_S),
+        )
+        server = uvicorn.Server(config)
+        # Not the main thread, so uvicorn installs no signal handlers.
+        thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="controller-http", daemon=True
+        )
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not server.started:
+            server.should_exit = True
+            thread.join(timeout=SHUTDOWN_TIMEOUT_S)
+            sock.close()
+            raise ControllerError(f"the controller HTTP server on {self._host}:{self._port} did not start")
+        host, port = sock.getsockname()[:2]
+        self._url = f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+        self._server, self._thread = server, thread
+        logger.info("controller HTTP API on %s", self._url)
+        return self._url
+
+    def _bind(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        # proto=IPPROTO_TCP: asyncio then sets TCP_NODELAY on every accepted connection (with proto 0
+        # it does not, and keep-alive responses wait ~40 ms on Nagle + delayed ACK).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
-            server = _Server((self._host, self._port), _Handler)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+            sock.listen(BACKLOG)
         except OSError as exc:
+            sock.close()
             raise ConfigError("controller.port", f"cannot bind {self._host}:{self._port}: {exc}") from exc
-        server.core, server.token, server.max_body_bytes = self._core, self._token, self._max_body_bytes
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="controller-http", daemon=True)
-        self._thread.start()
-        logger.info("controller HTTP API on %s", self.url)
-        if self._token is None and self._host not in ("127.0.0.1", "localhost", "::1"):
-            logger.warning("controller HTTP API listens on %s without a bearer token", self.url)
-        return self.url
+        return sock
 
     def stop(self) -> None:
-        if self._server is None:
+        """Stop accepting, close connections, wait for requests in flight, join the thread."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = self._url = None
+        if server is None or thread is None:
             return
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._server = self._thread = None
+        server.should_exit = True
+        thread.join(timeout=SHUTDOWN_TIMEOUT_S + 5)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(timeout=5)
+            logger.warning(
+                "controller HTTP server thread did not stop in time (alive: %s)", thread.is_alive()
+            )

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import socket
+import threading
+import time
+from urllib.parse import urlsplit
 
 import pytest
 import requests
 import yaml
 from rich.console import Console
 
+from miles_multilora.config.safe_yaml import load_yaml_no_aliases
 from miles_multilora.controller import (
     AdapterConflictError,
     ControllerAuthError,
@@ -52,6 +57,36 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+def connect(url: str, timeout: float = 5) -> socket.socket:
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+
+
+def raw_exchange(url: str, data: bytes) -> tuple[int, dict]:
+    """Send raw bytes, read until the server closes (it does after an error); (status, JSON body)."""
+    with connect(url) as conn:
+        conn.sendall(data)
+        response = b""
+        while chunk := conn.recv(65536):
+            response += chunk
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.fixture
+def open_server():
+    """Start servers without a token on 127.0.0.1; stops them after the test."""
+    servers = []
+
+    def start(core=None, **kwargs):
+        servers.append(ControllerHTTPServer(core or ControllerCore(num_slots=1, max_rank=16), **kwargs))
+        return servers[-1].start()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
 def test_server_reports_the_ephemeral_port_and_health_is_open(served):
     core, url = served
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
@@ -70,49 +105,59 @@ def test_missing_or_wrong_token_is_401_and_registers_nothing(served, headers):
     assert core.list(all_runs=True) == before
 
 
-def test_submit_yaml_json_and_sniffed_bodies(served, auth):
+def test_json_registers_and_anything_else_is_415(served, auth):
     core, url = served
-    response = requests.post(
-        f"{url}/adapters",
-        data=yaml.safe_dump(spec("y1")),
-        headers={**auth, "Content-Type": "application/yaml"},
-        timeout=5,
-    )
+    response = requests.post(f"{url}/adapters", json=spec("j1"), headers=auth, timeout=5)
     assert response.status_code == 201
     body = response.json()
     assert (body["name"], body["state"], body["spec"]["dataset"]["task"]) == (
-        "y1",
+        "j1",
         "PENDING",
         "basic_arithmetic",
     )
-    assert requests.post(f"{url}/adapters", json=spec("j1"), headers=auth, timeout=5).status_code == 201
-    for text in (json.dumps(spec("s1")), yaml.safe_dump(spec("s2"))):
-        response = requests.post(
-            f"{url}/adapters", data=text, headers={**auth, "Content-Type": "text/plain"}, timeout=5
-        )
-        assert response.status_code == 201, response.text
-    assert {"y1", "j1", "s1", "s2"} <= {r["name"] for r in core.list()}
+    charset = {**auth, "Content-Type": "application/json; charset=utf-8"}
+    assert (
+        requests.post(f"{url}/adapters", data=json.dumps(spec("j2")), headers=charset, timeout=5).status_code
+        == 201
+    )
+
+    before = core.list(all_runs=True)
+    for body, content_type in [
+        (yaml.safe_dump(spec("y1")), "application/yaml"),
+        (json.dumps(spec("s1")), "text/plain"),  # what a cross-site form/fetch could send
+        (yaml.safe_dump(spec("s2")), "text/plain"),
+        (json.dumps(spec("f1")), "application/x-www-form-urlencoded"),
+        (json.dumps(spec("n1")), None),
+    ]:
+        headers = {**auth, **({"Content-Type": content_type} if content_type else {})}
+        response = requests.post(f"{url}/adapters", data=body.encode(), headers=headers, timeout=5)
+        assert response.status_code == 415, (content_type, response.text)
+        assert "application/json" in response.json()["error"] and response.headers["Connection"] == "close"
+    assert core.list(all_runs=True) == before
 
 
 @pytest.mark.parametrize(
-    ("body", "content_type", "field"),
+    ("body", "field"),
     [
-        (json.dumps(spec("big", rank=64)), "application/json", "rank"),
-        (json.dumps(spec("bad/name")), "application/json", "name"),
-        (json.dumps(spec("typo", num_stepz=3)), "application/json", "num_stepz"),
-        ("{not json", "application/json", "<body>"),
-        ("name: [unclosed", "application/yaml", "<body>"),
-        ("- a\n- list\n", "application/yaml", "<body>"),
-        ("/etc/passwd.yaml", "text/plain", "<body>"),  # never read as a server-side path
+        (json.dumps(spec("big", rank=64)), "rank"),
+        (json.dumps(spec("bad/name")), "name"),
+        (json.dumps(spec("typo", num_stepz=3)), "num_stepz"),
+        ("{not json", "<body>"),
+        ("[1, 2]", "<body>"),
+        ('"/etc/passwd.yaml"', "<body>"),  # never read as a server-side path
+        ("[" * 100_000, "<body>"),  # RecursionError in the parser
+        ('{"a": ' * 40 + "1" + "}" * 40, "<body>"),  # parses, but nests too deep
+        (json.dumps(spec("nan"))[:-1] + ', "x": NaN}', "<body>"),
+        (b"\xff\xfe{}", "<body>"),
+        ("", "<body>"),
     ],
 )
-def test_invalid_spec_is_400_naming_the_field(served, auth, body, content_type, field):
+def test_invalid_spec_is_400_naming_the_field(served, auth, body, field):
     core, url = served
     before = core.list(all_runs=True)
-    response = requests.post(
-        f"{url}/adapters", data=body, headers={**auth, "Content-Type": content_type}, timeout=5
-    )
-    assert response.status_code == 400
+    headers = {**auth, "Content-Type": "application/json"}
+    response = requests.post(f"{url}/adapters", data=body, headers=headers, timeout=5)
+    assert response.status_code == 400, response.text
     assert field in response.json()["field"] and response.json()["error"]
     assert core.list(all_runs=True) == before
 
@@ -160,17 +205,171 @@ def test_running_adapter_cancel_over_http_drains(served, auth):
     assert response.status_code == 200 and response.json()["state"] == "DRAINING"
 
 
-def test_oversized_body_is_413(auth):
+def test_oversized_body_is_413_before_it_is_read(open_server):
     core = ControllerCore(num_slots=1, max_rank=16)
-    server = ControllerHTTPServer(core, max_body_bytes=64)
-    url = server.start()
+    url = open_server(core, max_body_bytes=64)
+    big = spec("x" * 60, prompt={"template": "y" * 200})
+    assert requests.post(f"{url}/adapters", json=big, timeout=5).status_code == 413
+    with pytest.raises(SpecError, match="413"):
+        ControllerClient(url).submit(big)
+
+    head = b"POST /adapters HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    # A huge Content-Length is refused at once, without waiting for the body.
+    status, body = raw_exchange(url, head + b"Content-Length: 1000000000\r\n\r\n")
+    assert status == 413 and "64 bytes" in body["error"]
+    # A chunked body is refused as soon as it passes the limit, though it never ends.
+    chunks = b"".join(b"20\r\n" + b"z" * 32 + b"\r\n" for _ in range(3))
+    status, body = raw_exchange(url, head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks)
+    assert status == 413
+    status, body = raw_exchange(url, head + b"\r\n")
+    assert status == 411 and "Content-Length" in body["error"]
+    assert core.list(all_runs=True) == []
+
+
+def test_twenty_concurrent_registrations_all_succeed(served, auth):
+    core, url = served
+    names = [f"conc{i}" for i in range(20)]
+    statuses: dict[str, int] = {}
+    barrier = threading.Barrier(len(names))
+
+    def submit(name: str) -> None:
+        barrier.wait()
+        statuses[name] = requests.post(
+            f"{url}/adapters", json=spec(name), headers=auth, timeout=30
+        ).status_code
+
+    threads = [threading.Thread(target=submit, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses == dict.fromkeys(names, 201)
+    assert set(names) <= {r["name"] for r in core.list()}
+
+
+def test_idle_connections_neither_block_requests_nor_stay_open(open_server):
+    url = open_server(keep_alive_s=0.5)
+    opened = time.monotonic()
+    idle = [connect(url) for _ in range(60)]
+    for conn in idle[:5]:  # headers trickled in but never finished count as idle too
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n")
     try:
-        response = requests.post(
-            f"{url}/adapters", json=spec("x" * 60, prompt={"template": "y" * 200}), timeout=5
-        )
-        assert response.status_code == 413 and core.list() == []
+        started = time.monotonic()
+        assert requests.get(f"{url}/health", timeout=5).status_code == 200
+        assert time.monotonic() - started < 1.0
+        for conn in idle:
+            assert conn.recv(1) == b""  # closed by the server (the timeout of connect() is 5 s)
+        assert time.monotonic() - opened < 0.5 + 1.5
+    finally:
+        for conn in idle:
+            conn.close()
+
+
+def test_connections_over_the_cap_get_503_not_a_hang(open_server):
+    url = open_server(max_connections=3)
+    idle = [connect(url) for _ in range(3)]
+    try:
+        response = requests.get(f"{url}/health", timeout=5)
+        assert response.status_code == 503
+        with pytest.raises(ControllerUnavailableError, match="503"):
+            ControllerClient(url).health()
+    finally:
+        for conn in idle:
+            conn.close()
+    deadline = time.monotonic() + 5
+    while requests.get(f"{url}/health", timeout=5).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_token_rules_at_start(caplog):
+    core = ControllerCore(num_slots=1, max_rank=16)
+    with pytest.raises(ConfigError, match="empty"):
+        ControllerHTTPServer(core, token="")
+    with socket.socket() as busy:  # the token check must come before binding (this port is taken)
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        with pytest.raises(ConfigError) as info:
+            ControllerHTTPServer(core, host="0.0.0.0", port=busy.getsockname()[1]).start()
+        assert info.value.key == "controller.token"
+        assert "MILES_MULTILORA_TOKEN" in info.value.message and "controller.token_file" in info.value.message
+        with pytest.raises(ConfigError) as info:
+            ControllerHTTPServer(core, port=busy.getsockname()[1], token=TOKEN).start()
+        assert info.value.key == "controller.port"
+
+    caplog.set_level(logging.WARNING, logger="miles_multilora.controller.http_api")
+    server = ControllerHTTPServer(core)
+    try:
+        url = server.start()
+        assert server.start() == url  # already started: no second warning
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1
+        assert "any local process" in warnings[0] and "MILES_MULTILORA_TOKEN" in warnings[0]
     finally:
         server.stop()
+        server.stop()  # idempotent
+    with pytest.raises(ControllerUnavailableError):  # stopped: the port no longer answers
+        ControllerClient(url, timeout_s=2).health()
+
+
+def test_docs_and_health_are_open_with_a_token(served):
+    core, url = served
+    spec_ = requests.get(f"{url}/openapi.json", timeout=5)
+    assert spec_.status_code == 200
+    paths = spec_.json()["paths"]
+    assert set(paths["/adapters"]) == {"get", "post"} and set(paths["/adapters/{name}"]) == {"get", "delete"}
+    assert "/health" in paths
+    assert requests.get(f"{url}/docs", timeout=5).status_code == 200
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+    assert requests.get(f"{url}/adapters", timeout=5).status_code == 401
+
+
+class _SpyCore(ControllerCore):
+    """Records how register is called; ``list`` fails like an unexpected bug would; ``health``
+    holds a NaN (strict JSON has none)."""
+
+    def __init__(self) -> None:
+        super().__init__(num_slots=1, max_rank=16)
+        self.remote_flags: list[bool] = []
+
+    def register(self, spec_source, *, remote=False):
+        self.remote_flags.append(remote)
+        return super().register(spec_source, remote=remote)
+
+    def list(self, all_runs=False):
+        raise RuntimeError("disk on fire")
+
+    def health(self):
+        return {**super().health(), "load": float("nan")}
+
+
+def test_posted_specs_are_remote_and_unexpected_errors_are_500(open_server, caplog):
+    core = _SpyCore()
+    url = open_server(core)
+    assert requests.post(f"{url}/adapters", json=spec("r1"), timeout=5).status_code == 201
+    assert core.remote_flags == [True]
+    with caplog.at_level(logging.ERROR, logger="miles_multilora.controller.http_api"):
+        response = requests.get(f"{url}/adapters", timeout=5)
+    assert response.status_code == 500 and "disk on fire" in response.json()["error"]
+    assert any(r.exc_info for r in caplog.records)  # logged with the traceback
+    assert requests.get(f"{url}/adapters/r1", timeout=5).json()["state"] == "PENDING"  # still serving
+    health = requests.get(f"{url}/health", timeout=5)
+    assert health.status_code == 200 and health.json()["load"] is None
+
+
+def test_client_parses_yaml_locally_and_refuses_aliases(tmp_path):
+    client = ControllerClient(closed_port_url(), timeout_s=2)  # any request would fail to connect
+    bomb = "a: &a [x, x, x, x]\nb: &b [*a, *a, *a, *a]\nc: &c [*b, *b, *b, *b]\nname: [*c, *c]\n"
+    anchored = tmp_path / "anchored.yaml"
+    anchored.write_text("name: &n x\nnum_steps: 5\ndataset: {task: basic_arithmetic}\n")
+    for source in (bomb, anchored):
+        with pytest.raises(SpecError) as info:
+            client.submit(source)
+        assert info.value.key == "<spec>" and "aliases" in info.value.message
+    for source in ("- a\n- list\n", "name: [unclosed"):
+        with pytest.raises(SpecError, match="<spec>"):
+            client.submit(source)
+    assert load_yaml_no_aliases("a: [1, {b: c}]") == {"a": [1, {"b": "c"}]}
 
 
 def test_client_round_trip_and_errors_map_back_to_their_classes(served, tmp_path):
