@@ -9,8 +9,9 @@ below (name pattern, ranges, exactly one stop condition) raise :class:`SpecError
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,30 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from miles_multilora.config.safe_yaml import load_yaml_no_aliases
 from miles_multilora.errors import SpecError
 
-ADAPTER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# A name is also a directory name: no dot or dash first (".", "..", "-x"), at least one letter or digit.
+ADAPTER_NAME_PATTERN = re.compile(r"^(?=.*[A-Za-z0-9])[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+MAX_SPEC_BYTES = 64 * 1024  # a whole spec, as JSON
+MAX_KWARGS_BYTES = 16 * 1024  # reward.kwargs / dataset.task_params, as JSON
+MAX_TEXT_CHARS = 16 * 1024  # prompt.template / prompt.system_prompt
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+# Upper bounds that keep one spec from asking for unbounded work or memory.
+LIMITS = {
+    "n_samples_per_prompt": 1024,
+    "prompts_per_step": 4096,
+    "samples_per_step": 65536,  # n_samples_per_prompt * prompts_per_step
+    "sampling.max_new_tokens": 131072,
+    "sampling.temperature": 100.0,
+    "reward.timeout_s": 3600.0,
+    "reward.max_consecutive_failures": 1000,
+    "optimizer.lr": 1.0,
+    "alpha": 1e6,
+    "num_steps": 10_000_000,
+    "num_epochs": 1_000_000,
+    "dataset.size": 10_000_000,
+}
 LR_SCHEDULES = ("constant", "cosine")
 EXTRACTION_RULES = ("last_number", "hash", "boxed", "none")
 
@@ -122,13 +144,30 @@ def _check(cond: bool, key: str, message: str) -> None:
         raise SpecError(key, message)
 
 
+def _check_finite(node: Any, prefix: str = "") -> None:
+    """Every float of the spec (nested dataclasses included) must be finite."""
+    for f in fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            _check_finite(value, f"{key}.")
+        elif isinstance(value, float):
+            _check(math.isfinite(value), key, f"must be a finite number, got {value}")
+
+
+def _check_max(key: str, value: float) -> None:
+    limit = LIMITS[key]
+    _check(value <= limit, key, f"{value} is above the limit of {limit}")
+
+
 def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> AdapterSpec:
     """Semantic checks that the schema cannot express. Raises :class:`SpecError`."""
     _check(
         isinstance(spec.name, str) and bool(ADAPTER_NAME_PATTERN.match(spec.name)),
         "name",
-        f"{spec.name!r} is not a valid adapter name: use 1-64 characters from A-Z a-z 0-9 . _ -",
+        f"{spec.name!r} is not a valid adapter name: use 1-64 characters from A-Z a-z 0-9 . _ -, "
+        "with at least one letter or digit, not starting with '.' or '-'",
     )
+    _check_finite(spec)
     _check(spec.rank >= 1, "rank", f"must be >= 1, got {spec.rank}")
     if max_rank is not None:
         _check(spec.rank <= max_rank, "rank", f"{spec.rank} exceeds the model's max_rank {max_rank}")
@@ -175,6 +214,33 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     if spec.num_epochs is not None:
         _check(spec.num_epochs >= 1, "num_epochs", "must be >= 1")
     _check(spec.save_interval >= 0, "save_interval", "must be >= 0")
+    _check(sp.top_k == -1 or sp.top_k >= 1, "sampling.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
+    _check(len(sp.stop) <= MAX_STOP_STRINGS, "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for i, stop in enumerate(sp.stop):
+        _check(
+            0 < len(stop) <= MAX_STOP_CHARS, f"sampling.stop[{i}]", f"must have 1-{MAX_STOP_CHARS} characters"
+        )
+    for key, text in (
+        ("prompt.template", spec.prompt.template),
+        ("prompt.system_prompt", spec.prompt.system_prompt),
+    ):
+        _check(len(text or "") <= MAX_TEXT_CHARS, key, f"longer than {MAX_TEXT_CHARS} characters")
+    _check(opt.total_steps is None or opt.total_steps >= 1, "optimizer.total_steps", "must be >= 1")
+    for key, value in (
+        ("n_samples_per_prompt", spec.n_samples_per_prompt),
+        ("prompts_per_step", spec.prompts_per_step),
+        ("samples_per_step", spec.n_samples_per_prompt * spec.prompts_per_step),
+        ("sampling.max_new_tokens", sp.max_new_tokens),
+        ("sampling.temperature", sp.temperature),
+        ("reward.timeout_s", rw.timeout_s),
+        ("reward.max_consecutive_failures", rw.max_consecutive_failures),
+        ("optimizer.lr", opt.lr),
+        ("alpha", spec.alpha),
+        ("num_steps", spec.num_steps or 0),
+        ("num_epochs", spec.num_epochs or 0),
+        ("dataset.size", ds.size),
+    ):
+        _check_max(key, value)
     return spec
 
 
@@ -187,20 +253,43 @@ def _load_source(source: AdapterSpec | dict[str, Any] | str | Path) -> dict[str,
         path = Path(source)
         if not path.is_file():
             raise SpecError(str(path), "adapter spec file not found")
+        if path.stat().st_size > MAX_SPEC_BYTES:
+            raise SpecError(str(path), f"larger than {MAX_SPEC_BYTES} bytes; an adapter spec is small")
         source = path.read_text()
     if isinstance(source, str):
+        if len(source) > MAX_SPEC_BYTES:
+            raise SpecError("<spec>", f"larger than {MAX_SPEC_BYTES} bytes; an adapter spec is small")
         try:
-            data = json.loads(source) if source.lstrip().startswith("{") else yaml.safe_load(source)
-        except (yaml.YAMLError, json.JSONDecodeError) as exc:
-            raise SpecError("<spec>", f"not valid YAML/JSON: {exc}") from exc
-        source = data
+            source = json.loads(source) if source.lstrip().startswith("{") else load_yaml_no_aliases(source)
+        except (yaml.YAMLError, json.JSONDecodeError, RecursionError) as exc:
+            raise SpecError("<spec>", f"not valid YAML/JSON: {str(exc)[:300]}") from exc
     if not isinstance(source, dict):
         raise SpecError("<spec>", f"an adapter spec must be a mapping, got {type(source).__name__}")
-    return (
-        OmegaConf.to_container(OmegaConf.create(source), resolve=True)
-        if not isinstance(source, dict)
-        else source
-    )
+    check_spec_size(source)
+    return source
+
+
+def _json_size(value: Any, key: str) -> int:
+    try:
+        return len(json.dumps(value, default=str))
+    except (RecursionError, ValueError) as exc:
+        raise SpecError(
+            key, f"cannot be serialised as JSON ({type(exc).__name__}): nested too deeply?"
+        ) from exc
+
+
+def check_spec_size(data: dict[str, Any]) -> None:
+    """Refuse an oversized spec before any schema work (which is slow on huge values)."""
+    if _json_size(data, "<spec>") > MAX_SPEC_BYTES:
+        raise SpecError("<spec>", f"larger than {MAX_SPEC_BYTES} bytes as JSON; an adapter spec is small")
+    for section, key in (("reward", "kwargs"), ("dataset", "task_params")):
+        part = data.get(section)
+        value = part.get(key) if isinstance(part, dict) else None
+        if value is not None and _json_size(value, f"{section}.{key}") > MAX_KWARGS_BYTES:
+            raise SpecError(
+                f"{section}.{key}",
+                f"larger than {MAX_KWARGS_BYTES} bytes as JSON; put large data in a file the function reads",
+            )
 
 
 def parse_adapter_spec(

@@ -28,7 +28,9 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.core import (
+    DEFAULT_HISTORY_RETENTION,
     ControllerCore,
     ResourceValidator,
     SpecSource,
@@ -57,13 +59,14 @@ class ControllerActor:
         validate_resources: ResourceValidator | str | None = None,
         name: str = DEFAULT_NAME,
         namespace: str = DEFAULT_NAMESPACE,
+        rules: AdmissionRules | None = None,
+        history_retention: int = DEFAULT_HISTORY_RETENTION,
     ) -> None:
+        kwargs = dict(validate_resources=validate_resources, rules=rules, history_retention=history_retention)
         if state_dir is None:
-            self._core = ControllerCore(num_slots, max_rank, validate_resources=validate_resources)
+            self._core = ControllerCore(num_slots, max_rank, **kwargs)
         else:
-            self._core = ControllerCore.restore(
-                state_dir, num_slots, max_rank, validate_resources=validate_resources
-            )
+            self._core = ControllerCore.restore(state_dir, num_slots, max_rank, **kwargs)
         self._state_dir = state_dir
         self._server = ControllerHTTPServer(self._core, host=host, port=port, token=token)
         self._url = self._server.start()
@@ -83,6 +86,7 @@ class ControllerActor:
         }
 
     def register(self, spec_source: SpecSource) -> dict[str, Any]:
+        """Register a spec of the operator (its local config): any reward code is allowed."""
         return self._core.register(spec_source)
 
     def cancel(self, name: str) -> dict[str, Any]:
@@ -135,6 +139,8 @@ def get_or_create_controller(
     port: int = 0,
     token: str | None = None,
     validate_resources: ResourceValidator | str | None = None,
+    rules: AdmissionRules | None = None,
+    history_retention: int = DEFAULT_HISTORY_RETENTION,
     max_restarts: int | None = None,
     timeout_s: float = 120.0,
 ) -> ActorHandle:
@@ -160,6 +166,8 @@ def get_or_create_controller(
         validate_resources=validate_resources,
         name=name,
         namespace=namespace,
+        rules=rules,
+        history_retention=history_retention,
     )
     config = ray.get(handle.config.remote(), timeout=timeout_s)
     if (config["num_slots"], config["max_rank"]) != (num_slots, max_rank):

@@ -23,6 +23,11 @@ Who calls what:
       core.mark_failed(name, reason)              # its reward/data failed, ...
 
 - after a restart: ``ControllerCore.restore(state_dir, num_slots, max_rank)``.
+
+Persistence stays cheap however long a service runs: the state file holds live runs only and is
+written when something changed (an idle snapshot writes nothing); a run that ends moves to the
+append-only run history (:mod:`.history`, ``history_retention`` finished runs kept). Specs are
+stored as the JSON dict computed once at registration, never re-validated to be saved.
 """
 
 from __future__ import annotations
@@ -36,24 +41,28 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
+from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.errors import (
     AdapterConflictError,
     ControllerError,
     IllegalTransitionError,
     UnknownAdapterError,
 )
+from miles_multilora.controller.history import RunHistory
 from miles_multilora.controller.persistence import load_state, save_state, state_path
-from miles_multilora.controller.record import AdapterRecord, jsonable_metrics
+from miles_multilora.controller.record import AdapterRecord, jsonable_metrics, public_from_history
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.controller.states import (
     AdapterState,
     SlotState,
     check_transition,
 )
+from miles_multilora.data.reward_registry import import_reward_modules
 from miles_multilora.errors import ConfigError, SpecError
 
 SpecSource = AdapterSpec | dict[str, Any] | str | Path
 ResourceValidator = Callable[[AdapterSpec], Any]
+DEFAULT_HISTORY_RETENTION = 10_000
 DEFAULT_RESOURCE_VALIDATOR = "miles_multilora.data.validation:validate_adapter_resources"
 
 
@@ -88,6 +97,9 @@ class ControllerCore:
             :class:`SpecError` when the adapter's dataset or reward cannot be resolved; called on
             :meth:`register` before any change. The project's own is
             :data:`DEFAULT_RESOURCE_VALIDATOR`.
+        rules: the operator's :class:`AdmissionRules` (reward modules, dataset roots, context
+            window, live-adapter cap); its reward modules are imported here, once.
+        history_retention: finished runs kept in the run history (older ones are forgotten).
     """
 
     def __init__(
@@ -96,6 +108,8 @@ class ControllerCore:
         max_rank: int,
         state_dir: str | Path | None = None,
         validate_resources: ResourceValidator | str | None = None,
+        rules: AdmissionRules | None = None,
+        history_retention: int = DEFAULT_HISTORY_RETENTION,
     ) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError("num_slots", f"must be an integer >= 1, got {num_slots!r}")
@@ -107,12 +121,17 @@ class ControllerCore:
                 f"{state_dir} already holds a controller state; use ControllerCore.restore() to "
                 "resume it, or choose an empty directory",
             )
+        if not isinstance(history_retention, int) or history_retention < 1:
+            raise ConfigError("controller.history_retention", f"must be >= 1, got {history_retention!r}")
         self.num_slots = num_slots
         self.max_rank = max_rank
+        self.rules = rules or AdmissionRules()
+        import_reward_modules(self.rules.reward_modules)
         self._validate_resources = resolve_resource_validator(validate_resources)
         self._lock = threading.RLock()
-        self._runs: dict[str, AdapterRecord] = {}  # run_id -> record, registration order
-        self._latest: dict[str, str] = {}  # adapter name -> run_id of its latest run
+        self._runs: dict[str, AdapterRecord] = {}  # run_id -> live record, registration order
+        self._latest: dict[str, str] = {}  # adapter name -> run_id of its live run
+        self._history = RunHistory(state_dir, history_retention)
         self._slot_states = [SlotState.FREE] * num_slots
         self._slot_owner: list[str | None] = [None] * num_slots  # run_id
         self._seq = 0
@@ -123,25 +142,42 @@ class ControllerCore:
 
     # ------------------------------------------------------------------ users
 
-    def register(self, spec_source: SpecSource) -> dict[str, Any]:
+    def register(self, spec_source: SpecSource, *, remote: bool = False) -> dict[str, Any]:
         """Validate and queue an adapter (PENDING). Returns its record.
 
+        ``remote=True`` marks a spec that came over the network: it may only name built-in or
+        operator-registered reward code (checked before anything is imported) and local dataset
+        files under the operator's dataset roots.
+
         Raises :class:`SpecError` (invalid spec or resources) or :class:`AdapterConflictError`
-        (an adapter of that name is live). A finished name may be registered again: new run id.
+        (an adapter of that name is live, or too many are). A finished name may be registered
+        again: new run id.
         """
         spec = parse_adapter_spec(spec_source, max_rank=self.max_rank)
+        self.rules.check(spec, remote=remote)
         if self._validate_resources is not None:
             self._validate_resources(spec)
+        spec_dict = spec.to_dict()
         with self._lock:
             current = self._latest_record(spec.name)
-            if current is not None and not current.state.finished:
+            if current is not None:
                 raise AdapterConflictError(
                     f"adapter {spec.name!r} is already {current.state.value} (run {current.run_id}); "
                     "cancel it or choose another name"
                 )
+            if len(self._runs) >= self.rules.max_live_adapters:
+                raise AdapterConflictError(
+                    f"{len(self._runs)} adapters are already pending or training (the limit is "
+                    f"{self.rules.max_live_adapters}); wait for some to end or cancel some"
+                )
             self._seq += 1
             record = AdapterRecord(
-                name=spec.name, run_id=f"{spec.name}-{self._seq}", seq=self._seq, spec=spec
+                name=spec.name,
+                run_id=f"{spec.name}-{self._seq}",
+                seq=self._seq,
+                spec=spec,
+                spec_dict=spec_dict,
+                remote=remote,
             )
             self._runs[record.run_id] = record
             self._latest[spec.name] = record.run_id
@@ -166,24 +202,45 @@ class ControllerCore:
     def get(self, name: str) -> dict[str, Any]:
         """The latest run of ``name`` (with its spec). Raises :class:`UnknownAdapterError`."""
         with self._lock:
-            return self._record(name).public(with_spec=True)
+            record = self._latest_record(name)
+            if record is not None:
+                return record.public(with_spec=True)
+            entry = self._history.latest(name)
+            if entry is None:
+                raise UnknownAdapterError(f"no adapter named {name!r} was registered (or it was forgotten)")
+            return public_from_history(entry, with_spec=True)
 
-    def list(self, all_runs: bool = False) -> list[dict[str, Any]]:
-        """Every adapter's latest run in registration order (``all_runs``: earlier runs too)."""
+    def list(self, all_runs: bool = False, limit: int | None = None) -> list[dict[str, Any]]:
+        """Every adapter's latest run in registration order (``all_runs``: earlier runs too;
+        ``limit``: only the newest that many). Finished runs come from the run history."""
         with self._lock:
-            records = self._runs.values() if all_runs else (self._runs[r] for r in self._latest.values())
-            return [r.public() for r in sorted(records, key=lambda r: r.seq)]
+            finished = self._history.entries() if all_runs else self._history.latest_entries()
+            if not all_runs:
+                finished = [e for e in finished if e["name"] not in self._latest]
+            rows = [(e["seq"], e) for e in finished] + [(r.seq, r) for r in self._runs.values()]
+            rows.sort(key=lambda row: row[0])
+            if limit is not None:
+                rows = rows[-limit:] if limit > 0 else []
+            return [
+                item.public() if isinstance(item, AdapterRecord) else public_from_history(item)
+                for _, item in rows
+            ]
 
     def health(self) -> dict[str, Any]:
-        """Counts for monitoring: adapters per state and slots per state."""
+        """Counts for monitoring: adapters per state (latest run of each name) and slots per state."""
         with self._lock:
-            latest = [self._runs[r] for r in self._latest.values()]
+            counts = {s.value: 0 for s in AdapterState}
+            for record in self._runs.values():
+                counts[record.state.value] += 1
+            for entry in self._history.latest_entries():
+                if entry["name"] not in self._latest:
+                    counts[entry["state"]] += 1
             return {
                 "status": "ok",
                 "num_slots": self.num_slots,
                 "max_rank": self.max_rank,
                 "snapshot_id": self._snapshot_id,
-                "adapters": {s.value: sum(r.state is s for r in latest) for s in AdapterState},
+                "adapters": counts,
                 "slots": {s.value: self._slot_states.count(s) for s in SlotState},
             }
 
@@ -192,7 +249,7 @@ class ControllerCore:
     def snapshot(self) -> Snapshot:
         """Grant FREE slots to PENDING adapters (FIFO), then return this step's immutable view."""
         with self._lock:
-            self._grant_free_slots()
+            granted = self._grant_free_slots()
             self._snapshot_id += 1
             resident = sorted((r for r in self._runs.values() if r.state.owns_slot), key=lambda r: r.slot)
             snap = Snapshot(
@@ -202,7 +259,8 @@ class ControllerCore:
                 draining=tuple(self._assignment(r) for r in resident if r.state is AdapterState.DRAINING),
                 slots_to_clear=tuple(i for i, s in enumerate(self._slot_states) if s is SlotState.DIRTY),
             )
-            self._commit()
+            if granted:  # an idle snapshot changes nothing worth writing
+                self._commit()
             return snap
 
     def report_step(self, results: Mapping[str, Mapping[str, Any]]) -> None:
@@ -212,11 +270,20 @@ class ControllerCore:
         Only adapters with ``trained=True`` advance their step; a reported ``step`` must equal the
         controller's count after this step. ``checkpoint`` (a complete checkpoint at that step)
         becomes the adapter's resume point. Reporting an adapter clears its ``needs_init``.
+        ``resumed: {"checkpoint": str, "step": int}`` says the trainer had to resume the adapter
+        from an older checkpoint than the controller's (the newer one was missing or unreadable):
+        the controller's count goes back to that step first.
         """
         with self._lock:
-            updates = [self._check_result(name, result) for name, result in results.items()]
+            updates = []
+            for name, result in results.items():
+                resumed = result.get("resumed") if isinstance(result, Mapping) else None
+                updates.append((self._check_result(name, result, resumed), resumed))
             now = time.time()
-            for record, trained, checkpoint, metrics in updates:
+            for (record, trained, checkpoint, metrics), resumed in updates:
+                if resumed:
+                    record.step = record.checkpoint_step = int(resumed["step"])
+                    record.last_checkpoint = str(resumed["checkpoint"])
                 if trained:
                     record.step += 1
                 if checkpoint is not None:
@@ -286,6 +353,8 @@ class ControllerCore:
         num_slots: int,
         max_rank: int,
         validate_resources: ResourceValidator | str | None = None,
+        rules: AdmissionRules | None = None,
+        history_retention: int = DEFAULT_HISTORY_RETENTION,
     ) -> ControllerCore:
         """The controller as persisted in ``state_dir`` (a fresh one when it holds no state).
 
@@ -298,8 +367,17 @@ class ControllerCore:
         a smaller max_rank) is marked FAILED with the reason.
         """
         data = load_state(state_dir)
-        core = cls(num_slots, max_rank, state_dir=None, validate_resources=validate_resources)
+        core = cls(
+            num_slots,
+            max_rank,
+            state_dir=None,
+            validate_resources=validate_resources,
+            rules=rules,
+            history_retention=history_retention,
+        )
         core._state_dir = Path(state_dir)
+        core._history = RunHistory(state_dir, history_retention)
+        core._history.load()
         if data is None:
             core._commit()
             return core
@@ -311,11 +389,13 @@ class ControllerCore:
             record.slot = None
             if not record.state.finished:
                 record.step = record.checkpoint_step
-        now = time.time()
-        for record in core._runs.values():
-            if not record.state.finished and record.spec.rank > max_rank:
-                record.state, record.finished_at = AdapterState.FAILED, now
-                record.reason = f"after restart: rank {record.spec.rank} exceeds max_rank {max_rank}"
+        for record in list(core._runs.values()):
+            if record.spec.rank > max_rank:
+                core._finish(
+                    record,
+                    AdapterState.FAILED,
+                    reason=f"after restart: rank {record.spec.rank} exceeds max_rank {max_rank}",
+                )
         for record in resident:
             if record.state.finished:
                 continue
@@ -332,14 +412,21 @@ class ControllerCore:
     # --------------------------------------------------------------- internal
 
     def _latest_record(self, name: str) -> AdapterRecord | None:
+        """The live run of ``name``, if any."""
         run_id = self._latest.get(name)
         return self._runs[run_id] if run_id is not None else None
 
     def _record(self, name: str) -> AdapterRecord:
         record = self._latest_record(name)
-        if record is None:
-            raise UnknownAdapterError(f"no adapter named {name!r} was registered")
-        return record
+        if record is not None:
+            return record
+        entry = self._history.latest(name)
+        if entry is not None:
+            raise IllegalTransitionError(
+                f"adapter {name!r} already ended {entry['state']} (run {entry['run_id']}); register it "
+                "again to start a new run"
+            )
+        raise UnknownAdapterError(f"no adapter named {name!r} was registered")
 
     def _transition(self, record: AdapterRecord, target: AdapterState) -> None:
         check_transition(record.name, record.state, target)
@@ -347,6 +434,8 @@ class ControllerCore:
         record.updated_at = time.time()
 
     def _finish(self, record: AdapterRecord, target: AdapterState, reason: str | None) -> None:
+        """End ``record``: free its slot (DIRTY) and move it to the run history (written first, so
+        a crash before the state file is rewritten finds it finished there)."""
         self._transition(record, target)
         record.reason = reason
         record.finished_at = record.updated_at
@@ -355,6 +444,10 @@ class ControllerCore:
             self._slot_states[record.slot] = SlotState.DIRTY
             self._slot_owner[record.slot] = None
             record.slot = None
+        self._history.append(record.history_entry())
+        del self._runs[record.run_id]
+        if self._latest.get(record.name) == record.run_id:
+            del self._latest[record.name]
 
     def _set_checkpoint(self, record: AdapterRecord, checkpoint: str | None) -> None:
         if checkpoint is not None:
@@ -371,18 +464,21 @@ class ControllerCore:
         record.needs_init = True
         record.updated_at = time.time()
 
-    def _grant_free_slots(self) -> None:
-        pending = sorted(
+    def _grant_free_slots(self) -> bool:
+        """Give FREE slots to PENDING adapters (FIFO); True when any was granted."""
+        granted = False
+        for record in sorted(
             (r for r in self._runs.values() if r.state is AdapterState.PENDING), key=lambda r: r.seq
-        )
-        for record in pending:
+        ):
             slot = self._free_slot()
             if slot is None:
-                return
+                break
             self._transition(record, AdapterState.RUNNING)
             if record.started_at is None:
                 record.started_at = record.updated_at
             self._own(record, slot)
+            granted = True
+        return granted
 
     def _assignment(self, record: AdapterRecord) -> SlotAssignment:
         assert record.slot is not None
@@ -395,10 +491,11 @@ class ControllerCore:
             version=record.step,
             resume_checkpoint=record.last_checkpoint,
             needs_init=record.needs_init,
+            remote=record.remote,
         )
 
     def _check_result(
-        self, name: str, result: Mapping[str, Any]
+        self, name: str, result: Mapping[str, Any], resumed: Any = None
     ) -> tuple[AdapterRecord, bool, str | None, dict]:
         record = self._record(name)
         if not record.state.owns_slot:
@@ -408,8 +505,15 @@ class ControllerCore:
             )
         if not isinstance(result, Mapping) or not isinstance(result.get("trained"), bool):
             raise ControllerError(f"result for {name!r} needs a bool 'trained', got {result!r}")
+        if resumed is not None and not (
+            isinstance(resumed, Mapping)
+            and isinstance(resumed.get("step"), int)
+            and resumed.get("checkpoint")
+        ):
+            raise ControllerError(f"result for {name!r}: 'resumed' needs 'step' and 'checkpoint'")
         trained = result["trained"]
-        expected = record.step + int(trained)
+        base = int(resumed["step"]) if resumed else record.step
+        expected = base + int(trained)
         reported = result.get("step")
         if reported is not None and reported != expected:
             raise ControllerError(
@@ -440,34 +544,41 @@ class ControllerCore:
             "slots": [s.value for s in self._slot_states],
             "slot_owners": list(self._slot_owner),
             "runs": [r.to_state() for r in self._runs.values()],
-            "latest": dict(self._latest),
         }
 
     def _load(self, data: dict[str, Any], reset_slots: bool) -> None:
+        """Live runs from a state dict (runs the history already holds as finished are dropped:
+        a crash hit between the two writes of :meth:`_finish`)."""
         self._seq = int(data["seq"])
         self._snapshot_id = int(data["snapshot_id"])
         self._runs = {}
+        invalid: list[tuple[AdapterRecord, str]] = []
         for item in data["runs"]:
+            if item["run_id"] in self._history:
+                continue
             try:
                 spec = parse_adapter_spec(item["spec"])
             except SpecError as exc:  # e.g. the schema changed since it was saved
-                spec = AdapterSpec(name=item["name"])
-                item = {**item, "spec_error": str(exc)}
-            record = AdapterRecord.from_state({k: v for k, v in item.items() if k != "spec_error"}, spec)
-            if "spec_error" in item and not record.state.finished:
-                record.state, record.reason = (
-                    AdapterState.FAILED,
-                    f"stored spec invalid: {item['spec_error']}",
-                )
-                record.finished_at = time.time()
+                spec, error = AdapterSpec(name=item["name"]), str(exc)
+            else:
+                error = None
+            record = AdapterRecord.from_state(item, spec)
+            if record.state.finished:  # a state file of an earlier version kept finished runs
+                self._history.append(record.history_entry())
+                continue
             self._runs[item["run_id"]] = record
-        self._latest = dict(data["latest"])
+            if error is not None:
+                invalid.append((record, error))
+        self._latest = {r.name: r.run_id for r in self._runs.values()}
         if reset_slots:
             self._slot_states = [SlotState.FREE] * self.num_slots
             self._slot_owner = [None] * self.num_slots
         else:
             self._slot_states = [SlotState(s) for s in data["slots"]]
             self._slot_owner = list(data["slot_owners"])
+        for record, error in invalid:
+            record.slot = None if reset_slots else record.slot
+            self._finish(record, AdapterState.FAILED, reason=f"stored spec invalid: {error}")
 
     def _commit(self) -> None:
         """Persist the current state; if writing fails, roll memory back to the last saved state."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import deque
@@ -11,7 +12,9 @@ from typing import Any
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.controller.states import AdapterState
 
-METRICS_HISTORY = 20  # recent per-step metric entries kept per adapter
+METRICS_HISTORY = 20  # recent per-step metric entries kept per live adapter
+FINISHED_METRICS = 1  # entries kept in the run history once an adapter has ended
+HISTORY_ONLY_KEYS = ("seq", "remote")  # in history entries, not in public records
 
 
 def jsonable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +44,8 @@ class AdapterRecord:
     run_id: str
     seq: int  # registration order: FIFO key for free slots
     spec: AdapterSpec
+    spec_dict: dict[str, Any] = field(default_factory=dict)  # ``spec`` as JSON, computed once
+    remote: bool = False  # submitted over the network (only operator-registered code allowed)
     state: AdapterState = AdapterState.PENDING
     slot: int | None = None
     step: int = 0
@@ -75,16 +80,24 @@ class AdapterRecord:
             "metrics": [dict(m) for m in self.metrics],
         }
         if with_spec:
-            out["spec"] = self.spec.to_dict()
+            out["spec"] = copy.deepcopy(self.spec_dict)
         return out
 
+    def history_entry(self) -> dict[str, Any]:
+        """The finished run as the run history keeps it: public record, spec, final metrics."""
+        entry = self.public(with_spec=True)
+        entry["metrics"] = entry["metrics"][-FINISHED_METRICS:]
+        entry.update(seq=self.seq, remote=self.remote)
+        return entry
+
     def to_state(self) -> dict[str, Any]:
-        """Everything needed to rebuild the record after a restart (JSON-able)."""
+        """Everything needed to rebuild the live record after a restart (JSON-able)."""
         return {
             "name": self.name,
             "run_id": self.run_id,
             "seq": self.seq,
-            "spec": self.spec.to_dict(),
+            "remote": self.remote,
+            "spec": self.spec_dict,
             "state": self.state.value,
             "slot": self.slot,
             "step": self.step,
@@ -102,6 +115,12 @@ class AdapterRecord:
     @classmethod
     def from_state(cls, data: dict[str, Any], spec: AdapterSpec) -> AdapterRecord:
         fields = {k: v for k, v in data.items() if k not in ("spec", "state", "metrics")}
-        record = cls(spec=spec, state=AdapterState(data["state"]), **fields)
+        record = cls(spec=spec, spec_dict=data["spec"], state=AdapterState(data["state"]), **fields)
         record.metrics.extend(data.get("metrics", []))
         return record
+
+
+def public_from_history(entry: dict[str, Any], with_spec: bool = False) -> dict[str, Any]:
+    """A history entry as :meth:`AdapterRecord.public` shows a record."""
+    drop = HISTORY_ONLY_KEYS if with_spec else (*HISTORY_ONLY_KEYS, "spec")
+    return {k: v for k, v in entry.items() if k not in drop}

@@ -20,7 +20,8 @@ class SlotAssignment:
     ``needs_init``: the trainer must (re)initialise the slot before training it: fresh LoRA init
     from ``spec.seed`` when ``resume_checkpoint`` is None, else load that checkpoint (after a
     controller restart, or when a requeued adapter got a slot again). It stays True in later
-    snapshots until the trainer reports a step that includes this adapter.
+    snapshots until the trainer reports a step that includes this adapter (a missing or unreadable
+    resume checkpoint falls back to the run's newest readable one, reported as ``resumed``).
     ``step``: optimizer steps applied to the slot's weights so far; ``version`` is the weight
     version samples are tagged with (equal to ``step``: the weights after ``step`` updates).
     """
@@ -33,6 +34,7 @@ class SlotAssignment:
     version: int
     resume_checkpoint: str | None
     needs_init: bool
+    remote: bool = False  # the spec came over the network: only operator-registered code may run
 
 
 @dataclass(frozen=True)

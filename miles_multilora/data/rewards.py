@@ -33,9 +33,10 @@ from miles_multilora.data.extraction import (
     reference_answer,
 )
 from miles_multilora.data.records import RewardSample
+from miles_multilora.data.reward_registry import BUILTIN_REWARDS
 from miles_multilora.errors import SpecError
 
-BUILTIN_REWARDS = ("reasoning_gym", "math_verify", "exact_match", "format")
+MAX_ABS_REWARD = 1e9  # larger values are treated as a failing reward (they overflow the statistics)
 CUSTOM_REWARD_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -63,6 +64,8 @@ def _as_output(value: Any) -> RewardOutput:
         raise TypeError(f"reward must be a number, got {type(value).__name__}")
     if not math.isfinite(float(value)):
         raise ValueError(f"reward is not finite: {value}")
+    if abs(float(value)) > MAX_ABS_REWARD:
+        raise ValueError(f"reward {float(value):g} is out of range: |reward| must be <= {MAX_ABS_REWARD:g}")
     return RewardOutput(float(value), correct)
 
 

@@ -163,7 +163,16 @@ class MultiLoRADataSource:
 
     # --- drawing --------------------------------------------------------------------------------
     def _take(self, name: str, k: int) -> list[PromptItem]:
+        """Up to ``k`` prompts of ``name``; on any error its cursor stays where it was."""
         cursor = self._cursor(name)
+        saved = (cursor.epoch, cursor.offset, cursor.drawn)
+        try:
+            return self._draw(name, cursor, k)
+        except BaseException:
+            cursor.epoch, cursor.offset, cursor.drawn = saved
+            raise
+
+    def _draw(self, name: str, cursor: _Cursor, k: int) -> list[PromptItem]:
         items: list[PromptItem] = []
         while len(items) < k and not cursor.exhausted:
             index = int(cursor.permutation()[cursor.offset])
@@ -187,11 +196,15 @@ class MultiLoRADataSource:
                 cursor.offset = 0
         return items
 
-    def next_batch(self, names: Iterable[str] | None = None) -> dict[str, list[PromptItem]]:
+    def next_batch(
+        self, names: Iterable[str] | None = None, errors: dict[str, Exception] | None = None
+    ) -> dict[str, list[PromptItem]]:
         """Prompts for this step: ``{adapter: prompts_per_step items}`` for the adapters the policy picks.
 
         ``names`` restricts the candidates (e.g. the adapters RUNNING now); exhausted adapters are
-        skipped. An adapter's last batch may be short when its final epoch ends.
+        skipped. An adapter's last batch may be short when its final epoch ends. With ``errors``
+        given, an adapter whose data fails (a row its template cannot render, ...) is left out and
+        its exception recorded there, its cursor unmoved; without it the error propagates.
         """
         candidates = self.names if names is None else list(names)
         for name in candidates:
@@ -199,7 +212,13 @@ class MultiLoRADataSource:
         live = [n for n in candidates if not self._cursors[n].exhausted]
         out: dict[str, list[PromptItem]] = {}
         for name in self.policy.select(live):
-            items = self._take(name, self._cursors[name].spec.prompts_per_step)
+            try:
+                items = self._take(name, self._cursors[name].spec.prompts_per_step)
+            except Exception as exc:
+                if errors is None:
+                    raise
+                errors[name] = exc
+                continue
             if items:
                 out[name] = items
         return out

@@ -11,16 +11,19 @@ from miles_multilora.data.datasets import (
 )
 from miles_multilora.data.prompts import fill_template
 from miles_multilora.data.records import DatasetRow
+from miles_multilora.data.reward_manager import call_with_timeout
 from miles_multilora.data.rewards import check_reward_spec
 from miles_multilora.errors import SpecError
+
+HUB_LOAD_TIMEOUT_S = 120.0
 
 
 def validate_adapter_resources(spec: AdapterSpec) -> None:
     """Check that ``spec``'s dataset and reward resolve; raise :class:`SpecError` naming the key.
 
-    - local dataset: the file/dir exists, loads, and has ``prompt_key`` / ``answer_key`` columns,
-      and the prompt template's fields exist in its rows;
-    - hub id (not local): well-formed (not downloaded here: the hub may be unreachable);
+    - local dataset or hub id: it loads (a hub dataset from the local cache, or downloaded once
+      when the hub is reachable, within ``HUB_LOAD_TIMEOUT_S``), has ``prompt_key`` /
+      ``answer_key`` columns, and the prompt template's fields exist in its first row;
     - reasoning-gym: the task exists and accepts ``task_params``;
     - reward: a built-in name with what it needs, or an importable ``module:function``.
     """
@@ -32,8 +35,15 @@ def validate_adapter_resources(spec: AdapterSpec) -> None:
         generator = create_reasoning_gym_dataset(ds.task, dict(ds.task_params or {}), 1, ds.seed)
         entry = generator[0]
         row = DatasetRow(str(entry["question"]), str(entry.get("answer")), {}, dict(entry))
-    elif looks_local(ds.path or ""):
-        data = load_hf_dataset(ds.path or "", ds.split)
+    elif looks_local(ds.path or "") or is_hub_id(ds.path or ""):
+        try:
+            data = call_with_timeout(
+                lambda: load_hf_dataset(ds.path or "", ds.split), HUB_LOAD_TIMEOUT_S, "dataset load"
+            )
+        except TimeoutError as exc:
+            raise SpecError(
+                "dataset.path", f"{ds.path!r} did not load within {HUB_LOAD_TIMEOUT_S:g} s"
+            ) from exc
         columns = list(data.column_names)
         for key, column in (("dataset.prompt_key", ds.prompt_key), ("dataset.answer_key", ds.answer_key)):
             if column not in columns:
@@ -42,7 +52,7 @@ def validate_adapter_resources(spec: AdapterSpec) -> None:
             raise SpecError("dataset.path", f"{ds.path} has no rows")
         first = dict(data[0])
         row = DatasetRow(str(first[ds.prompt_key]), str(first[ds.answer_key]), {}, first)
-    elif not is_hub_id(ds.path or ""):
+    else:
         raise SpecError(
             "dataset.path", f"{ds.path!r} is neither an existing local path nor a hub id (owner/name)"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import threading
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from miles_multilora.controller import (
     IllegalTransitionError,
     UnknownAdapterError,
 )
+from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
 from miles_multilora.controller.states import FINISHED_STATES, check_transition
 from miles_multilora.errors import ConfigError, SpecError
@@ -167,15 +169,44 @@ def test_slot_is_reused_only_after_the_trainer_cleared_it():
         ({"name": "nodata", "num_steps": 3}, "dataset"),
         (spec("typo", learning_rate=1.0), "learning_rate"),
         ("name: [unclosed", "<spec>"),
+        (spec("."), "name"),
+        (spec("..."), "name"),
+        (spec("-x"), "name"),
+        (spec(".hidden"), "name"),
+        (spec("___"), "name"),
+        (spec("inf_lr", optimizer={"lr": float("inf")}), "optimizer.lr"),
+        (spec("nan_alpha", alpha=float("nan")), "alpha"),
+        (spec("inf_temp", sampling={"temperature": float("inf")}), "sampling.temperature"),
+        (spec("inf_timeout", reward={"timeout_s": float("inf")}), "reward.timeout_s"),
+        (spec("huge_lr", optimizer={"lr": 5.0}), "optimizer.lr"),
+        (spec("topk0", sampling={"top_k": 0}), "sampling.top_k"),
+        (spec("topk_neg", sampling={"top_k": -5}), "sampling.top_k"),
+        (spec("many", n_samples_per_prompt=10**7), "n_samples_per_prompt"),
+        (spec("stop_empty", sampling={"stop": [""]}), "sampling.stop[0]"),
+        (spec("kwargs", reward={"kwargs": {"table": list(range(200_000))}}), "<spec>"),
+        (spec("kwargs2", reward={"kwargs": {"table": list(range(5_000))}}), "reward.kwargs"),
+        ("a: &x [1, 2]\nb: *x\nname: alias\n", "<spec>"),
     ],
 )
 def test_invalid_specs_raise_spec_error_and_change_nothing(bad, field):
     core = running_core(num_slots=1, names=("a", "b"))
     before = core.list(all_runs=True), core.health()
+    start = time.perf_counter()
     with pytest.raises(SpecError) as info:
         core.register(bad)
     assert field in info.value.key
+    assert time.perf_counter() - start < 2.0  # oversized specs are refused before the schema walks them
     assert (core.list(all_runs=True), core.health()) == before
+
+
+def test_too_many_live_adapters_are_refused():
+    core = ControllerCore(num_slots=1, max_rank=16, rules=AdmissionRules(max_live_adapters=2))
+    core.register(spec("a"))
+    core.register(spec("b"))
+    with pytest.raises(AdapterConflictError, match="limit is 2"):
+        core.register(spec("c"))
+    core.cancel("b")  # PENDING -> CANCELLED frees a place
+    core.register(spec("c"))
 
 
 def test_resource_validator_runs_on_the_parsed_spec_and_its_error_changes_nothing():

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
-from miles_multilora.controller import ControllerCore, ControllerStateError
+from miles_multilora.controller import (
+    ControllerCore,
+    ControllerStateError,
+    IllegalTransitionError,
+    UnknownAdapterError,
+)
+from miles_multilora.controller.history import HISTORY_FILE_NAME
 from miles_multilora.controller.persistence import STATE_FILE_NAME
 from miles_multilora.errors import ConfigError
 
@@ -114,10 +121,105 @@ def test_restore_fails_live_adapters_whose_rank_no_longer_fits(tmp_path):
     assert [a.name for a in restored.snapshot().running] == ["small"]
 
 
-def test_snapshot_ids_keep_increasing_across_restarts(tmp_path):
+def test_idle_snapshots_write_nothing_and_ids_continue_after_a_restart(tmp_path):
     core = ControllerCore(num_slots=1, max_rank=16, state_dir=tmp_path)
-    last = [core.snapshot().snapshot_id for _ in range(3)][-1]
-    assert ControllerCore.restore(tmp_path, num_slots=1, max_rank=16).snapshot().snapshot_id == last + 1
+    core.register(spec("a"))
+    granted = core.snapshot().snapshot_id  # grants the slot: written
+    written = (tmp_path / STATE_FILE_NAME).read_bytes()
+    mtime = (tmp_path / STATE_FILE_NAME).stat().st_mtime_ns
+    ids = [core.snapshot().snapshot_id for _ in range(5)]  # idle: nothing to write
+    assert ids == list(range(granted + 1, granted + 6))
+    assert (tmp_path / STATE_FILE_NAME).read_bytes() == written
+    assert (tmp_path / STATE_FILE_NAME).stat().st_mtime_ns == mtime
+    assert ControllerCore.restore(tmp_path, num_slots=1, max_rank=16).snapshot().snapshot_id > granted
+
+
+def _finish_many(core: ControllerCore, names: list[str]) -> None:
+    for name in names:
+        core.register(spec(name))
+        core.cancel(name)  # PENDING -> CANCELLED at once
+
+
+def test_finished_runs_move_to_the_history_and_the_state_keeps_live_runs_only(tmp_path):
+    core = ControllerCore(num_slots=1, max_rank=16, state_dir=tmp_path)
+    _finish_many(core, ["x", "y"])
+    core.register(spec("live"))
+    saved = json.loads((tmp_path / STATE_FILE_NAME).read_text())
+    assert [r["name"] for r in saved["runs"]] == ["live"]
+    lines = [json.loads(line) for line in (tmp_path / HISTORY_FILE_NAME).read_text().splitlines()]
+    assert [(e["name"], e["state"], e["spec"]["name"]) for e in lines] == [
+        ("x", "CANCELLED", "x"),
+        ("y", "CANCELLED", "y"),
+    ]
+    restored = ControllerCore.restore(tmp_path, num_slots=1, max_rank=16)
+    assert restored.list() == core.list() and restored.get("x") == core.get("x")
+    assert restored.get("x")["spec"]["num_steps"] == 5
+    with pytest.raises(IllegalTransitionError, match="already ended CANCELLED"):
+        restored.cancel("x")
+
+
+def test_history_retention_forgets_the_oldest_runs_and_compacts_the_file(tmp_path):
+    core = ControllerCore(num_slots=1, max_rank=16, state_dir=tmp_path, history_retention=3)
+    _finish_many(core, [f"r{i}" for i in range(8)])
+    assert [r["name"] for r in core.list()] == ["r5", "r6", "r7"]
+    assert len((tmp_path / HISTORY_FILE_NAME).read_text().splitlines()) <= 6  # compacted at > 2 x 3
+    with pytest.raises(UnknownAdapterError):
+        core.get("r0")
+    restored = ControllerCore.restore(tmp_path, num_slots=1, max_rank=16, history_retention=3)
+    assert [r["name"] for r in restored.list(all_runs=True)] == ["r5", "r6", "r7"]
+
+
+def test_a_crash_between_the_history_and_the_state_write_keeps_the_run_finished(tmp_path, monkeypatch):
+    core = ControllerCore(num_slots=1, max_rank=16, state_dir=tmp_path)
+    core.register(spec("a"))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("crash")))
+    with pytest.raises(OSError):
+        core.cancel("a")  # history line written, state file not replaced
+    monkeypatch.undo()
+    assert json.loads((tmp_path / STATE_FILE_NAME).read_text())["runs"][0]["state"] == "PENDING"
+    restored = ControllerCore.restore(tmp_path, num_slots=1, max_rank=16)
+    assert [(r["name"], r["state"]) for r in restored.list()] == [("a", "CANCELLED")]
+    assert restored.snapshot().running == ()
+
+
+def test_a_state_file_of_the_earlier_format_moves_its_finished_runs_to_the_history(tmp_path):
+    core = ControllerCore(num_slots=1, max_rank=16, state_dir=tmp_path)
+    core.register(spec("old"))
+    core.register(spec("live"))
+    state = json.loads((tmp_path / STATE_FILE_NAME).read_text())
+    state["runs"][0].update(state="DONE", finished_at=1.0, reason=None)  # as format 1 kept it
+    (tmp_path / STATE_FILE_NAME).write_text(json.dumps(state))
+    restored = ControllerCore.restore(tmp_path, num_slots=1, max_rank=16)
+    assert [(r["name"], r["state"]) for r in restored.list()] == [("old", "DONE"), ("live", "PENDING")]
+    assert "old" in (tmp_path / HISTORY_FILE_NAME).read_text()
+
+
+def test_ten_thousand_finished_runs_load_in_under_a_second_and_writes_stay_fast(tmp_path):
+    core = ControllerCore(num_slots=2, max_rank=16, state_dir=tmp_path)
+    _finish_many(core, ["template"])
+    template = json.loads((tmp_path / HISTORY_FILE_NAME).read_text())
+    with (tmp_path / HISTORY_FILE_NAME).open("w") as f:
+        for i in range(10_000):
+            entry = {**template, "name": f"run{i}", "run_id": f"run{i}-{i + 1}", "seq": i + 1}
+            entry["spec"] = {**template["spec"], "name": f"run{i}"}
+            f.write(json.dumps(entry) + "\n")
+    state = json.loads((tmp_path / STATE_FILE_NAME).read_text())
+    (tmp_path / STATE_FILE_NAME).write_text(json.dumps({**state, "seq": 10_000}))
+
+    start = time.perf_counter()
+    restored = ControllerCore.restore(tmp_path, num_slots=2, max_rank=16)
+    load_s = time.perf_counter() - start
+    assert len(restored.list()) == 10_000 and restored.health()["adapters"]["CANCELLED"] == 10_000
+    start = time.perf_counter()
+    for i in range(20):  # each register and cancel writes the state file (and the history line)
+        restored.register(spec(f"new{i}"))
+        restored.snapshot()
+        restored.cancel(f"new{i}")
+    write_s = (time.perf_counter() - start) / 20
+    state_bytes = (tmp_path / STATE_FILE_NAME).stat().st_size
+    assert load_s < 1.0, f"restore took {load_s:.2f} s"
+    assert write_s < 0.1, f"a register/snapshot/cancel cycle took {write_s:.3f} s"
+    assert state_bytes < 10_000, f"the state file grew to {state_bytes} bytes with no live run"
 
 
 def test_temp_leftovers_are_ignored_and_a_failed_write_changes_nothing(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spec(name: str, num_steps: int = 3, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "num_steps": num_steps, "dataset": {"path": "unused.jsonl"}, **extra}
+    return {"name": name, "num_steps": num_steps, "dataset": {"task": "basic_arithmetic"}, **extra}
 
 
 def _write(

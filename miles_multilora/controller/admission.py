@@ -1,0 +1,64 @@
+"""What a spec must satisfy to be registered, beyond its schema: the operator's rules.
+
+A spec that would fail inside the trainer is refused at registration where that can be known
+(a 400 naming the key, nothing changed), instead of becoming a FAILED adapter later. Specs that
+came over the network are held to stricter rules (see :mod:`miles_multilora.data.reward_registry`):
+only built-in or operator-registered reward code, and local dataset files only under the
+operator's ``dataset_roots``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.data.datasets import looks_local
+from miles_multilora.data.reward_registry import check_remote_reward
+from miles_multilora.errors import SpecError
+
+MIN_PROMPT_TOKENS = 1  # what sampling.max_new_tokens must leave of the context window
+
+
+@dataclass(frozen=True)
+class AdmissionRules:
+    """The operator's rules for registering adapters.
+
+    Attributes:
+        reward_modules: modules whose ``@reward_function``-s network specs may name.
+        dataset_roots: directories under which network specs may name local dataset files
+            (none: network specs use hub ids and reasoning-gym tasks only).
+        max_context: the model's context window in tokens (None: not checked here).
+        max_live_adapters: adapters PENDING, RUNNING or DRAINING at once; more are refused (409).
+    """
+
+    reward_modules: tuple[str, ...] = ()
+    dataset_roots: tuple[str, ...] = ()
+    max_context: int | None = None
+    max_live_adapters: int = 1000
+
+    def check(self, spec: AdapterSpec, remote: bool) -> None:
+        """Raise :class:`SpecError` naming the key when ``spec`` breaks a rule. Never imports code."""
+        if self.max_context is not None:
+            room = self.max_context - 1 - spec.sampling.max_new_tokens
+            if room < MIN_PROMPT_TOKENS:
+                raise SpecError(
+                    "sampling.max_new_tokens",
+                    f"{spec.sampling.max_new_tokens} leaves no room for the prompt in the model's context "
+                    f"of {self.max_context} tokens; use at most {self.max_context - 1 - MIN_PROMPT_TOKENS}",
+                )
+        if not remote:
+            return
+        check_remote_reward(spec.reward.type, self.reward_modules)
+        path = spec.dataset.path
+        if path is not None and looks_local(path) and not self._under_a_root(path):
+            roots = ", ".join(self.dataset_roots) or "none are configured"
+            raise SpecError(
+                "dataset.path",
+                "a spec submitted over the network may only read local dataset files under "
+                f"controller.dataset_roots ({roots}); use a hub dataset id or a reasoning-gym task",
+            )
+
+    def _under_a_root(self, path: str) -> bool:
+        resolved = Path(path).expanduser().resolve()
+        return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in self.dataset_roots)
