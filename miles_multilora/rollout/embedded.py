@@ -123,25 +123,27 @@ class EmbeddedEngine(RolloutEngine):
         return results  # type: ignore[return-value]
 
     def _check(self, requests: Sequence[GenerationRequest]) -> None:
-        self.check_requests(requests)
         if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_pipeline_model_parallel_world_size() > 1
         ):
             raise RolloutError("the embedded engine does not support pipeline parallelism; use sglang")
-        for i, req in enumerate(requests):
-            if len(req.prompt_ids) >= self.max_seq_len:
-                raise RolloutError(
-                    f"request {i} ({req.adapter!r}): prompt of {len(req.prompt_ids)} tokens leaves no room "
-                    f"in the context window of {self.max_seq_len}"
-                )
-            if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
-                raise RolloutError(
-                    f"request {i} ({req.adapter!r}): prompt token ids must be in [0, {self.vocab_size})"
-                )
-            if req.sampling.stop and self.tokenizer is None:
-                raise RolloutError(
-                    f"request {i} ({req.adapter!r}): sampling.stop needs the engine to have a tokenizer"
-                )
+        self.check_requests(requests)
+
+    def check_request(self, req: GenerationRequest, index: int = 0) -> None:
+        super().check_request(req, index)
+        if len(req.prompt_ids) >= self.max_seq_len:
+            raise RolloutError(
+                f"request {index} ({req.adapter!r}): prompt of {len(req.prompt_ids)} tokens leaves no room "
+                f"in the context window of {self.max_seq_len}"
+            )
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
+            raise RolloutError(
+                f"request {index} ({req.adapter!r}): prompt token ids must be in [0, {self.vocab_size})"
+            )
+        if req.sampling.stop and self.tokenizer is None:
+            raise RolloutError(
+                f"request {index} ({req.adapter!r}): sampling.stop needs the engine to have a tokenizer"
+            )
 
     def _generate_batch(self, requests: list[GenerationRequest], routed: bool) -> list[GenerationResult]:
         device = next(self.model.parameters()).device

@@ -50,15 +50,21 @@ class RolloutEngine(ABC):
     def check_requests(self, requests: Sequence[GenerationRequest]) -> None:
         """Raise :class:`RolloutError` for a request this engine cannot serve exactly as tagged."""
         for i, req in enumerate(requests):
-            if not req.prompt_ids:
-                raise RolloutError(f"request {i} ({req.adapter!r}): prompt_ids is empty")
-            if req.slot == BASE_SLOT or req.adapter == BASE_ADAPTER:
-                if req.slot != BASE_SLOT or req.adapter != BASE_ADAPTER:
-                    raise RolloutError(
-                        f"request {i}: base-model requests need adapter={BASE_ADAPTER!r} and slot={BASE_SLOT}, "
-                        f"got adapter={req.adapter!r} slot={req.slot}"
-                    )
-                continue
+            self.check_request(req, i)
+
+    def check_request(self, req: GenerationRequest, index: int = 0) -> None:
+        """Raise :class:`RolloutError` when this engine cannot serve ``req`` exactly as tagged
+        (callers use it to fail one adapter's requests before a batch is generated)."""
+        i = index
+        if not req.prompt_ids:
+            raise RolloutError(f"request {i} ({req.adapter!r}): prompt_ids is empty")
+        if req.slot == BASE_SLOT or req.adapter == BASE_ADAPTER:
+            if req.slot != BASE_SLOT or req.adapter != BASE_ADAPTER:
+                raise RolloutError(
+                    f"request {i}: base-model requests need adapter={BASE_ADAPTER!r} and slot={BASE_SLOT}, "
+                    f"got adapter={req.adapter!r} slot={req.slot}"
+                )
+        else:
             served = self._adapters.get(req.adapter)
             if served is None:
                 raise RolloutError(f"request {i}: adapter {req.adapter!r} is not loaded in this engine")
@@ -67,12 +73,12 @@ class RolloutEngine(ABC):
                     f"request {i}: adapter {req.adapter!r} asks for slot {req.slot} version {req.version}, "
                     f"but the engine serves slot {served.slot} version {served.version}"
                 )
-            sp = req.sampling
-            if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.max_new_tokens < 1:
-                raise RolloutError(
-                    f"request {i} ({req.adapter!r}): invalid sampling params {sp} "
-                    "(need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1)"
-                )
+        sp = req.sampling
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.max_new_tokens < 1:
+            raise RolloutError(
+                f"request {i} ({req.adapter!r}): invalid sampling params {sp} "
+                "(need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1)"
+            )
 
     @staticmethod
     def check_slots(adapters: Mapping[str, AdapterVersion]) -> None:

@@ -1,6 +1,6 @@
-"""Per-adapter checkpoints, written atomically.
+"""Per-adapter checkpoints, written atomically, one directory per run.
 
-Layout: ``<output_dir>/checkpoints/<adapter>/step_000012/`` holding
+Layout: ``<output_dir>/checkpoints/<adapter>/<run_id>/step_000012/`` holding
 
 - ``adapter/``                     PEFT adapter (adapter_model.safetensors + adapter_config.json)
 - ``slot_rank{r}.pt``              this TP rank's exact slot tensors (A/B shards) + optimizer state
@@ -9,6 +9,9 @@ Layout: ``<output_dir>/checkpoints/<adapter>/step_000012/`` holding
 
 Every file is written into ``.tmp-step_000012`` first; rank 0 renames it into place after all ranks
 wrote their shard, so a crash at any point leaves either the previous complete checkpoint or this one.
+A run's directory is its own (keyed by the controller's run id, unique per registration), so a
+re-registered name never shares, prunes or resumes another run's checkpoints; retention only
+deletes inside it. Shards load with ``torch.load(weights_only=True)``: tensors and plain values only.
 """
 
 from __future__ import annotations
@@ -27,27 +30,44 @@ COMPLETE_MARKER = "COMPLETE"
 
 
 def adapter_dir(output_dir: str | Path, adapter: str) -> Path:
+    """Where every run of ``adapter`` keeps its run directory."""
     return Path(output_dir) / "checkpoints" / adapter
+
+
+def run_dir(output_dir: str | Path, adapter: str, run_id: str) -> Path:
+    return adapter_dir(output_dir, adapter) / run_id
 
 
 def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def staging_dir(output_dir: str | Path, adapter: str, step: int) -> Path:
-    return adapter_dir(output_dir, adapter) / f".tmp-{step_name(step)}"
+def staging_dir(run: Path, step: int) -> Path:
+    return run / f".tmp-{step_name(step)}"
 
 
 def is_complete(path: str | Path) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
-def complete_checkpoints(output_dir: str | Path, adapter: str) -> list[Path]:
-    """Complete checkpoints of ``adapter``, oldest first (half-written ones are ignored)."""
-    root = adapter_dir(output_dir, adapter)
+def complete_checkpoints(run: str | Path) -> list[Path]:
+    """Complete checkpoints of one run directory, oldest first (half-written ones are ignored)."""
+    root = Path(run)
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.name.startswith("step_") and is_complete(p))
+
+
+def _run_seq(path: Path) -> int:
+    tail = path.name.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else -1
+
+
+def latest_run_dir(output_dir: str | Path, adapter: str) -> Path | None:
+    """The run directory of ``adapter``'s newest registration (by the run id's sequence number)."""
+    root = adapter_dir(output_dir, adapter)
+    runs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    return max(runs, key=_run_seq) if runs else None
 
 
 def write_rank_shard(
@@ -61,7 +81,7 @@ def write_rank_shard(
 
 
 def read_rank_shard(path: Path, rank: int) -> dict[str, Any]:
-    return torch.load(path / f"slot_rank{rank}.pt", weights_only=False)
+    return torch.load(path / f"slot_rank{rank}.pt", weights_only=True)
 
 
 def finalize(stage: Path, state: dict[str, Any], keep: int) -> Path:

@@ -11,8 +11,12 @@ from rich.console import Console
 
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
+from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.persistence import state_path
-from miles_multilora.errors import ConfigError
+from miles_multilora.controller.token import read_token
+from miles_multilora.data.reward_registry import import_reward_modules
+from miles_multilora.errors import ConfigError, SpecError
+from miles_multilora.models.paths import context_length
 from miles_multilora.trainer.cluster import start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step, plot_rewards
@@ -22,13 +26,31 @@ def controller_state_dir(cfg: RunConfig) -> Path:
     return Path(cfg.controller.state_dir or Path(cfg.trainer.output_dir) / "controller")
 
 
+def admission_rules(cfg: RunConfig) -> AdmissionRules:
+    """The controller's rules for this run: reward modules, dataset roots, the model's context."""
+    c = cfg.controller
+    return AdmissionRules(
+        reward_modules=tuple(c.reward_modules),
+        dataset_roots=tuple(c.dataset_roots),
+        max_context=context_length(cfg),
+        max_live_adapters=c.max_live_adapters,
+    )
+
+
 def prepare_run(cfg: RunConfig) -> tuple[list[AdapterSpec], Path, Path]:
-    """Parse and check the configured adapters (datasets and rewards resolvable) before anything
-    starts; create the output dir and record the config. Returns (specs, output_dir, state_dir)."""
+    """Parse and check the configured adapters (datasets and rewards resolvable, prompt budget
+    within the model's context) and the operator's reward modules before anything starts; create
+    the output dir and record the config. Returns (specs, output_dir, state_dir)."""
     from miles_multilora.data.validation import validate_adapter_resources
 
+    import_reward_modules(cfg.controller.reward_modules)
+    rules = admission_rules(cfg)
     specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
-    for spec in specs:
+    for i, spec in enumerate(specs):
+        try:
+            rules.check(spec, remote=False)
+        except SpecError as exc:
+            raise ConfigError(f"adapters[{i}].{exc.key}", exc.message) from exc
         validate_adapter_resources(spec)
     output_dir = Path(cfg.trainer.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +95,9 @@ def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, di
         state_dir=state_dir,
         host=cfg.controller.host,
         port=0,
-        token=cfg.controller.token,
+        token=read_token(cfg.controller.token_file),
+        rules=admission_rules(cfg),
+        history_retention=cfg.controller.history_retention,
     )
     register_new_adapters(controller, specs)
     t0 = time.perf_counter()

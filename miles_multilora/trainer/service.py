@@ -28,11 +28,12 @@ from rich.console import Console
 
 from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
+from miles_multilora.controller.token import read_token
 from miles_multilora.errors import ConfigError
 from miles_multilora.trainer.cluster import start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step
-from miles_multilora.trainer.run import prepare_run, register_new_adapters
+from miles_multilora.trainer.run import admission_rules, prepare_run, register_new_adapters
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -147,8 +148,10 @@ def start_controller(cfg: RunConfig, state_dir: Path) -> tuple[Any, str]:
         state_dir=state_dir,
         host=c.host,
         port=c.port,
-        token=c.token,
+        token=read_token(c.token_file),
         validate_resources=DEFAULT_RESOURCE_VALIDATOR,
+        rules=admission_rules(cfg),
+        history_retention=c.history_retention,
     )
     return controller, ray.get(controller.url.remote())
 

@@ -25,13 +25,17 @@ from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.data import MultiLoRADataSource, RewardManager, RewardSample
 from miles_multilora.data.records import PromptItem
-from miles_multilora.errors import ConfigError, SpecError
+from miles_multilora.data.reward_registry import check_remote_reward, import_reward_modules
+from miles_multilora.errors import SpecError
 from miles_multilora.lora import apply_multi_lora, clear_slot, export_slot, init_slot, load_slot_state
 from miles_multilora.models import compat, provider
+from miles_multilora.models.paths import MAX_CONTEXT, resolve_model_path
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutEngine
 from miles_multilora.rollout.logprobs import right_pad, sequence_logprobs
 from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.trainer.faults import AdapterFailures, failure_reason
+from miles_multilora.trainer.resume import check_run_dir_is_ours, load_resume_point
 from miles_multilora.trainer.tokenizer import encode_prompt, load_tokenizer
 
 
@@ -72,26 +76,13 @@ def _response_values(per_position: torch.Tensor, rows: list[TrainRow], width: in
     return out
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (on some rank); the adapter fails, the service goes on."""
+
+
 def _seed(*parts: Any) -> int:
     digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:4], "little")
-
-
-def resolve_model_path(cfg: RunConfig) -> Path | None:
-    if cfg.model.source == "tiny":
-        return None
-    if cfg.model.source == "hf":
-        return Path(str(cfg.model.hf_path)).expanduser()
-    from miles_multilora.models.demo_model import demo_model_dir
-
-    path = demo_model_dir(Path(cfg.model.cache_dir).expanduser())
-    if not (path / ".complete").is_file():
-        raise ConfigError(
-            "model.cache_dir",
-            f"demo model not prepared in {path}: run `bash provision.sh` "
-            "or `python -m miles_multilora prepare-model`",
-        )
-    return path
 
 
 class TrainerWorker:
@@ -124,7 +115,9 @@ class TrainerWorker:
         else:
             loaded = provider.load_hf_model(model_path, dtype=cfg.model.dtype)
             self.model, self.vocab_size, self.hf_config = loaded.model, loaded.vocab_size, loaded.hf_config
-            self.max_seq_len = int(min(getattr(self.hf_config, "max_position_embeddings", 4096), 4096))
+            self.max_seq_len = int(
+                min(getattr(self.hf_config, "max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT)
+            )
         self.tokenizer = load_tokenizer(model_path, self.vocab_size)
         targets = list(cfg.lora.target_modules)
         apply_multi_lora(
@@ -155,6 +148,7 @@ class TrainerWorker:
                 max_batch_size=cfg.rollout.max_batch_size,
                 pad_id=self.pad_id,
             )
+        import_reward_modules(cfg.controller.reward_modules)  # the operator's registered rewards
         self.data = MultiLoRADataSource(tokenizer=self.tokenizer, seed=cfg.trainer.seed)
         self.rewards = RewardManager()
         self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
@@ -180,8 +174,13 @@ class TrainerWorker:
             self.rewards.remove_adapter(name)
         self.engine.remove_adapters([name])
 
-    def ensure_resident(self, assignment: SlotAssignment) -> None:
-        """(Re)initialise ``assignment``'s slot: fresh init, or load its resume checkpoint."""
+    def ensure_resident(self, assignment: SlotAssignment) -> dict[str, Any] | None:
+        """(Re)initialise ``assignment``'s slot: fresh init, or load its resume checkpoint.
+
+        Returns ``{"checkpoint", "step"}`` when it had to resume from another checkpoint than the
+        controller named (that one was missing or unreadable), else None. On any error the adapter
+        is forgotten again and the error raised (the caller fails that adapter alone).
+        """
         current = self.resident.get(assignment.name)
         if (
             current is not None
@@ -189,26 +188,41 @@ class TrainerWorker:
             and current.run_id == assignment.run_id
             and not assignment.needs_init
         ):
-            return
+            return None
         if current is not None:
             self._forget(assignment.name)
+        try:
+            return self._initialise(assignment)
+        except BaseException:
+            self._forget(assignment.name)
+            raise
+
+    def _initialise(self, assignment: SlotAssignment) -> dict[str, Any] | None:
         spec = assignment.spec
+        if assignment.remote:  # the controller checked it too; this rank runs the code
+            check_remote_reward(spec.reward.type, self.cfg.controller.reward_modules)
         init_slot(self.model, assignment.slot, spec.rank, spec.alpha, spec.seed, self.optimizer)
         self.optimizer.configure_slot(assignment.slot, spec.optimizer, total_steps=spec.num_steps)
         self.data.add_adapter(spec)
         self.rewards.add_adapter(spec, self.data.dataset(spec.name))
-        step = 0
+        step, resumed = 0, None
         if assignment.resume_checkpoint:
-            path = Path(assignment.resume_checkpoint)
-            state = ckpt.read_state(path)
-            shard = ckpt.read_rank_shard(path, self.rank)
+            path, state, shard = load_resume_point(assignment, self.rank, self.world_size)
             load_slot_state(self.model, assignment.slot, shard["slot"])
             self.optimizer.load_slot_state_dict(assignment.slot, shard["optimizer"])
             self.data.restore_adapter_state(spec.name, state["data"])
             step = int(state["step"])
+            if path != Path(assignment.resume_checkpoint):
+                resumed = {"checkpoint": str(path), "step": step}
+        else:
+            check_run_dir_is_ours(self._run_dir(assignment), assignment)
         self.resident[spec.name] = assignment
         self.steps[spec.name] = step
         self.sync_adapters([spec.name])
+        return resumed
+
+    def _run_dir(self, assignment: SlotAssignment) -> Path:
+        return ckpt.run_dir(self.output_dir, assignment.name, assignment.run_id)
 
     def sync_adapters(self, names: list[str]) -> None:
         """Push the current version of ``names`` to the rollout engine.
@@ -221,7 +235,7 @@ class TrainerWorker:
             slot, version = self.resident[name].slot, self.steps[name]
             path = None
             if self.cfg.rollout.engine != "embedded":
-                out = self.output_dir / "sync" / name / f"v{version:06d}"
+                out = self.output_dir / "sync" / name / self.resident[name].run_id / f"v{version:06d}"
                 export_slot(self.model, slot, out, self.hf_config, write=self._is_writer())
                 if self.world_size > 1:
                     dist.barrier()
@@ -234,18 +248,30 @@ class TrainerWorker:
     def _requests(self, name: str, items: list[PromptItem]) -> list[Group]:
         spec = self.resident[name].spec
         groups = []
+        budget = self.max_seq_len - 1 - spec.sampling.max_new_tokens
+        if budget < 1:
+            raise SpecError("sampling.max_new_tokens", f"leaves no room for the prompt in {self.max_seq_len}")
         for item in items:
             ids = encode_prompt(self.tokenizer, item.prompt)
-            budget = self.max_seq_len - 1 - spec.sampling.max_new_tokens
-            if budget < 1:
-                raise SpecError(
-                    "sampling.max_new_tokens", f"leaves no room for the prompt in {self.max_seq_len}"
-                )
             groups.append(Group(name, item, ids[-budget:], []))
         return groups
 
-    def _generate(self, groups: list[Group]) -> None:
-        requests, owners = [], []
+    def _groups(self, batch: dict[str, list[PromptItem]], failures: AdapterFailures) -> list[Group]:
+        """The step's groups; an adapter whose prompts cannot be encoded or served fails alone."""
+        groups = []
+        for name, items in batch.items():
+            try:
+                mine = self._requests(name, items)
+                for request in self._group_requests(mine):
+                    self.engine.check_request(request)
+            except Exception as exc:  # noqa: BLE001 - isolated per adapter
+                failures.add(name, "preparing its generation requests", exc)
+                continue
+            groups.extend(mine)
+        return groups
+
+    def _group_requests(self, groups: list[Group]) -> list[GenerationRequest]:
+        requests = []
         for g in groups:
             a = self.resident[g.adapter]
             for j in range(a.spec.n_samples_per_prompt):
@@ -260,7 +286,11 @@ class TrainerWorker:
                         metadata={"uid": g.item.uid, "sample": j},
                     )
                 )
-                owners.append(g)
+        return requests
+
+    def _generate(self, groups: list[Group]) -> None:
+        requests = self._group_requests(groups)
+        owners = [g for g in groups for _ in range(self.resident[g.adapter].spec.n_samples_per_prompt)]
         for g, result in zip(owners, self.engine.generate(requests), strict=True):
             g.results.append(result)
 
@@ -301,9 +331,17 @@ class TrainerWorker:
             offsets[g.adapter] = start + n
         return report
 
-    def _rollout(self, running: list[SlotAssignment]) -> tuple[list[Group], dict[str, Any], dict[str, Any]]:
-        batch = self.data.next_batch(names=[a.name for a in running])
-        groups = [g for name, items in batch.items() for g in self._requests(name, items)]
+    def _rollout(
+        self, running: list[SlotAssignment], failures: AdapterFailures
+    ) -> tuple[list[Group], dict[str, Any], dict[str, Any]]:
+        errors: dict[str, Exception] = {}
+        batch = self.data.next_batch(names=[a.name for a in running], errors=errors)
+        for name, exc in errors.items():
+            failures.add(name, "drawing its prompts", exc)
+        groups = self._groups(batch, failures)
+        for name in failures.agree():  # every rank drops the same adapters
+            self._forget(name)
+        groups = [g for g in groups if g.adapter not in failures]
         self._generate(groups)
         report = self._score(groups)
         ds_metrics: dict[str, Any] = {}
@@ -314,9 +352,13 @@ class TrainerWorker:
                     by_adapter.setdefault(g.adapter, []).append(g)
 
             def more(wanted: dict[str, int]) -> dict[str, list[Group]]:
-                new = [
-                    g for name, k in wanted.items() for g in self._requests(name, self.data.refill(name, k))
-                ]
+                extra = {}
+                for name, k in wanted.items():
+                    try:
+                        extra[name] = self.data.refill(name, k)
+                    except Exception as exc:  # noqa: BLE001 - isolated per adapter
+                        failures.add(name, "drawing more prompts (dynamic sampling)", exc)
+                new = self._groups(extra, failures)
                 self._generate(new)
                 self._score(new)
                 out: dict[str, list[Group]] = {}
@@ -418,15 +460,25 @@ class TrainerWorker:
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, name: str) -> str:
+        """Write ``name``'s checkpoint at its current step (a collective: every rank calls it).
+
+        A failure on any rank raises :class:`CheckpointError` on every rank, and nothing half
+        written is ever read (the staging directory never gets its COMPLETE marker).
+        """
         a = self.resident[name]
         step = self.steps[name]
-        stage = ckpt.staging_dir(self.output_dir, name, step)
-        ckpt.write_rank_shard(stage, self.rank, self.model, a.slot, self.optimizer.slot_state_dict(a.slot))
-        export_slot(self.model, a.slot, stage / "adapter", self.hf_config, write=self._is_writer())
-        if self.world_size > 1:
-            dist.barrier()
+        stage = ckpt.staging_dir(self._run_dir(a), step)
+        error = None
+        try:
+            ckpt.write_rank_shard(
+                stage, self.rank, self.model, a.slot, self.optimizer.slot_state_dict(a.slot)
+            )
+            export_slot(self.model, a.slot, stage / "adapter", self.hf_config, write=self._is_writer())
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = failure_reason(f"writing checkpoint step {step} on rank {self.rank}", exc)
+        error = self._first_error(error)
         final = stage.parent / ckpt.step_name(step)
-        if self._is_writer():
+        if error is None and self._is_writer():
             state = {
                 "adapter": name,
                 "run_id": a.run_id,
@@ -436,10 +488,26 @@ class TrainerWorker:
                 "data": self.data.adapter_state(name),
                 "time": time.time(),
             }
-            final = ckpt.finalize(stage, state, keep=self.cfg.trainer.keep_checkpoints)
-        if self.world_size > 1:
-            dist.barrier()
+            try:
+                final = ckpt.finalize(stage, state, keep=self.cfg.trainer.keep_checkpoints)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = failure_reason(f"finalising checkpoint step {step}", exc)
+        error = self._first_error(error, src_only=True)
+        if error is not None:
+            raise CheckpointError(error)
         return str(final)
+
+    def _first_error(self, error: str | None, src_only: bool = False) -> str | None:
+        """Every rank's view of an error: the first rank's (or rank 0's, ``src_only``)."""
+        if self.world_size == 1:
+            return error
+        if src_only:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        gathered: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, error)
+        return next((e for e in gathered if e is not None), None)
 
     def _budget_reached(self, spec: AdapterSpec) -> bool:
         if spec.num_steps is not None:
@@ -448,22 +516,37 @@ class TrainerWorker:
 
     # ----------------------------------------------------------------- the step
     def step(self, snapshot: Snapshot) -> dict[str, Any]:
-        """Run one training step for ``snapshot``; return per-adapter results for the controller."""
+        """Run one training step for ``snapshot``; return per-adapter results for the controller.
+
+        An error that belongs to one adapter (its data, prompts, requests, reward, checkpoint)
+        puts it in ``failed`` with the reason; the others train on. Errors of the shared model
+        (generation, the training forward/backward) still end the step.
+        """
         t0 = time.perf_counter()
+        failures = AdapterFailures(self.world_size)
         self.clear_slots(snapshot.slots_to_clear)
         for name in [n for n in self.resident if snapshot.by_name(n) is None]:
             self._forget(name)  # ended adapters whose slot will be cleared
+        resumed: dict[str, dict[str, Any]] = {}
         for a in snapshot.adapters:
-            self.ensure_resident(a)
+            try:
+                info = self.ensure_resident(a)
+            except Exception as exc:  # noqa: BLE001 - isolated per adapter
+                failures.add(a.name, "starting (dataset, reward or resume checkpoint)", exc)
+                continue
+            if info is not None:
+                resumed[a.name] = info
+        for name in failures.agree():
+            self._forget(name)
         results: dict[str, dict[str, Any]] = {}
         finished: dict[str, str] = {}
-        failed: dict[str, str] = {}
         drained: dict[str, str] = {}
         for a in snapshot.draining:  # no in-flight work in a synchronous step: final checkpoint now
-            drained[a.name] = self.save_checkpoint(a.name)
-        running = list(snapshot.running)
+            if a.name not in failures:
+                self._checkpoint_or_fail(a.name, failures, drained)
+        running = [a for a in snapshot.running if a.name not in failures]
         t1 = time.perf_counter()
-        groups, report, ds_metrics = self._rollout(running) if running else ([], {}, {})
+        groups, report, ds_metrics = self._rollout(running, failures) if running else ([], {}, {})
         t2 = time.perf_counter()
         train_metrics = self._train(groups)
         t3 = time.perf_counter()
@@ -475,25 +558,37 @@ class TrainerWorker:
         n_tokens = sum(len(r.output_ids) for g in groups for r in g.results)
         for a in running:
             name = a.name
+            if name in failures:
+                continue
             rep = report.get(name, {})
             trained = name in train_metrics and not train_metrics[name].get("skipped")
-            metrics = self._adapter_metrics(
-                name, groups, rep, train_metrics.get(name, {}), ds_metrics.get(name, {})
-            )
+            try:
+                metrics = self._adapter_metrics(
+                    name, groups, rep, train_metrics.get(name, {}), ds_metrics.get(name, {})
+                )
+            except Exception as exc:  # noqa: BLE001 - a metric must never stop training
+                metrics = {"step": self.steps[name], "metrics_error": failure_reason("metrics", exc)}
             checkpoint = None
             done = self._budget_reached(a.spec)
             if trained and (done or (a.spec.save_interval and self.steps[name] % a.spec.save_interval == 0)):
-                checkpoint = self.save_checkpoint(name)
+                checkpoint = self._checkpoint_or_fail(name, failures)
+                if checkpoint is None:
+                    continue
             if done:
-                finished[name] = checkpoint or self.save_checkpoint(name)
+                final = checkpoint or self._checkpoint_or_fail(name, failures)
+                if final is None:
+                    continue
+                finished[name] = final
             if rep.get("failed"):
-                failed[name] = rep.get("error") or "reward failed"
+                failures.reasons.setdefault(name, rep.get("error") or "reward failed")
             results[name] = {
                 "trained": trained,
                 "step": self.steps[name],
                 "checkpoint": checkpoint,
                 "metrics": metrics,
             }
+            if name in resumed:
+                results[name]["resumed"] = resumed[name]
         t5 = time.perf_counter()
         timing = {
             "setup_s": t1 - t0,
@@ -507,14 +602,30 @@ class TrainerWorker:
         for name in results:
             results[name]["metrics"]["tokens_per_s"] = timing["tokens_per_s"]
             results[name]["metrics"]["step_time_s"] = timing["step_s"]
+        for name in failures.reasons:
+            if name in self.resident and name not in results:
+                self._forget(name)
         return {
             "results": results,
             "finished": finished,
-            "failed": failed,
+            "failed": dict(failures.reasons),
             "drained": drained,
             "cleared": list(snapshot.slots_to_clear),
             "timing": timing,
         }
+
+    def _checkpoint_or_fail(
+        self, name: str, failures: AdapterFailures, into: dict[str, str] | None = None
+    ) -> str | None:
+        """``save_checkpoint`` for one adapter; a failure fails that adapter (same on every rank)."""
+        try:
+            path = self.save_checkpoint(name)
+        except CheckpointError as exc:
+            failures.reasons.setdefault(name, str(exc))
+            return None
+        if into is not None:
+            into[name] = path
+        return path
 
     def _adapter_metrics(
         self, name: str, groups: list[Group], rep: dict[str, Any], train: dict[str, float], ds: dict[str, Any]

@@ -61,9 +61,15 @@ def tiny_run_config(output_dir: str | Path, adapters: list[dict], **sections: di
     return config_from_container(data)
 
 
+def adapter_checkpoints(output_dir: str | Path, adapter: str) -> list[Path]:
+    """Complete checkpoints of ``adapter``'s newest run, oldest first."""
+    run = ckpt.latest_run_dir(output_dir, adapter)
+    return ckpt.complete_checkpoints(run) if run is not None else []
+
+
 def final_checkpoint(output_dir: str | Path, adapter: str) -> Path:
-    """The newest complete checkpoint of ``adapter``."""
-    found = ckpt.complete_checkpoints(output_dir, adapter)
+    """The newest complete checkpoint of ``adapter``'s newest run."""
+    found = adapter_checkpoints(output_dir, adapter)
     assert found, f"no complete checkpoint of {adapter} under {output_dir}"
     return found[-1]
 

@@ -5,6 +5,7 @@ graceful SIGTERM. No Ray process may outlive the test."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from miles_multilora.controller.client import ControllerClient
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.models.compat import free_port
 from miles_multilora.trainer import checkpoint as ckpt
-from tests.e2e.conftest import REPO_ROOT, toy_adapter
+from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, adapter_checkpoints, toy_adapter
 
 SCRIPTS = REPO_ROOT / "examples" / "multi_lora"
 STEPS = {"a": 10, "b": 10, "c": 6}
@@ -70,6 +71,8 @@ def _start_service(out: Path, port: int, ray_tmp: str, log: Path) -> subprocess.
         f"trainer.output_dir={out}",
         f"controller.port={port}",
         "controller.idle_sleep_s=0.3",
+        f"controller.reward_modules=[{REWARDS}]",  # the specs arrive over HTTP
+        f"controller.dataset_roots=[{Path(TOY_PROMPTS).parent}]",
         "logging.wandb_mode=disabled",
         "logging.console=false",
         "logging.plot=false",
@@ -139,8 +142,14 @@ def _records(client: ControllerClient) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in client.list()}
 
 
+def _metric_lines(out: Path) -> list[dict[str, Any]]:
+    """The service's metrics.jsonl: one line per adapter and step, in the order they were logged."""
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
 def _checkpoint_steps(out: Path, name: str) -> list[int]:
-    return [int(ckpt.read_state(p)["step"]) for p in ckpt.complete_checkpoints(out, name)]
+    return [int(ckpt.read_state(p)["step"]) for p in adapter_checkpoints(out, name)]
 
 
 def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
@@ -182,7 +191,7 @@ def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
         assert before["b"]["state"] == "CANCELLED" and before["b"]["step"] >= 2
         assert before["a"]["state"] == "RUNNING", "a must still be training when the service is killed"
         assert _ray_gone(ray_tmp), f"Ray outlived the killed service: {_ray_pids(ray_tmp)}"
-        killed_at = time.time()
+        logged_before_restart = len(_metric_lines(out))
         resume_from = {n: before[n]["checkpoint_step"] for n in ("a", "c")}
         assert all(step >= 2 for step in resume_from.values()), resume_from
         for name in ("a", "c"):  # the last complete checkpoint on disk is the controller's resume point
@@ -204,7 +213,8 @@ def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
             assert final[name]["run_id"] == before[name]["run_id"], "no adapter was registered again"
         for name in ("a", "c"):
             assert final[name]["step"] == STEPS[name]
-            resumed = [m["step"] for m in final[name]["metrics"] if m["time"] > killed_at]
+            after = _metric_lines(out)[logged_before_restart:]
+            resumed = [m["step"] for m in after if m["adapter"] == name]
             # the first step after the restart continues from the checkpoint, not from 0
             assert resumed[0] == resume_from[name] + 1, (name, resumed, resume_from)
             assert sorted(set(resumed)) == list(range(resume_from[name] + 1, STEPS[name] + 1))

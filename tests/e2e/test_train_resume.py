@@ -15,6 +15,7 @@ from typing import Any
 from miles_multilora.trainer import checkpoint as ckpt
 from tests.e2e.conftest import (
     REPO_ROOT,
+    adapter_checkpoints,
     checkpoint_tensors,
     final_checkpoint,
     max_abs_diff,
@@ -84,7 +85,7 @@ def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, ray_se
     killed = tmp_path / "killed"
     steps_before_kill = _start_and_kill(killed)
     assert steps_before_kill < STEPS, "the run finished before it could be killed"
-    resume_points = {a["name"]: ckpt.complete_checkpoints(killed, a["name"]) for a in ADAPTERS}
+    resume_points = {a["name"]: adapter_checkpoints(killed, a["name"]) for a in ADAPTERS}
     assert all(resume_points.values()), f"no complete checkpoint before the kill: {resume_points}"
 
     records = run_training(tiny_run_config(killed, ADAPTERS, trainer={"resume": True}))
