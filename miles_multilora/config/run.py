@@ -57,7 +57,11 @@ class LoRAConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "embedded"  # embedded | sglang
-    max_batch_size: int = 64
+    max_batch_size: int = 64  # rows the embedded engine decodes at once (continuous batching)
+    page_size: int = 16  # tokens per KV-cache page (a power of 2 >= 8)
+    kv_cache_tokens: int = 0  # KV cache size; 0: a quarter of the GPU's memory / per call on CPU
+    cuda_graphs: bool = True  # replay captured decode steps on CUDA
+    sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
     sglang_url: str | None = None
 
 
@@ -131,7 +135,16 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         "lora.kernels",
         f"must be auto, triton or torch; got {cfg.lora.kernels!r}",
     )
-    _check(cfg.rollout.engine in ("embedded", "sglang"), "rollout.engine", "must be embedded or sglang")
+    r = cfg.rollout
+    _check(r.engine in ("embedded", "sglang"), "rollout.engine", "must be embedded or sglang")
+    _check(r.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1")
+    _check(
+        r.page_size >= 8 and r.page_size & (r.page_size - 1) == 0,
+        "rollout.page_size",
+        f"must be a power of 2 >= 8, got {r.page_size}",
+    )
+    _check(r.kv_cache_tokens >= 0, "rollout.kv_cache_tokens", "must be >= 0 (0: automatic)")
+    _check(r.sync_interval is None or r.sync_interval >= 1, "rollout.sync_interval", "must be >= 1")
     _check(
         cfg.rollout.engine != "sglang" or bool(cfg.rollout.sglang_url),
         "rollout.sglang_url",

@@ -18,8 +18,10 @@ from torch import nn
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.lora import routed_ops, seq_kernels
+from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.kernels import add_rows_, gather_rows, segmented_matmul
 from miles_multilora.lora.routing import RoutingPlan
+from miles_multilora.lora.row_routing import RowRouting
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
 
 PLAIN, COLUMN, ROW = "plain", "column", "row"
@@ -101,7 +103,7 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer(
             "lora_scale", torch.zeros(num_slots, dtype=torch.float32, device=dev), persistent=False
         )
-        self.routing: RoutingPlan | None = None
+        self.routing: RoutingPlan | RowRouting | None = None
 
     def _init_tp(self, base: nn.Module) -> None:
         if getattr(base.config, "sequence_parallel", False) and getattr(base, "sequence_parallel", False):
@@ -196,8 +198,41 @@ class MultiLoRALinear(nn.Module):
         delta = torch.bmm(h, b.transpose(1, 2))  # [B, S, out_local]
         return out + (delta.transpose(0, 1) if seq_first else delta)
 
+    def _add_lora_rows(self, x: torch.Tensor, out: torch.Tensor, plan: RowRouting) -> torch.Tensor:
+        """One token per row, slots from a device tensor (decode steps; no host sync)."""
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.shape[0] != plan.rows:
+            raise ConfigError(
+                "row_slots", f"routes {plan.rows} rows but layer {self.key or ''} got {x2d.shape[0]} tokens"
+            )
+        if not (out._base is None and out.is_contiguous()):
+            out = out.contiguous() if not out.is_contiguous() else out.clone()
+        out2d = out.view(-1, out.shape[-1])
+        rank = self.max_rank
+        if self._use_triton(x):
+            shrink, expand = tk.DECODE_SHRINK_CONFIG, tk.DECODE_EXPAND_CONFIG
+            a, b = self.lora_A, self.lora_B
+            parts = tk.split_shrink(
+                x2d.contiguous(), plan.order, a, (a.stride(0), a.stride(1), a.stride(2)), rank,
+                plan.tiles[shrink["BLOCK_M"]], shrink, plan.rows, self.lora_scale,
+            )  # fmt: skip
+            tk.scatter_expand(
+                out2d, self._tp_h(parts), plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
+                plan.tiles[expand["BLOCK_M"]], expand, accumulate=True,
+            )  # fmt: skip
+            return out
+        slots = plan.row_slots
+        index = slots.clamp(min=0)
+        h = self._tp_h(torch.bmm(self.lora_A.index_select(0, index), x2d.unsqueeze(-1)).squeeze(-1))
+        scale = self.lora_scale.index_select(0, index) * (slots >= 0)  # slot -1 adds exactly 0
+        h = (h.float() * scale.unsqueeze(1)).to(out.dtype)
+        delta = torch.bmm(self.lora_B.index_select(0, index).to(out.dtype), h.unsqueeze(-1)).squeeze(-1)
+        return out2d.add_(delta).view(out.shape)
+
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         plan = self.routing
+        if isinstance(plan, RowRouting):
+            return self._add_lora_rows(x, out, plan)
         if plan is None:
             raise RuntimeError(
                 f"MultiLoRA layer {self.key or type(self.base).__name__} has no token routing: call "

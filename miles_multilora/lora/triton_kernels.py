@@ -64,6 +64,8 @@ if HAVE_TRITON:
         HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
+        if tl.load(tile_end_ptr + tl.program_id(0)) <= tl.load(tile_start_ptr + tl.program_id(0)):
+            return  # an empty tile of a fixed-length (device-built) schedule
         slot, offs_m, mask_m, rows = _tile_rows(
             tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
         )
@@ -90,27 +92,68 @@ if HAVE_TRITON:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
+    def _split_shrink_kernel(
+        x_ptr, rows_ptr, w_ptr, scale_ptr, y_ptr,
+        tile_slot_ptr, tile_start_ptr, tile_end_ptr,
+        K, R, K_CHUNK,
+        stride_xm, stride_ws, stride_wr, stride_wk, stride_yp, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # Program (tile, part) reduces K_CHUNK of the K dim into its own fp32 partial: parallel over
+        # K for the few rows of a decode step, deterministic (the expand kernel sums the parts).
+        if tl.load(tile_end_ptr + tl.program_id(0)) <= tl.load(tile_start_ptr + tl.program_id(0)):
+            return
+        part = tl.program_id(1)
+        slot, offs_m, mask_m, rows = _tile_rows(
+            tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
+        )
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        k_start = part * K_CHUNK
+        for k in range(k_start, k_start + K_CHUNK, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xt = tl.load(
+                x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            wt = tl.load(
+                w_ptr + slot * stride_ws + offs_r[None, :] * stride_wr + offs_k[:, None] * stride_wk,
+                mask=mask_k[:, None] & mask_r[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+        acc = acc * tl.load(scale_ptr + slot)
+        y_ptrs = y_ptr + part * stride_yp + offs_m[:, None] * stride_ym + offs_r[None, :]
+        tl.store(y_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+
+    @triton.jit
     def _scatter_expand_kernel(
         h_ptr, rows_ptr, w_ptr, out_ptr,
         tile_slot_ptr, tile_start_ptr, tile_end_ptr,
         N_OUT, R,
-        stride_hm, stride_ws, stride_wn, stride_wr, stride_om,
-        ACCUMULATE: tl.constexpr, SPLIT_N: tl.constexpr,
+        stride_hp, stride_hm, stride_ws, stride_wn, stride_wr, stride_om,
+        ACCUMULATE: tl.constexpr, SPLIT_N: tl.constexpr, NUM_PARTS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, j) covers output column blocks j, j + SPLIT_N, ...: h is loaded once and the
         # loop pipelines the next weight/output loads behind the current store.
+        if tl.load(tile_end_ptr + tl.program_id(0)) <= tl.load(tile_start_ptr + tl.program_id(0)):
+            return  # an empty tile of a fixed-length (device-built) schedule
         pid_n = tl.program_id(1)
         slot, offs_m, mask_m, rows = _tile_rows(
             tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
         )
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        h = tl.load(
-            h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :],
-            mask=mask_m[:, None] & mask_r[None, :],
-            other=0.0,
-        )
+        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :]
+        h_mask = mask_m[:, None] & mask_r[None, :]
+        h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+        for part in tl.static_range(1, NUM_PARTS):  # split-K partial sums of the decode shrink
+            h += tl.load(h_ptrs + part * stride_hp, mask=h_mask, other=0.0)
+        h = h.to(w_ptr.dtype.element_ty)
         w_base = w_ptr + slot * stride_ws + offs_r[:, None] * stride_wr
         o_base = out_ptr + rows[:, None] * stride_om
         for n0 in range(pid_n * BLOCK_N, N_OUT, SPLIT_N * BLOCK_N):
@@ -211,6 +254,10 @@ WGRAD_CONFIGS = {
     16: dict(BLOCK_T=64, BLOCK_Q=128, MIN_CHUNK=1024, CHUNKS_PER_SLOT=16, num_warps=4, num_stages=2),
     64: dict(BLOCK_T=64, BLOCK_Q=128, MIN_CHUNK=1024, CHUNKS_PER_SLOT=16, num_warps=8, num_stages=2),
 }
+# Decode steps (one token per row, few rows per slot, schedule built on the device): small tiles,
+# the K dim split over programs, every output block its own program (latency, not bandwidth, binds).
+DECODE_SHRINK_CONFIG = dict(BLOCK_M=16, BLOCK_K=128, K_CHUNK=256, num_warps=4, num_stages=2)
+DECODE_EXPAND_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, SPLIT_N=1 << 16, num_warps=4, num_stages=1)
 REDUCE_BLOCK = 1024
 TUNING_ENV = "MILES_MULTILORA_LORA_TUNING"
 _TABLES = {"shrink": SHRINK_CONFIGS, "expand": EXPAND_CONFIGS, "wgrad": WGRAD_CONFIGS}
@@ -283,6 +330,35 @@ def gather_shrink(
     return y
 
 
+def split_shrink(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    weight_strides: tuple[int, int, int],
+    rank: int,
+    tiles: torch.Tensor,
+    cfg: dict,
+    num_rows: int,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """Decode shrink: fp32 partials ``y[p, i, :rank] = scale[s] * x[rows[i], chunk p] @ W[s][chunk p]``
+    over ``cdiv(K, K_CHUNK)`` chunks of the K dim (``[parts, num_rows, rank]``; :func:`scatter_expand`
+    sums them). Every tile of the fixed-length schedule may be empty (its programs return at once)."""
+    k_dim = x.shape[1]
+    parts = triton.cdiv(k_dim, cfg["K_CHUNK"])
+    # every routed row of every part is written by its tile's program; other rows are never read
+    y = torch.empty(parts, num_rows, rank, device=x.device, dtype=torch.float32)
+    _split_shrink_kernel[(tiles.shape[1], parts)](
+        x, rows, weight, scale, y,
+        tiles[0], tiles[1], tiles[2],
+        k_dim, rank, cfg["K_CHUNK"],
+        x.stride(0), weight_strides[0], weight_strides[1], weight_strides[2], y.stride(0), y.stride(1),
+        BLOCK_R=_pad_rank(rank), PRECISION=_precision(x.dtype), **_meta(cfg),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return y
+
+
 def scatter_expand(
     out: torch.Tensor,
     h: torch.Tensor,
@@ -293,18 +369,21 @@ def scatter_expand(
     cfg: dict,
     accumulate: bool,
 ) -> torch.Tensor:
-    """``out[rows[i]] (+)= h[i] @ W[s]`` with ``W[s][r, n]`` at ``s*ss + n*sn + r*sr``; ``out`` ``[T, N_OUT]``."""
+    """``out[rows[i]] (+)= h[i] @ W[s]`` with ``W[s][r, n]`` at ``s*ss + n*sn + r*sr``; ``out`` ``[T, N_OUT]``.
+    ``h`` is ``[T, R]``, or ``[parts, T, R]`` fp32 partial sums from :func:`split_shrink`."""
     if tiles.shape[1] == 0:
         return out
-    n_out, rank = out.shape[1], h.shape[1]
+    parts = h.unsqueeze(0) if h.dim() == 2 else h
+    n_out, rank = out.shape[1], parts.shape[2]
     split_n = min(cfg["SPLIT_N"], triton.cdiv(n_out, cfg["BLOCK_N"]))
     grid = (tiles.shape[1], split_n)
     _scatter_expand_kernel[grid](
-        h, rows, weight, out,
+        parts, rows, weight, out,
         tiles[0], tiles[1], tiles[2],
         n_out, rank,
-        h.stride(0), weight_strides[0], weight_strides[1], weight_strides[2], out.stride(0),
-        ACCUMULATE=accumulate, SPLIT_N=split_n, BLOCK_R=_pad_rank(rank), PRECISION=_precision(h.dtype),
+        parts.stride(0), parts.stride(1), weight_strides[0], weight_strides[1], weight_strides[2], out.stride(0),
+        ACCUMULATE=accumulate, SPLIT_N=split_n, NUM_PARTS=parts.shape[0], BLOCK_R=_pad_rank(rank),
+        PRECISION=_precision(weight.dtype),
         **_meta(cfg),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

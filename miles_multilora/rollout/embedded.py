@@ -1,30 +1,49 @@
-"""The embedded rollout engine: batched generation on the trainer's own Megatron GPTModel.
+"""The embedded rollout engine: continuous batching on the trainer's own Megatron GPTModel.
 
-Many adapters share one batch: every sequence is routed to its LoRA slot on every forward (prefill
-and decode). Prompts of different lengths are left-padded; padded keys are masked out and position
-ids count real tokens only. The KV cache is Megatron's ``StaticInferenceContext``; rows that finish
-are dropped from the batch (and the cache) so the rest decode faster. Adapter weights live in the
-model itself, so :meth:`EmbeddedEngine.update_adapters` only records versions and slots.
+Many adapters share one batch: every row is routed to its LoRA slot on every forward. How a call
+to :meth:`EmbeddedEngine.generate` runs:
+
+1. requests with the same (adapter, version, prompt) form a group (a GRPO prompt's samples): its
+   prompt is prefilled once and its full KV pages are shared by the samples (each copies only the
+   partial last page), in a :class:`~miles_multilora.rollout.kv_cache.PagedKVCache`;
+2. decode steps run on the device for all rows at once (:class:`~.decode_batch.DecodeBatch`):
+   LoRA routing from the row slots, sampling with per-request counter-based noise, EOS and
+   length decided there; on CUDA each step is a replayed CUDA graph (per batch-size bucket);
+3. every ``sync_interval`` steps (fewer when a row is sure to end sooner) the host reads which
+   rows ended, checks stop strings on the new tokens (truncating exactly where today's per-token
+   check would have stopped), returns finished rows, compacts the batch and admits waiting
+   groups into the free rows at once, so the longest sample never holds the whole batch.
+
+Adapter weights live in the model itself, so :meth:`update_adapters` only records versions and
+slots; optimizer steps write the weights in place and replays use them.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.inference.contexts import StaticInferenceContext
-from torch import Tensor
 
+from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.lora.routing import token_slots
+from miles_multilora.rollout.decode_batch import DecodeBatch, DecodeGraphs, bucket_for
+from miles_multilora.rollout.device_sampling import sample_tokens
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
-from miles_multilora.rollout.routing import check_servable_slots, per_sequence_slots, slot_routing
-from miles_multilora.rollout.sampling import make_generator, sample_token, token_logprobs
+from miles_multilora.rollout.kv_cache import PagedKVCache
+from miles_multilora.rollout.paged_model import PagedModel
+from miles_multilora.rollout.routing import check_servable_slots
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
+PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward
+DEFAULT_SYNC_INTERVAL = 8  # on CUDA; the CPU checks every step (no sync cost there)
+GPU_CACHE_FRACTION = 0.25  # of the GPU's memory, for the KV cache when rollout.kv_cache_tokens=0
 
 
 class Tokenizer(Protocol):
@@ -37,6 +56,7 @@ class Tokenizer(Protocol):
 def generation_mode(model: torch.nn.Module) -> Iterator[None]:
     """Eval mode and no_grad for the duration; every submodule's train/eval flag is restored after."""
     modes = [(m, m.training) for m in model.modules()]
+    routing = [(m, m.routing) for m in model.modules() if isinstance(m, MultiLoRALinear)]
     model.eval()
     try:
         with torch.no_grad():
@@ -44,31 +64,50 @@ def generation_mode(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
+        for module, plan in routing:
+            module.routing = plan
+
+
+@dataclass
+class _Group:
+    """Requests sharing one prompt prefill: same adapter, slot, version and prompt."""
+
+    slot: int
+    prompt: list[int]
+    members: list[int]  # request indices
 
 
 @dataclass
 class _Row:
-    """Decoding state of one request inside a batch."""
+    """Host view of one batch row."""
 
-    request: GenerationRequest
-    budget: int  # max new tokens for this row (max_new_tokens clipped to the context window)
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    request: int
+    pages: list[int]  # every page this row holds (shared prompt pages included)
+    prompt_len: int
+    budget: int
+    stops: list[str]
+    count: int = 1  # output tokens as of the last host check
+    checked: int = 0  # output tokens already scanned for stop strings
+    stop_at: int | None = None  # output length when a stop string completed
 
 
 class EmbeddedEngine(RolloutEngine):
     """Generates on a Megatron ``GPTModel`` in this process (one call per TP rank, same inputs).
 
     Args:
-        model: the GPTModel (MultiLoRA layers applied), or a wrapper with the same forward.
+        model: the GPTModel (MultiLoRA layers applied).
         vocab_size: the tokenizer's vocabulary size; logits beyond it (padded vocab) are never sampled.
         max_seq_len: context window; a row stops with ``"length"`` when prompt + output reach it.
         tokenizer: needed for stop strings and output text.
         eos_token_ids: ids that end a sequence (finish reason ``"eos"``); defaults to the tokenizer's.
-        max_batch_size: requests are generated in chunks of at most this many.
-        pad_id: token id placed in padding (masked out; any valid id works).
+        max_batch_size: rows decoded at once (``rollout.max_batch_size``).
+        page_size: tokens per KV page (``rollout.page_size``).
+        kv_cache_tokens: KV cache size in tokens (``rollout.kv_cache_tokens``); 0: on a GPU a quarter
+            of its memory (at most every row at full context), on CPU what each call needs.
+        cuda_graphs: replay captured decode steps (``rollout.cuda_graphs``; None: on CUDA).
+        sync_interval: device decode steps between host checks (``rollout.sync_interval``; default
+            8 on CUDA, 1 on CPU where checking costs nothing).
+        pad_id: token id placed in prompt padding (masked out; any valid id works).
     """
 
     def __init__(
@@ -80,11 +119,15 @@ class EmbeddedEngine(RolloutEngine):
         tokenizer: Tokenizer | None = None,
         eos_token_ids: int | Sequence[int] | None = None,
         max_batch_size: int = 64,
+        page_size: int = 16,
+        kv_cache_tokens: int = 0,
+        cuda_graphs: bool | None = None,
+        sync_interval: int | None = None,
         pad_id: int = 0,
     ) -> None:
         super().__init__()
-        if vocab_size < 1 or max_seq_len < 2 or max_batch_size < 1:
-            raise ValueError("vocab_size >= 1, max_seq_len >= 2 and max_batch_size >= 1 are required")
+        if vocab_size < 1 or max_seq_len < 2 or max_batch_size < 1 or (sync_interval or 1) < 1:
+            raise ValueError("vocab_size >= 1, max_seq_len >= 2, max_batch_size >= 1, sync_interval >= 1")
         self.model = model
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
@@ -95,7 +138,24 @@ class EmbeddedEngine(RolloutEngine):
             eos_token_ids = []
         self.eos_token_ids = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
         self.max_batch_size = max_batch_size
+        self.page_size = page_size
+        self.kv_cache_tokens = kv_cache_tokens
         self.pad_id = pad_id
+        self.paged = PagedModel(model, max_seq_len)
+        self.device = self.paged.device
+        on_cuda = self.device.type == "cuda"
+        self.use_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs and on_cuda)
+        self.sync_interval = sync_interval or (DEFAULT_SYNC_INTERVAL if on_cuda else 1)
+        self.layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
+        self._cache: PagedKVCache | None = None
+        self._batch: DecodeBatch | None = None
+        self._graphs: DecodeGraphs | None = None
+        self.stats: dict[str, float] = {
+            "decode_steps": 0,  # device decode steps (graph replays or eager steps)
+            "decode_ms": 0.0,  # time of those steps (CUDA events on a GPU), host checks excluded
+            "prefill_forwards": 0,
+            "prefilled_prompts": 0,
+        }
 
     # ----------------------------------------------------------------- adapters
     def update_adapters(self, changed: Mapping[str, AdapterVersion]) -> None:
@@ -107,20 +167,28 @@ class EmbeddedEngine(RolloutEngine):
         for name in list(names):
             self._adapters.pop(name, None)
 
-    # --------------------------------------------------------------- generation
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        self._check(requests)
-        routed = check_servable_slots(self.model, [r.slot for r in requests])
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
-        results: list[GenerationResult | None] = [None] * len(requests)
-        with generation_mode(self.model):
-            for start in range(0, len(order), self.max_batch_size):
-                chunk = order[start : start + self.max_batch_size]
-                for i, res in zip(
-                    chunk, self._generate_batch([requests[i] for i in chunk], routed), strict=True
-                ):
-                    results[i] = res
-        return results  # type: ignore[return-value]
+    # ----------------------------------------------------------------- checks
+    def check_request(self, req: GenerationRequest, index: int = 0) -> None:
+        super().check_request(req, index)
+        where = f"request {index} ({req.adapter!r})"
+        if len(req.prompt_ids) >= self.max_seq_len:
+            raise RolloutError(
+                f"{where}: prompt of {len(req.prompt_ids)} tokens leaves no room in the context window "
+                f"of {self.max_seq_len}"
+            )
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
+            raise RolloutError(f"{where}: prompt token ids must be in [0, {self.vocab_size})")
+        if req.sampling.stop and self.tokenizer is None:
+            raise RolloutError(f"{where}: sampling.stop needs the engine to have a tokenizer")
+        capacity = self._capacity_tokens()
+        if capacity is not None:
+            need = self._pages_for_one(len(req.prompt_ids), self._budget(req)) * self.page_size
+            if need > capacity:
+                raise RolloutError(
+                    f"{where}: needs {need} tokens of KV cache (prompt {len(req.prompt_ids)} + up to "
+                    f"{self._budget(req)} new) but rollout.kv_cache_tokens gives {capacity}; raise "
+                    "rollout.kv_cache_tokens or lower sampling.max_new_tokens"
+                )
 
     def _check(self, requests: Sequence[GenerationRequest]) -> None:
         if parallel_state.model_parallel_is_initialized() and (
@@ -128,144 +196,364 @@ class EmbeddedEngine(RolloutEngine):
         ):
             raise RolloutError("the embedded engine does not support pipeline parallelism; use sglang")
         self.check_requests(requests)
+        check_servable_slots(self.model, [r.slot for r in requests])
 
-    def check_request(self, req: GenerationRequest, index: int = 0) -> None:
-        super().check_request(req, index)
-        if len(req.prompt_ids) >= self.max_seq_len:
-            raise RolloutError(
-                f"request {index} ({req.adapter!r}): prompt of {len(req.prompt_ids)} tokens leaves no room "
-                f"in the context window of {self.max_seq_len}"
+    def _budget(self, req: GenerationRequest) -> int:
+        return min(req.sampling.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
+
+    def _pages_for_one(self, prompt_len: int, budget: int) -> int:
+        """Pages of one sample: the prompt's full pages plus its own for the rest."""
+        full = prompt_len // self.page_size
+        return full + -(-(prompt_len + budget - full * self.page_size) // self.page_size)
+
+    # ----------------------------------------------------------------- memory
+    def _capacity_tokens(self) -> int | None:
+        """Fixed KV capacity in tokens, or None when it is sized per call (CPU default)."""
+        if self.kv_cache_tokens > 0:
+            return self.kv_cache_tokens
+        if self.device.type != "cuda":
+            return None
+        budget = int(GPU_CACHE_FRACTION * torch.cuda.get_device_properties(self.device).total_memory)
+        tokens = budget // self.paged.kv_bytes_per_token()
+        return min(tokens, self.max_batch_size * self.max_seq_len)
+
+    def _ensure_state(self, requests: Sequence[GenerationRequest]) -> None:
+        """Allocate the KV cache and batch state (again only when a larger cache is needed)."""
+        capacity = self._capacity_tokens()
+        if capacity is None:  # CPU default: what this call's first batch needs
+            rows = min(self.max_batch_size, len(requests))
+            longest = max(len(r.prompt_ids) + self._budget(r) for r in requests)
+            capacity = rows * (longest + self.page_size)
+        pages = -(-capacity // self.page_size) + 1  # + the null page
+        if self._cache is None or self._cache.num_pages < pages:
+            self._cache = self.paged.new_cache(pages, self.page_size)
+            self._batch = DecodeBatch(
+                self.paged,
+                self._cache,
+                self.max_batch_size,
+                self.vocab_size,
+                sorted(self.eos_token_ids),
+                self.layers,
             )
-        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
-            raise RolloutError(
-                f"request {index} ({req.adapter!r}): prompt token ids must be in [0, {self.vocab_size})"
-            )
-        if req.sampling.stop and self.tokenizer is None:
-            raise RolloutError(
-                f"request {index} ({req.adapter!r}): sampling.stop needs the engine to have a tokenizer"
-            )
+            self._graphs = DecodeGraphs(self._batch, self.model) if self.use_graphs else None
 
-    def _generate_batch(self, requests: list[GenerationRequest], routed: bool) -> list[GenerationResult]:
-        device = next(self.model.parameters()).device
-        rows = [
-            _Row(
-                req,
-                budget=min(req.sampling.max_new_tokens, self.max_seq_len - len(req.prompt_ids)),
-                generator=make_generator(req.seed, device) if req.sampling.temperature > 0 else None,
-            )
-            for req in requests
-        ]
-        batch = len(rows)
-        prompt_len = max(len(r.request.prompt_ids) for r in rows)
-        total_len = prompt_len + max(r.budget for r in rows)
-        tokens = torch.full((batch, total_len), self.pad_id, dtype=torch.long, device=device)
-        valid = torch.zeros(batch, total_len, dtype=torch.bool, device=device)
-        for b, row in enumerate(rows):
-            n = len(row.request.prompt_ids)
-            tokens[b, prompt_len - n : prompt_len] = torch.tensor(row.request.prompt_ids, device=device)
-            valid[b, prompt_len - n : prompt_len] = True
-        slots = torch.tensor([r.request.slot for r in rows], dtype=torch.long, device=device)
-        context = StaticInferenceContext(batch, total_len)
+    # --------------------------------------------------------------- generation
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self._check(requests)
+        if not requests:
+            return []
+        self._ensure_state(requests)
+        assert self._batch is not None and self._cache is not None
+        results: list[GenerationResult | None] = [None] * len(requests)
+        with generation_mode(self.model):
+            if self._graphs is not None:
+                self._graphs.check()
+            _Run(self, requests, results).run()
+        return results  # type: ignore[return-value]
 
-        # prefill: causal mask plus the left padding of each row
-        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).triu(1)
-        mask = causal.view(1, 1, prompt_len, prompt_len) | ~valid[:, None, None, :prompt_len]
-        positions = (valid[:, :prompt_len].long().cumsum(1) - 1).clamp(min=0)
-        logits = self._forward(tokens[:, :prompt_len], positions, mask, slots, context, routed)
-        context.increment_sequence_len_offset(prompt_len)
-        context.enable_decode_mode()
-
-        active = list(range(batch))  # original row index of each row of the cache, in cache order
-        cur = prompt_len
-        while True:
-            next_ids = self._pick_tokens(logits, [rows[b] for b in active])
-            keep = [k for k, b in enumerate(active) if rows[b].finish_reason is None]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                self._compact(context, keep)
-                next_ids = next_ids[keep]
-                active = [active[k] for k in keep]
-            idx = torch.tensor(active, dtype=torch.long, device=device)
-            tokens[idx, cur] = next_ids
-            valid[idx, cur] = True
-            positions = valid[idx, : cur + 1].long().sum(1, keepdim=True) - 1
-            mask = ~valid[idx, None, None, : cur + 1]
-            logits = self._forward(tokens[idx, cur : cur + 1], positions, mask, slots[idx], context, routed)
-            context.increment_sequence_len_offset(1)
-            cur += 1
-        return [self._result(r) for r in rows]
-
-    def _forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        mask: Tensor,
-        slots: Tensor,
-        context: StaticInferenceContext,
-        routed: bool,
-    ) -> Tensor:
-        """One cached forward; returns the last position's logits ``[B, V]``."""
-        slot_ids = per_sequence_slots(slots, input_ids.size(1), input_ids.device)
-        with slot_routing(self.model, slot_ids, routed):
-            logits = self.model(
-                input_ids, positions, mask, inference_context=context, runtime_gather_output=True
-            )
-        return logits[:, -1, :]
-
-    def _pick_tokens(self, logits: Tensor, rows: list[_Row]) -> Tensor:
-        """Sample one token per row, record it with its logprob and mark rows that finish."""
-        logits = logits[:, : self.vocab_size].float()
-        picked = torch.argmax(logits, dim=-1)
-        for k, row in enumerate(rows):
-            sp = row.request.sampling
-            if sp.temperature > 0 and sp.top_k != 1:
-                picked[k] = sample_token(logits[k], sp.temperature, sp.top_k, sp.top_p, row.generator)
-        temps = torch.tensor([r.request.sampling.temperature for r in rows], device=logits.device)
-        lps = token_logprobs(logits, picked, temps).tolist()
-        for row, token, lp in zip(rows, picked.tolist(), lps, strict=True):
-            row.output_ids.append(token)
-            row.logprobs.append(lp)
-            row.finish_reason = self._finish_reason(row)
-        return picked
-
-    def _finish_reason(self, row: _Row) -> FinishReason | None:
-        if row.output_ids[-1] in self.eos_token_ids:
+    def finish_reason(self, output: list[int], budget: int, stops: list[str]) -> FinishReason | None:
+        """Today's per-token decision for the last token of ``output``: eos, then stop, then length."""
+        if output[-1] in self.eos_token_ids:
             return "eos"
-        stops = row.request.sampling.stop
         if stops and self.tokenizer is not None:
             window = max(len(s) for s in stops) + STOP_WINDOW_SLACK
-            tail = self.tokenizer.decode(row.output_ids[-window:], skip_special_tokens=True)
+            tail = self.tokenizer.decode(output[-window:], skip_special_tokens=True)
             if any(s and s in tail for s in stops):
                 return "stop"
-        if len(row.output_ids) >= row.budget:
+        if len(output) >= budget:
             return "length"
         return None
 
-    @staticmethod
-    def _compact(context: StaticInferenceContext, keep: list[int]) -> None:
-        """Keep only the cache rows ``keep`` (in that order) in every layer's KV memory."""
-        memory = context.key_value_memory_dict
-        for layer, (key, value) in list(memory.items()):
-            idx = torch.tensor(keep, dtype=torch.long, device=key.device)
-            memory[layer] = (key.index_select(1, idx), value.index_select(1, idx))
 
-    def _result(self, row: _Row) -> GenerationResult:
-        req = row.request
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(row.output_ids, skip_special_tokens=True)
-        assert row.finish_reason is not None
-        meta: dict[str, Any] = dict(req.metadata)
-        return GenerationResult(
+class _Run:
+    """One ``generate`` call: the waiting groups, the rows in the batch, their results."""
+
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        requests: Sequence[GenerationRequest],
+        results: list[GenerationResult | None],
+    ) -> None:
+        self.engine, self.requests, self.results = engine, requests, results
+        assert engine._batch is not None and engine._cache is not None
+        self.batch, self.cache = engine._batch, engine._cache
+        self.rows: list[_Row] = []
+        self.waiting: deque[_Group] = deque(self._groups())
+        self.filtered_rows = 0
+        self.timers: list[_StepTimer] = []
+
+    def _groups(self) -> list[_Group]:
+        by_key: dict[tuple, _Group] = {}
+        for i, req in enumerate(self.requests):
+            key = (req.adapter, req.slot, req.version, tuple(req.prompt_ids))
+            group = by_key.setdefault(key, _Group(req.slot, list(req.prompt_ids), []))
+            group.members.append(i)
+        # groups larger than the batch are admitted in pieces (each piece prefills once)
+        cap = self.engine.max_batch_size
+        return [
+            _Group(g.slot, g.prompt, g.members[i : i + cap])
+            for g in by_key.values()
+            for i in range(0, len(g.members), cap)
+        ]
+
+    def run(self) -> None:
+        self.batch.reset_rows(0, self.batch.max_rows)
+        try:
+            while self.waiting or self.rows:
+                self._admit()
+                if not self.rows:
+                    raise RolloutError(
+                        "the KV cache cannot hold the next request group; raise rollout.kv_cache_tokens"
+                    )
+                self._decode(self._steps_until_sync())
+                self._retire()
+        finally:
+            for row in self.rows:  # an error mid-call: give every page back
+                self.cache.release(row.pages)
+            self.batch.reset_rows(0, self.batch.max_rows)
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        """Admit waiting groups into free rows: whole groups (a group is split only when nothing
+        runs and the cache cannot hold it at once), and once enough rows are free that the prefill
+        forward serves several groups (at least an eighth of the batch, or all that wait)."""
+        engine, picked = self.engine, []
+        free_rows = engine.max_batch_size - len(self.rows)
+        free_pages = self.cache.free_pages
+        waiting_rows = sum(len(g.members) for g in self.waiting)
+        if self.rows and free_rows < min(
+            waiting_rows, max(len(self.waiting[0].members) if self.waiting else 1, engine.max_batch_size // 8)
+        ):
+            return
+        while self.waiting and free_rows > 0:
+            group = self.waiting[0]
+            budget = max(engine._budget(self.requests[i]) for i in group.members)
+            full = len(group.prompt) // engine.page_size
+            own = engine._pages_for_one(len(group.prompt), budget) - full
+            fit = min(len(group.members), free_rows, (free_pages - full) // own if own else free_rows)
+            if fit <= 0 or (fit < len(group.members) and (self.rows or picked)):
+                break  # wait for rows and pages to free up: the group comes in whole
+            if fit < len(group.members):  # nothing runs and it cannot fit at once: part of it now
+                self.waiting[0] = _Group(group.slot, group.prompt, group.members[fit:])
+                group = _Group(group.slot, group.prompt, group.members[:fit])
+            else:
+                self.waiting.popleft()
+            picked.append(group)
+            free_rows -= fit
+            free_pages -= full + fit * own
+        chunk: list[_Group] = []
+        for group in sorted(picked, key=lambda g: len(g.prompt)):  # similar lengths pad less
+            longest = max(len(group.prompt), *(len(g.prompt) for g in chunk)) if chunk else len(group.prompt)
+            if chunk and longest * (len(chunk) + 1) > PREFILL_TOKENS:
+                self._prefill(chunk)
+                chunk = []
+            chunk.append(group)
+        if chunk:
+            self._prefill(chunk)
+
+    def _prefill(self, groups: list[_Group]) -> None:
+        """Prefill each group's prompt once, give each member a row, sample its first token."""
+        engine, cache, page = self.engine, self.cache, self.engine.page_size
+        device = engine.device
+        new_rows: list[_Row] = []
+        prefill_tables, member_group = [], []
+        copies_src, copies_dst = [], []
+        for g_index, group in enumerate(groups):
+            plen = len(group.prompt)
+            full = plen // page
+            shared = cache.alloc(full)
+            for k, i in enumerate(group.members):
+                req = self.requests[i]
+                budget = engine._budget(req)
+                own = cache.alloc(engine._pages_for_one(plen, budget) - full)
+                if k > 0:
+                    cache.share(shared)
+                    if plen % page:
+                        copies_src.append(new_rows[-k].pages[full])  # the first member's partial page
+                        copies_dst.append(own[0])
+                new_rows.append(_Row(i, shared + own, plen, budget, list(req.sampling.stop)))
+                member_group.append(g_index)
+            first = new_rows[-len(group.members)]
+            prefill_tables.append(first.pages)
+        # one padded prefill forward for the groups
+        seq = max(len(g.prompt) for g in groups)
+        tokens = torch.full((len(groups), seq), engine.pad_id, dtype=torch.long)
+        for b, g in enumerate(groups):
+            tokens[b, : len(g.prompt)] = torch.tensor(g.prompt)
+        lengths = torch.tensor([len(g.prompt) for g in groups])
+        width = max(len(t) for t in prefill_tables)
+        table = torch.zeros(len(groups), width, dtype=torch.int32)
+        for b, t in enumerate(prefill_tables):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        slot_ids = torch.tensor([g.slot for g in groups]).view(-1, 1).expand(-1, seq).contiguous()
+        tokens, lengths, table = tokens.to(device), lengths.to(device), table.to(device)
+        if engine.layers:
+            with token_slots(engine.model, slot_ids.to(device)):
+                logits = engine.paged.prefill(cache, tokens, lengths, table)
+        else:
+            logits = engine.paged.prefill(cache, tokens, lengths, table)
+        engine.stats["prefill_forwards"] += 1
+        engine.stats["prefilled_prompts"] += len(groups)
+        cache.copy_pages(copies_src, copies_dst)
+        self._start_rows(new_rows, logits[torch.tensor(member_group, device=device)])
+
+    def _start_rows(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Sample each new row's first token from its prompt's logits and load its state."""
+        batch, engine = self.batch, self.engine
+        start = len(self.rows)
+        idx = slice(start, start + len(rows))
+        reqs = [self.requests[r.request] for r in rows]
+        device = engine.device
+        temperature = torch.tensor([q.sampling.temperature for q in reqs], dtype=torch.float32, device=device)
+        top_k = torch.tensor([q.sampling.top_k for q in reqs], device=device)
+        top_p = torch.tensor([q.sampling.top_p for q in reqs], dtype=torch.float32, device=device)
+        seeds = torch.tensor([q.seed & 0xFFFF_FFFF for q in reqs], device=device)
+        steps = torch.zeros(len(rows), dtype=torch.long, device=device)
+        filtered = any(_filters(q) for q in reqs)
+        token, logprob = sample_tokens(
+            logits, engine.vocab_size, temperature, seeds, steps, top_k, top_p, filtered=filtered
+        )
+        table = torch.zeros(len(rows), batch.block_table.shape[1], dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        eos = torch.tensor(sorted(engine.eos_token_ids) or [-1], device=device)
+        budget = torch.tensor([r.budget for r in rows], device=device)
+        batch.tokens[idx] = token
+        batch.positions[idx] = torch.tensor([r.prompt_len for r in rows], device=device)
+        batch.block_table[idx] = table.to(device)
+        batch.slots[idx] = torch.tensor([q.slot for q in reqs], device=device)
+        batch.temperature[idx], batch.top_k[idx], batch.top_p[idx], batch.seeds[idx] = (
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+        )
+        batch.count[idx] = 1
+        batch.budget[idx] = budget
+        batch.out_tokens[idx, 0] = token
+        batch.out_logprobs[idx, 0] = logprob
+        batch.active[idx] = ~((token.unsqueeze(1) == eos.unsqueeze(0)).any(1) | (budget <= 1))
+        self.rows.extend(rows)
+        self.filtered_rows += sum(_filters(q) for q in reqs)
+
+    # ------------------------------------------------------------------ decoding
+    def _steps_until_sync(self) -> int:
+        """Device steps before the next host check: the interval, or fewer when some row's budget
+        (or stop-string check) is due sooner."""
+        engine = self.engine
+        if engine.sync_interval == 1:
+            return 1
+        soonest = min((r.budget - r.count for r in self.rows), default=engine.sync_interval)
+        return max(1, min(engine.sync_interval, soonest))
+
+    def _decode(self, steps: int) -> None:
+        engine, batch = self.engine, self.batch
+        n = len(self.rows)
+        rows = bucket_for(n, batch.max_rows) if engine._graphs is not None else n
+        filtered = self.filtered_rows > 0
+        if engine._graphs is not None:
+            engine._graphs.prepare(rows, filtered)  # a first use captures outside the timed steps
+        timer = _StepTimer(engine.device)
+        for _ in range(steps):
+            if engine._graphs is not None:
+                engine._graphs.replay(rows, filtered)
+            else:
+                longest = max(r.prompt_len + r.budget for r in self.rows)
+                batch.step(rows, filtered, block_pages=self.cache.pages_for(longest))
+        self.timers.append(timer.stop())
+        engine.stats["decode_steps"] += steps
+
+    def _retire(self) -> None:
+        """Read which rows ended, check stop strings, return finished rows, compact the batch."""
+        batch, engine = self.batch, self.engine
+        n = len(self.rows)
+        host = torch.stack([batch.active[:n].long(), batch.count[:n]]).cpu()
+        engine.stats["decode_ms"] += sum(t.elapsed_ms() for t in self.timers)  # the device is idle now
+        self.timers.clear()
+        active, count = host[0].tolist(), host[1].tolist()
+        outputs: dict[int, list[int]] = {}
+        stop_rows = [i for i, r in enumerate(self.rows) if r.stops]
+        if stop_rows:
+            rows_t = torch.tensor(stop_rows, device=batch.out_tokens.device)
+            tokens = batch.out_tokens[rows_t].cpu().tolist()
+            for i, toks in zip(stop_rows, tokens, strict=True):
+                row = self.rows[i]
+                outputs[i] = toks[: count[i]]
+                for j in range(row.checked, count[i]):
+                    if engine.finish_reason(outputs[i][: j + 1], row.budget, row.stops) == "stop":
+                        row.stop_at = j + 1
+                        break
+                row.checked = count[i]
+        for row, c in zip(self.rows, count, strict=True):
+            row.count = c
+        done = [i for i, r in enumerate(self.rows) if not active[i] or r.stop_at is not None]
+        if not done:
+            return
+        done_t = torch.tensor(done, device=batch.out_tokens.device)
+        toks = batch.out_tokens[done_t].cpu().tolist()
+        lps = batch.out_logprobs[done_t].cpu().tolist()
+        for i, t, lp in zip(done, toks, lps, strict=True):
+            row = self.rows[i]
+            length = row.stop_at if row.stop_at is not None else count[i]
+            self._finish(row, t[:length], lp[:length])
+            self.cache.release(row.pages)
+            if _filters(self.requests[row.request]):
+                self.filtered_rows -= 1
+        finished = set(done)
+        keep = [i for i in range(n) if i not in finished]
+        batch.compact(keep, n)
+        self.rows = [self.rows[i] for i in keep]
+
+    def _finish(self, row: _Row, output: list[int], logprobs: list[float]) -> None:
+        engine, req = self.engine, self.requests[row.request]
+        if row.stop_at is not None:
+            reason: FinishReason = "stop"
+        elif output[-1] in engine.eos_token_ids:
+            reason = "eos"
+        else:
+            reason = "length"
+        text = (
+            engine.tokenizer.decode(output, skip_special_tokens=True)
+            if engine.tokenizer is not None
+            else None
+        )
+        self.results[row.request] = GenerationResult(
             adapter=req.adapter,
             version=req.version,
             slot=req.slot,
             prompt_ids=list(req.prompt_ids),
-            output_ids=row.output_ids,
-            logprobs=row.logprobs,
-            finish_reason=row.finish_reason,
+            output_ids=output,
+            logprobs=logprobs,
+            finish_reason=reason,
             text=text,
             seed=req.seed,
-            metadata=meta,
+            metadata=dict(req.metadata),
         )
+
+
+class _StepTimer:
+    """Wall time of a run of decode steps: CUDA events on a GPU (read after the next host sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> _StepTimer:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+        return self
+
+    def elapsed_ms(self) -> float:
+        return self.start.elapsed_time(self.end) if self.cuda else (self.t1 - self.t0) * 1e3
+
+
+def _filters(req: GenerationRequest) -> bool:
+    """Whether ``req`` samples from a top-k / top-p filtered distribution (greedy rows do not)."""
+    sp = req.sampling
+    return sp.temperature > 0 and (sp.top_k > 1 or sp.top_p < 1.0)

@@ -147,6 +147,10 @@ class TrainerWorker:
                 eos_token_ids=eos,
                 max_batch_size=cfg.rollout.max_batch_size,
                 pad_id=self.pad_id,
+                page_size=cfg.rollout.page_size,
+                kv_cache_tokens=cfg.rollout.kv_cache_tokens,
+                cuda_graphs=cfg.rollout.cuda_graphs,
+                sync_interval=cfg.rollout.sync_interval,
             )
         import_reward_modules(cfg.controller.reward_modules)  # the operator's registered rewards
         self.data = MultiLoRADataSource(tokenizer=self.tokenizer, seed=cfg.trainer.seed)

@@ -1,0 +1,195 @@
+"""The rows being decoded, as device tensors, and the decode step that advances all of them.
+
+:class:`DecodeBatch` holds every row's state in fixed tensors of ``max_rows`` rows (the next token,
+its position, block table, slot, sampling parameters, seed, output count and budget, whether it is
+still active, and its output tokens/logprobs so far). Rows ``>= n`` are empty (slot -1, null page,
+inactive), so a step over the first ``bucket >= n`` rows is always valid.
+
+:meth:`DecodeBatch.step` is one decode step of the whole model for the first ``n`` rows: LoRA
+routing from the row slots, forward, seeded sampling, recording, and the EOS / length decision, all
+on the device. :class:`DecodeGraphs` captures it in a CUDA graph per (batch bucket, filtered
+sampling) and replays it; graphs are dropped when any tensor they read was reallocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
+from miles_multilora.rollout.device_sampling import sample_tokens
+from miles_multilora.rollout.kv_cache import PagedKVCache
+from miles_multilora.rollout.paged_model import PagedModel
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+STATE_FIELDS = (
+    "tokens", "positions", "block_table", "slots", "temperature", "top_k", "top_p", "seeds",
+    "count", "budget", "active", "out_tokens", "out_logprobs",
+)  # fmt: skip
+
+
+def bucket_for(n: int, max_rows: int) -> int:
+    """The smallest graph bucket holding ``n`` rows (``max_rows`` itself past the largest)."""
+    return next((b for b in BUCKETS if n <= b <= max_rows), max_rows)
+
+
+class DecodeBatch:
+    """Per-row decode state on the device, for up to ``max_rows`` rows."""
+
+    def __init__(
+        self,
+        paged: PagedModel,
+        cache: PagedKVCache,
+        max_rows: int,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        layers: list[MultiLoRALinear],
+    ) -> None:
+        self.paged, self.cache, self.max_rows, self.vocab_size = paged, cache, max_rows, vocab_size
+        self.layers = layers
+        self.num_slots = layers[0].num_slots if layers else 0
+        self.block_ms = tile_sizes() if layers else ()
+        device, rows = paged.device, max_rows
+        width = paged.max_seq_len + 1  # one scratch column: inactive rows write past their outputs
+        pages = cache.pages_for(paged.max_seq_len)
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(rows, **long)
+        self.positions = torch.zeros(rows, **long)
+        self.block_table = torch.zeros(rows, pages, dtype=torch.int32, device=device)
+        self.slots = torch.full((rows,), -1, **long)
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(rows, **long)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(rows, **long)
+        self.count = torch.zeros(rows, **long)
+        self.budget = torch.zeros(rows, **long)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.out_tokens = torch.zeros(rows, width, **long)
+        self.out_logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        ids = sorted(set(eos_token_ids)) or [-1]  # -1 never matches a token
+        self.eos = torch.tensor(ids, **long)
+
+    # ------------------------------------------------------------------ the step
+    def route(self, slots: Tensor) -> None:
+        """Point every MultiLoRA layer at ``slots`` (one per row), from the device tensor itself."""
+        if not self.layers:
+            return
+        routing = build_row_routing(slots, self.num_slots, self.block_ms)
+        for layer in self.layers:
+            layer.routing = routing
+
+    def step(self, n: int, filtered: bool, block_pages: int | None = None) -> None:
+        """One decode step of rows ``[0, n)``: no host sync, every update in place.
+
+        ``block_pages`` narrows the block table (eager runs, where the host knows how long rows
+        are; a captured graph reads the whole table and the kernel bounds each row itself).
+        """
+        table = self.block_table[:n] if block_pages is None else self.block_table[:n, :block_pages]
+        tokens, positions, count, active = (
+            self.tokens[:n],
+            self.positions[:n],
+            self.count[:n],
+            self.active[:n],
+        )
+        self.route(self.slots[:n])
+        logits = self.paged.decode(self.cache, tokens, positions, table)
+        token, logprob = sample_tokens(
+            logits, self.vocab_size, self.temperature[:n], self.seeds[:n], count,
+            self.top_k[:n], self.top_p[:n], filtered=filtered,
+        )  # fmt: skip
+        index = count.unsqueeze(1)  # inactive rows write the scratch column past their outputs
+        self.out_tokens[:n].scatter_(1, index, token.unsqueeze(1))
+        self.out_logprobs[:n].scatter_(1, index, logprob.unsqueeze(1))
+        done = (token.unsqueeze(1) == self.eos.unsqueeze(0)).any(1) | (count + 1 >= self.budget[:n])
+        moved = active.long()
+        count.add_(moved)
+        positions.add_(moved)
+        tokens.copy_(torch.where(active, token, tokens))
+        active.logical_and_(~done)
+
+    # ------------------------------------------------------------------ row bookkeeping
+    def reset_rows(self, start: int, stop: int) -> None:
+        """Make rows ``[start, stop)`` empty."""
+        if start >= stop:
+            return
+        for name, value in (
+            ("tokens", 0), ("positions", 0), ("block_table", 0), ("slots", -1), ("temperature", 0.0),
+            ("top_k", 0), ("top_p", 1.0), ("seeds", 0), ("count", 0), ("budget", 0), ("active", False),
+        ):  # fmt: skip
+            getattr(self, name)[start:stop].fill_(value)
+
+    def compact(self, keep: list[int], n: int) -> None:
+        """Move rows ``keep`` (in order) to ``[0, len(keep))`` and empty the rest of ``[0, n)``."""
+        if keep != list(range(len(keep))):
+            index = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
+            for name in STATE_FIELDS:
+                t = getattr(self, name)
+                t[: len(keep)] = t[index]
+        self.reset_rows(len(keep), n)
+
+    def state_tensors(self) -> list[Tensor]:
+        return [getattr(self, name) for name in STATE_FIELDS] + [self.eos]
+
+
+def tensors_fingerprint(tensors: list[Tensor]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in tensors)
+
+
+class DecodeGraphs:
+    """CUDA graphs of :meth:`DecodeBatch.step`, one per (rows bucket, filtered sampling).
+
+    A graph bakes in the addresses of every tensor it reads: the model's parameters and buffers,
+    the KV cache and the batch state. Optimizer steps and slot loads write weights in place, so
+    replays see them; anything that reallocates (``model.to``, a new cache) changes the
+    fingerprint checked by :meth:`check`, and the graphs are dropped and captured again.
+    """
+
+    def __init__(self, batch: DecodeBatch, model: torch.nn.Module) -> None:
+        self.batch, self.model = batch, model
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
+        self._fingerprint: tuple[int, ...] | None = None
+        self.captures = 0
+
+    def _current_fingerprint(self) -> tuple[int, ...]:
+        tensors = [*self.model.parameters(), *self.model.buffers(), self.batch.cache.k, self.batch.cache.v]
+        return tensors_fingerprint([*tensors, *self.batch.state_tensors(), self.batch.paged.freqs])
+
+    def check(self) -> None:
+        """Drop every graph if a tensor they read was reallocated since they were captured."""
+        current = self._current_fingerprint()
+        if current != self._fingerprint:
+            self._graphs.clear()
+            self._pool = None
+            self._fingerprint = current
+
+    def prepare(self, n: int, filtered: bool) -> None:
+        """Capture the graph of ``(n, filtered)`` unless it exists."""
+        if (n, filtered) not in self._graphs:
+            self._graphs[(n, filtered)] = self._capture(lambda: self.batch.step(n, filtered))
+
+    def replay(self, n: int, filtered: bool) -> None:
+        self.prepare(n, filtered)
+        self._graphs[(n, filtered)].replay()
+
+    def _capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """Warm up (compiles kernels) on a copy of the state, restore it, then capture ``step``."""
+        saved = [t.clone() for t in self.batch.state_tensors()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # its KV writes repeat what the real step writes: same token, same position
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, s in zip(self.batch.state_tensors(), saved, strict=True):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step()
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.captures += 1
+        return graph

@@ -1,0 +1,275 @@
+"""Decode attention over a paged KV cache: writers for the cache and one-token-per-row attention.
+
+Each layer keeps ``k_cache``/``v_cache`` of shape ``[num_pages, page_size, H_kv, D]``. Row ``b``'s
+token ``i`` lives in page ``block_table[b, i // page_size]`` at offset ``i % page_size``; the row's
+first ``cache_lens[b]`` tokens are valid. Page 0 is the null page that unused table entries point at.
+Query head ``h`` reads kv head ``h // G`` (``G = H // H_kv``, Megatron's GQA layout).
+
+:func:`paged_decode_attention` runs a split-K ("flash decoding") Triton kernel on CUDA and a PyTorch
+gather + masked softmax elsewhere. The decode path (:func:`write_decode_kv` and the attention) never
+syncs with the host and allocates by shape only, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is absent
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+PROGRAMS_PER_SM = 3
+# Keys per loop iteration, warps and pipeline stages of the split kernel: on an H100 (bf16, D=128,
+# page_size 16) this streams the cache at ~2.95 TB/s for large batches (32 or 128 keys: 1-3% slower).
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        qk_scale, G, D, max_len,
+        stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+        stride_bt, stride_ob, stride_oh,
+        NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row, kv head, split): online softmax of the G query heads over the split's keys."""
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.minimum(tl.load(lens_ptr + b), max_len)
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole key blocks per split
+        start = split * chunk
+        end = tl.minimum(start + chunk, length)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < G
+        mask_d = offs_d < D
+        heads = hk * G + offs_g
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(k_ptr.dtype.element_ty)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            tok = offs_n % PAGE_SIZE
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(
+                k_ptr + (page * stride_kp + tok * stride_kt + hk * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + (page * stride_vp + tok * stride_vt + hk * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or row) gives zeros
+        mask_o = mask_g[:, None] & mask_d[None, :]
+        if NUM_SPLITS == 1:
+            o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_o)
+        else:
+            part = (b * G * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS]
+            tl.store(part_o_ptr + part[:, None] * D + offs_d[None, :], o, mask=mask_o)
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + part, lse, mask=mask_g)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_o_ptr, part_lse_ptr, out_ptr,
+        H, D, stride_ob, stride_oh,
+        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row, head): log-sum-exp merge of the normalized split outputs."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < NUM_SPLITS
+        mask_d = offs_d < D
+        part = (b * H + h) * NUM_SPLITS + offs_s
+        lse = tl.load(part_lse_ptr + part, mask=mask_s, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+        o_mask = mask_s[:, None] & mask_d[None, :]
+        o = tl.load(part_o_ptr + part[:, None] * D + offs_d[None, :], mask=o_mask, other=0.0)
+        total = tl.sum(w, 0)
+        res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(
+            out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=mask_d
+        )
+
+
+def write_decode_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Store one token per row: ``k[b], v[b]`` (``[B, H_kv, D]``) at token ``positions[b]`` of row b.
+
+    No host sync, shape-only indexing (CUDA-graph safe). Rows may all point at the null page.
+    """
+    page_size = k_cache.shape[1]
+    pos = positions.long()
+    page = block_table.gather(1, (pos // page_size).unsqueeze(1)).squeeze(1).long()
+    flat = page * page_size + pos % page_size
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, flat, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, flat, v.to(v_cache.dtype))
+
+
+def write_prefill_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Store right-padded prompts: ``k, v`` ``[B, S, H_kv, D]``, positions ``0 .. lengths[b]-1`` only."""
+    page_size = k_cache.shape[1]
+    valid = torch.arange(k.shape[1], device=k.device) < lengths.to(k.device).unsqueeze(1)
+    rows, pos = valid.nonzero(as_tuple=True)
+    flat = block_table[rows, pos // page_size].long() * page_size + pos % page_size
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, flat, k[rows, pos].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, flat, v[rows, pos].to(v_cache.dtype))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int = 132) -> int:
+    """Splits per (row, kv head) so the grid has ~PROGRAMS_PER_SM programs per SM; 1 for large batches,
+    at most MAX_SPLITS, and no more than the key blocks of the longest possible row."""
+    programs = max(batch * num_kv_heads, 1)
+    want = -(-PROGRAMS_PER_SM * num_sms // programs)
+    return max(1, min(want, MAX_SPLITS, -(-max_len // BLOCK_N)))
+
+
+def _attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+) -> torch.Tensor:
+    batch, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    assert heads % kv_heads == 0, f"{heads} query heads are not a multiple of {kv_heads} kv heads"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = heads // kv_heads
+    max_len = block_table.shape[1] * page_size
+    if num_splits is None:
+        sms = _num_sms(q.device.index if q.device.index is not None else 0) if q.is_cuda else 132
+        num_splits = default_num_splits(batch, kv_heads, max_len, sms)
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits > 1:
+        part_o = torch.empty(batch, heads, num_splits, dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
+    else:
+        part_o = part_lse = out  # unused
+    block_d = max(16, triton.next_power_of_2(dim))
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, cache_lens, out, part_o, part_lse,
+        scale * LOG2E, group, dim, max_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, PAGE_SIZE=page_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(batch, heads)](
+            part_o, part_lse, out, heads, dim, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
+
+
+def _attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    batch, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    max_len = block_table.shape[1] * page_size
+    pages = block_table.long()
+    keys = k_cache[pages].reshape(batch, max_len, kv_heads, dim).float()
+    values = v_cache[pages].reshape(batch, max_len, kv_heads, dim).float()
+    qg = q.float().view(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
+    valid = torch.arange(max_len, device=q.device) < cache_lens.to(q.device).unsqueeze(1)  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: all -inf -> zeros
+    values = values.masked_fill(~valid[:, :, None, None], 0.0)  # stale slots may hold inf/NaN
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values)
+    return out.reshape(batch, heads, dim).to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` over row b's first ``cache_lens[b]`` keys.
+
+    ``q`` ``[B, H, D]``; caches ``[num_pages, page_size, H_kv, D]``; ``block_table`` ``[B, max_pages]``
+    int32; ``cache_lens`` ``[B]`` int32. fp32 accumulation, output in q's dtype, zeros for empty rows.
+    ``use_triton=None``: the Triton kernel for CUDA tensors, PyTorch otherwise (``True`` forces Triton,
+    e.g. under ``TRITON_INTERPRET=1``). ``num_splits=None``: :func:`default_num_splits`. A narrower
+    ``block_table`` view (fewer columns) bounds the work to that many pages per row.
+    """
+    if use_triton is None:
+        use_triton = HAVE_TRITON and q.is_cuda
+    if use_triton:
+        return _attention_triton(q, k_cache, v_cache, block_table, cache_lens, scale, num_splits)
+    return _attention_torch(q, k_cache, v_cache, block_table, cache_lens, scale)

@@ -1,0 +1,194 @@
+"""A forward pass over a Megatron ``GPTModel``'s own modules that keeps K/V in a paged cache.
+
+The model's modules do the work (embedding, norms, the QKV/proj/MLP linears with their MultiLoRA
+slots and TP collectives, RoPE, output layer); only attention and the KV cache are the engine's:
+prompts are prefilled with causal SDPA and their K/V written to pages, and a decode step runs one
+token per row against :func:`~miles_multilora.rollout.paged_attention.paged_decode_attention`.
+Every row has its own position (no left padding), exactly like the trainer's right-padded
+forward, and a decode step has no host sync, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from torch import Tensor
+
+from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
+from miles_multilora.rollout.engine import RolloutError
+from miles_multilora.rollout.kv_cache import PagedKVCache
+from miles_multilora.rollout.paged_attention import paged_decode_attention, write_decode_kv, write_prefill_kv
+from miles_multilora.rollout.rope_kv import fused_rope_kv_supported, rope_and_write_kv
+
+
+def _unwrap(model: torch.nn.Module) -> Any:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+class PagedModel:
+    """Prefill and decode of ``model`` (a GPTModel, TP-sharded or not) against a :class:`PagedKVCache`."""
+
+    def __init__(self, model: torch.nn.Module, max_seq_len: int) -> None:
+        self.model = gpt = _unwrap(model)
+        cfg = gpt.config
+        problems = [
+            (getattr(gpt, "position_embedding_type", None) != "rope", "only RoPE position embeddings"),
+            (bool(getattr(cfg, "fp32_residual_connection", False)), "fp32_residual_connection"),
+            (
+                bool(getattr(cfg, "apply_residual_connection_post_layernorm", False)),
+                "post-layernorm residuals",
+            ),
+            (getattr(cfg, "window_size", None) is not None, "sliding-window attention"),
+            (bool(getattr(cfg, "attention_output_gate", False)), "gated attention output"),
+            (not (gpt.pre_process and gpt.post_process), "pipeline parallelism"),
+            (parallel_state.get_context_parallel_world_size() > 1, "context parallelism"),
+        ]
+        unsupported = [what for bad, what in problems if bad]
+        if unsupported:
+            raise RolloutError(f"the embedded engine does not support {', '.join(unsupported)}; use sglang")
+        self.config = cfg
+        self.layers = list(gpt.decoder.layers)
+        attn = self.layers[0].self_attention
+        self.heads = attn.num_attention_heads_per_partition
+        self.kv_heads = attn.num_query_groups_per_partition
+        self.head_dim = attn.hidden_size_per_attention_head
+        self.scales = [float(layer.self_attention.core_attention.softmax_scale) for layer in self.layers]
+        self.max_seq_len = max_seq_len
+        with torch.no_grad():
+            self.freqs = gpt.rotary_pos_emb(max_seq_len)  # [max_seq_len, 1, 1, rot_dim]
+            # cos/sin per position in the model dtype, exactly as Megatron's RoPE computes them
+            mscale = _yarn_get_concentration_factor_from_config(cfg)
+            flat = self.freqs.reshape(max_seq_len, -1)
+            self.cos = (torch.cos(flat) * mscale).to(self.dtype)
+            self.sin = (torch.sin(flat) * mscale).to(self.dtype)
+        interleaved = bool(getattr(cfg, "rotary_interleaved", False))
+        self.fused_rope = fused_rope_kv_supported(
+            self.device, self.head_dim, self.freqs.shape[-1], interleaved
+        )
+        self.fused: dict[int, bool] = {}  # id(module) -> its fused decode kernel applies
+        for layer in self.layers:
+            for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+                self.fused[id(norm)] = fusable(norm, layer.mlp, self.device)[0]
+            self.fused[id(layer.mlp)] = fusable(layer.input_layernorm, layer.mlp, self.device)[1]
+        final = gpt.decoder.final_layernorm
+        self.fused[id(final)] = fusable(final, self.layers[0].mlp, self.device)[0]
+        self.cp_group = parallel_state.get_context_parallel_group()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token takes in the cache, over all layers (this TP rank)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * itemsize
+
+    def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
+        return PagedKVCache(
+            len(self.layers), num_pages, page_size, self.kv_heads, self.head_dim, self.dtype, self.device
+        )
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, t: Tensor, freqs: Tensor) -> Tensor:
+        return apply_rotary_pos_emb(t, freqs, config=self.config, cp_group=self.cp_group)
+
+    def _logits(self, hidden: Tensor, normed: bool = False) -> Tensor:
+        """``hidden`` ``[1, B, H]`` after the last layer (``normed``: after the final norm too) ->
+        full-vocab logits ``[B, V]``."""
+        gpt = self.model
+        if not normed:
+            hidden = gpt.decoder.final_layernorm(hidden)
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        logits, _ = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        return logits[0]
+
+    def _norm(self, hidden: Tensor, delta: Tensor | None, norm: torch.nn.Module) -> tuple[Tensor, Tensor]:
+        """``(hidden + delta, norm(hidden + delta))``: one fused kernel when the norm allows it."""
+        if self.fused[id(norm)]:
+            return add_rmsnorm(hidden, delta, norm)
+        if delta is not None:
+            hidden = hidden + delta
+        return hidden, norm(hidden)
+
+    def _mlp(self, layer: Any, x: Tensor) -> Tensor:
+        """The layer's MLP output (bias added), its SwiGLU fused when the config allows it."""
+        mlp = layer.mlp
+        if self.fused[id(mlp)]:
+            out, _ = mlp.linear_fc1(x)
+            out, bias = mlp.linear_fc2(swiglu(out))
+        else:
+            out, bias = mlp(x)
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def _add(residual: Tensor, out_with_bias: tuple[Tensor, Tensor | None]) -> Tensor:
+        """Megatron's bias-dropout-add at inference: ``residual + (out + bias)``."""
+        out, bias = out_with_bias
+        return residual + (out + bias if bias is not None else out)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, cache: PagedKVCache, tokens: Tensor, lengths: Tensor, block_table: Tensor) -> Tensor:
+        """Run right-padded prompts ``tokens`` ``[B, S]`` (valid positions ``< lengths[b]``), store
+        their K/V in the pages of ``block_table`` ``[B, pages]``; return each prompt's last logits
+        ``[B, V]``. Slot routing must be set by the caller (``token_slots``)."""
+        batch, seq = tokens.shape
+        positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+        hidden = self.model.embedding(input_ids=tokens, position_ids=positions)  # [S, B, H]
+        freqs = self.freqs[:seq]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attention
+            q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
+            q, k = self._rope(q, freqs), self._rope(k, freqs)
+            write_prefill_kv(
+                cache.k[i], cache.v[i], k.transpose(0, 1), v.transpose(0, 1), block_table, lengths
+            )
+            ctx = F.scaled_dot_product_attention(
+                q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                is_causal=True, scale=self.scales[i], enable_gqa=self.heads != self.kv_heads,
+            )  # fmt: skip
+            ctx = ctx.permute(2, 0, 1, 3).reshape(seq, batch, self.heads * self.head_dim)
+            hidden = self._add(hidden, attn.linear_proj(ctx))
+            hidden = self._add(hidden, layer.mlp(layer.pre_mlp_layernorm(hidden)))
+        last = hidden[(lengths.to(hidden.device) - 1).long(), torch.arange(batch, device=hidden.device)]
+        return self._logits(last.unsqueeze(0))
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, cache: PagedKVCache, tokens: Tensor, positions: Tensor, block_table: Tensor) -> Tensor:
+        """One token per row: ``tokens`` ``[B]`` at ``positions`` ``[B]`` (its index in its row). Writes
+        its K/V there, attends over the row's first ``positions + 1`` keys; returns logits ``[B, V]``.
+        No host sync: capturable. Slot routing must be set by the caller."""
+        batch = tokens.shape[0]
+        hidden = self.model.embedding(input_ids=tokens.view(batch, 1), position_ids=positions.view(batch, 1))
+        freqs = self.freqs[positions.long()].transpose(0, 1)  # [1, B, 1, rot_dim]
+        lens = (positions + 1).to(torch.int32)
+        pending: Tensor | None = None  # the previous block's output, added before the next norm
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attention
+            hidden, x = self._norm(hidden, pending, layer.input_layernorm)
+            q, k, v = attn.get_query_key_value_tensors(x, None)
+            if self.fused_rope:  # one kernel: RoPE on q and k, and the KV write
+                q = rope_and_write_kv(
+                    q[0], k[0], v[0], self.cos, self.sin, positions, block_table, cache.k[i], cache.v[i]
+                )
+            else:
+                q, k = self._rope(q, freqs)[0], self._rope(k, freqs)
+                write_decode_kv(cache.k[i], cache.v[i], k[0], v[0], block_table, positions)
+            ctx = paged_decode_attention(q, cache.k[i], cache.v[i], block_table, lens, self.scales[i])
+            out, bias = attn.linear_proj(ctx.reshape(1, batch, self.heads * self.head_dim))
+            hidden, x = self._norm(hidden, out + bias if bias is not None else out, layer.pre_mlp_layernorm)
+            pending = self._mlp(layer, x)
+        _, x = self._norm(hidden, pending, self.model.decoder.final_layernorm)
+        return self._logits(x, normed=True)
