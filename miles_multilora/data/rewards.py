@@ -130,7 +130,14 @@ class RewardFunction:
 
     def score(self, sample: RewardSample) -> RewardOutput:
         """Reward of one sample (per-sample functions)."""
-        return self._shape(sample, _as_output(self._base(sample)))
+        raw = self._base(sample)
+        if isinstance(raw, list | tuple):  # a batched function declared as per-sample
+            raise TypeError(
+                f"reward {self.spec.type!r} returned a {type(raw).__name__}, not one number: if it scores "
+                "a batch, fn(prompts, completions, answers, metadatas, **kwargs) -> list[float], set "
+                "reward.batched: true in the adapter spec"
+            )
+        return self._shape(sample, _as_output(raw))
 
     def score_batch(self, samples: Sequence[RewardSample]) -> list[RewardOutput]:
         """Rewards of many samples in one call (batched functions)."""

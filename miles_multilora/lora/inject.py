@@ -57,6 +57,7 @@ def apply_multi_lora(
 
     ``target_modules``: ``"all-linear"`` (qkv, proj, fc1, fc2) or a list of those names, plus
     ``"output_layer"`` to adapt the LM head. ``kernels``: see :class:`MultiLoRALinear`.
+    Every target is checked before the model changes: on error the model is exactly as before.
     Returns the new layers in module order.
     """
     check_kernels(kernels)
@@ -67,17 +68,22 @@ def apply_multi_lora(
     found = [(name, mod) for name, mod in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
     if not found:
         raise ConfigError("target_modules", f"none of {targets} exist in {type(model).__name__}")
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:  # building a layer validates its base (type, own weight, TP settings) and freezes that base
+        layers = [
+            MultiLoRALinear(base, num_slots, max_rank, key=_stable_key(name, base, offset), kernels=kernels)
+            for name, base in found
+        ]
+    except BaseException:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        raise
     for p in model.parameters():
         p.requires_grad_(False)
-    layers = []
-    for name, base in found:
-        layer = MultiLoRALinear(
-            base, num_slots, max_rank, key=_stable_key(name, base, offset), kernels=kernels
-        )
+    for (name, _), layer in zip(found, layers, strict=True):
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, layer)
-        layers.append(layer)
     return layers
 
 

@@ -11,6 +11,9 @@ import hashlib
 import json
 import math
 import os
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +42,75 @@ def _layer_generator(seed: int, key: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+def _scale(alpha: float, rank: int, rslora: bool) -> float:
+    """PEFT's scaling: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    return float(alpha) / (math.sqrt(rank) if rslora else rank)
+
+
+@dataclass(frozen=True)
+class PartShape:
+    """One HF module a layer's slot holds: its columns ``[start, end)`` of the slot's ``A`` rows
+    (= ``B`` columns) and its PEFT alpha. Its ``B`` rows are stored times ``scale / layer scale``."""
+
+    start: int
+    end: int
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """What a layer's slot holds as a PEFT adapter: one :class:`PartShape` (``None``: not held) per
+    entry of :func:`layout.hf_parts`, and whether the adapter is rsLoRA."""
+
+    parts: tuple[PartShape | None, ...]
+    rslora: bool = False
+
+    @classmethod
+    def uniform(cls, n_parts: int, rank: int, alpha: float) -> SlotShape:
+        """Every part at columns ``[0, rank)`` with one alpha (``init_slot``, old checkpoints)."""
+        return cls((PartShape(0, rank, float(alpha)),) * n_parts)
+
+    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain tensors for checkpoints: ``[n_parts, 3]`` (start, end, alpha; end = start: not held), rslora."""
+        rows = [(p.start, p.end, p.alpha) if p else (0, 0, 0.0) for p in self.parts]
+        return torch.tensor(rows, dtype=torch.float64), torch.tensor(self.rslora)
+
+    @classmethod
+    def from_tensors(cls, parts: torch.Tensor, rslora: torch.Tensor) -> SlotShape:
+        rows = [(int(s), int(e), float(a)) for s, e, a in parts.tolist()]
+        return cls(tuple(PartShape(s, e, a) if e > s else None for s, e, a in rows), bool(rslora))
+
+
+def _shapes(layer: MultiLoRALinear) -> list[SlotShape | None]:
+    """The layer's per-slot :class:`SlotShape` list (kept on the layer, set by the slot ops here)."""
+    shapes = getattr(layer, "peft_slot_shapes", None)
+    if shapes is None:
+        shapes = [None] * layer.num_slots
+        setattr(layer, "peft_slot_shapes", shapes)  # noqa: B010 - an attribute MultiLoRALinear does not declare
+    return shapes
+
+
+def _layer_shape(layer: MultiLoRALinear, slot: int) -> SlotShape:
+    """The slot's shape in a non-empty layer; without a record (old checkpoint): every part at the layer's rank."""
+    shape = _shapes(layer)[slot]
+    if shape is None:
+        rank = layer.slot_rank[slot]
+        shape = SlotShape.uniform(len(layout.hf_parts(layer)), rank, layer.slot_scale[slot] * rank)
+    return shape
+
+
 @torch.no_grad()
 def _write_slot(
-    layer: MultiLoRALinear, slot: int, a_local: torch.Tensor, b_local: torch.Tensor, scale: float
+    layer: MultiLoRALinear,
+    slot: int,
+    a_local: torch.Tensor,
+    b_local: torch.Tensor,
+    scale: float,
+    shape: SlotShape | None,
 ) -> None:
     rank = a_local.shape[0]
     layer.lora_A[slot].zero_()
@@ -52,6 +121,7 @@ def _write_slot(
         if p.grad is not None:
             p.grad[slot].zero_()
     layer.set_slot_scale(slot, rank, scale if rank else 0.0)
+    _shapes(layer)[slot] = shape if rank else None
 
 
 def _empty_slot(layer: MultiLoRALinear, slot: int) -> None:
@@ -62,6 +132,7 @@ def _empty_slot(layer: MultiLoRALinear, slot: int) -> None:
         layer.lora_A.new_zeros(0, layer.in_features),
         layer.lora_B.new_zeros(layer.out_features, 0),
         0.0,
+        None,
     )
 
 
@@ -80,7 +151,8 @@ def init_slot(model: nn.Module, slot: int, rank: int, alpha: float, seed: int, o
         a_full.uniform_(-bound, bound, generator=_layer_generator(seed, layer.key))
         a_local = layout.shard_A(layer, a_full).to(layer.lora_A.dtype)
         b_local = torch.zeros(layer.out_features, rank, dtype=layer.lora_B.dtype)
-        _write_slot(layer, slot, a_local, b_local, float(alpha) / rank)
+        shape = SlotShape.uniform(len(layout.hf_parts(layer)), rank, alpha)
+        _write_slot(layer, slot, a_local, b_local, float(alpha) / rank, shape)
     if optimizer is not None:
         optimizer.reset_slot(slot)
 
@@ -102,9 +174,9 @@ def slot_rank(model: nn.Module, slot: int) -> int:
     return max(layer.slot_rank[slot] for layer in layers)
 
 
-# ----- export -----
+# ----- checkpoint state -----
 def slot_state(model: nn.Module, slot: int) -> dict[str, torch.Tensor]:
-    """This rank's exact tensors of ``slot`` (A/B shards, rank and scale of every layer), for checkpoints."""
+    """This rank's exact tensors of ``slot`` (A/B shards, rank, scale and PEFT shape of every layer)."""
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
     out: dict[str, torch.Tensor] = {}
@@ -113,21 +185,30 @@ def slot_state(model: nn.Module, slot: int) -> dict[str, torch.Tensor]:
         out[f"{layer.key}.lora_B"] = layer.lora_B[slot].detach().cpu().clone()
         out[f"{layer.key}.rank"] = torch.tensor(int(layer.slot_rank[slot]))
         out[f"{layer.key}.scale"] = torch.tensor(float(layer.slot_scale[slot]), dtype=torch.float64)
+        shape = _shapes(layer)[slot]
+        if shape is not None:
+            out[f"{layer.key}.peft_parts"], out[f"{layer.key}.peft_rslora"] = shape.to_tensors()
     return out
 
 
 @torch.no_grad()
 def load_slot_state(model: nn.Module, slot: int, state: dict[str, torch.Tensor]) -> None:
-    """Put back tensors saved by :func:`slot_state` (same TP size) into ``slot``, exactly."""
+    """Put back tensors saved by :func:`slot_state` (same TP size) into ``slot``, exactly.
+
+    Checkpoints written before slots recorded their PEFT shape export every module at its layer's rank.
+    """
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
     for layer in layers:
         rank = int(state[f"{layer.key}.rank"])
         a = state[f"{layer.key}.lora_A"][:rank].to(layer.lora_A.dtype)
         b = state[f"{layer.key}.lora_B"][:, :rank].to(layer.lora_B.dtype)
-        _write_slot(layer, slot, a, b, float(state[f"{layer.key}.scale"]))
+        parts = state.get(f"{layer.key}.peft_parts")
+        shape = None if parts is None else SlotShape.from_tensors(parts, state[f"{layer.key}.peft_rslora"])
+        _write_slot(layer, slot, a, b, float(state[f"{layer.key}.scale"]), shape)
 
 
+# ----- export -----
 def _hf_name(hf_config: Any) -> str | None:
     if hf_config is None:
         return None
@@ -140,55 +221,142 @@ def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+_HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _hf_layer(name: str) -> int | None:
+    match = _HF_LAYER.search(name)
+    return None if match is None else int(match.group(1))
+
+
+@torch.no_grad()
+def _export_layer(
+    layer: MultiLoRALinear, slot: int, rslora: bool
+) -> list[tuple[str, torch.Tensor, torch.Tensor, float]]:
+    """``(HF name, A, B, alpha)`` of every module the layer's slot holds, each at its own rank.
+
+    A module keeps its recorded columns unless training wrote its ``B`` outside them (fused layers share
+    one ``B`` across q/k/v or gate/up): then it takes the smallest column range that holds every non-zero
+    column, so the export stays exact. Collective over TP (every TP rank must call it).
+    """
+    rank = layer.slot_rank[slot]
+    a_full = layout.gather_A(layer, layer.lora_A[slot, :rank].detach()).cpu()
+    b_full = layout.gather_B(layer, layer.lora_B[slot, :, :rank].detach()).cpu()
+    shape, layer_scale = _layer_shape(layer, slot), layer.slot_scale[slot]
+    out = []
+    parts = zip(layout.hf_parts(layer), layout.split_rows(layer, b_full), shape.parts, strict=True)
+    for name, b_part, part in parts:
+        cols = b_part.ne(0).any(dim=0).nonzero().flatten().tolist()
+        if part is not None:
+            cols += [part.start, part.end - 1]
+        if not cols:  # a module the adapter does not hold, and training never reached
+            continue
+        start, end = min(cols), max(cols) + 1
+        scale = _scale(part.alpha, part.rank, shape.rslora) if part else layer_scale
+        if part is not None and (start, end) == (part.start, part.end) and shape.rslora == rslora:
+            alpha = part.alpha
+        else:
+            alpha = scale * (math.sqrt(end - start) if rslora else end - start)
+        b = b_part[:, start:end]
+        if scale != layer_scale:  # stored B is scaled to the layer's one scale: undo it
+            b = (b.double() * (layer_scale / scale)).to(b.dtype)
+        out.append((name, a_full[start:end].contiguous().clone(), b.contiguous().clone(), alpha))
+    return out
+
+
+def _module_key(name: str) -> str:
+    """A pattern key for one module: its name from ``layers.`` on (PEFT's old and current rules match it)."""
+    match = _HF_LAYER.search(name)
+    return name if match is None else name[match.start() :].lstrip(".")
+
+
+def _pattern(values: dict[str, Any], default: Any) -> dict[str, Any]:
+    """PEFT ``rank_pattern``/``alpha_pattern`` for modules whose value is not ``default``: one key per
+    module name leaf when every module of that leaf agrees, else one key per module."""
+    by_leaf: dict[str, dict[str, Any]] = defaultdict(dict)
+    for name, value in values.items():
+        by_leaf[_leaf(name)][name] = value
+    out: dict[str, Any] = {}
+    for leaf, group in sorted(by_leaf.items()):
+        distinct = set(group.values())
+        if distinct == {default}:
+            continue
+        if len(distinct) == 1:
+            out[leaf] = distinct.pop()
+        else:
+            out.update({_module_key(name): v for name, v in sorted(group.items()) if v != default})
+    return out
+
+
+def _targets(names: list[str], all_names: list[str]) -> dict[str, Any]:
+    """The smallest PEFT targeting that selects exactly ``names`` among the model's ``all_names``."""
+    leaves = sorted({_leaf(n) for n in names})
+    same_leaf = [n for n in all_names if _leaf(n) in leaves]
+    if set(names) == set(same_leaf):
+        return {"target_modules": leaves}
+    indices = {_hf_layer(n) for n in names}
+    if None not in indices and set(names) == {n for n in same_leaf if _hf_layer(n) in indices}:
+        return {"target_modules": leaves, "layers_to_transform": sorted(indices), "layers_pattern": "layers"}
+    return {"target_modules": sorted(names)}
+
+
+def _peft_form(modules: dict[str, tuple[int, float]], all_names: list[str], rslora: bool) -> dict[str, Any]:
+    """``LoraConfig`` fields that express ``{module: (rank, alpha)}`` exactly (most common rank/alpha
+    as ``r``/``lora_alpha``, the others as patterns)."""
+    ranks = Counter(r for r, _ in modules.values())
+    alphas = Counter(a for _, a in modules.values())
+    r = max(ranks, key=lambda k: (ranks[k], k))
+    alpha = max(alphas, key=lambda k: (alphas[k], k))
+    return {
+        "r": r,
+        "lora_alpha": alpha,
+        "use_rslora": rslora,
+        "rank_pattern": _pattern({n: m[0] for n, m in modules.items()}, r),
+        "alpha_pattern": _pattern({n: m[1] for n, m in modules.items()}, alpha),
+        **_targets(sorted(modules), all_names),
+    }
+
+
 def export_slot(
     model: nn.Module, slot: int, out_dir: str | Path, hf_config: Any = None, write: bool | None = None
 ) -> Path:
     """Write the slot as a PEFT adapter dir (``adapter_model.safetensors`` + ``adapter_config.json``).
 
-    HF module names, fused qkv/fc1 split into q/k/v and gate/up, sliced to the slot's rank,
-    gathered across TP (every TP rank must call this; only global rank 0 writes unless ``write``).
+    HF module names; fused qkv/fc1 split into the q/k/v and gate/up modules the slot holds; each module
+    at its own rank and alpha (``rank_pattern``/``alpha_pattern``), only the layers it holds
+    (``layers_to_transform`` or module names), rsLoRA kept. Gathered across TP (every TP rank must call
+    this; only global rank 0 writes unless ``write``).
     """
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
-    rank = max(layer.slot_rank[slot] for layer in layers)
-    if rank == 0:
+    held = [layer for layer in layers if layer.slot_rank[slot]]
+    if not held:
         raise ConfigError("slot", f"slot {slot} is empty (init_slot or load_slot it first)")
-    scales = {layer.slot_scale[slot] for layer in layers if layer.slot_rank[slot]}
-    if len(scales) != 1:
-        raise ConfigError(
-            "slot", f"slot {slot} has different scales per layer {sorted(scales)}; cannot export one alpha"
-        )
-    scale = scales.pop()
+    rslora = any(shape.rslora for shape in (_shapes(layer)[slot] for layer in held) if shape is not None)
     tensors: dict[str, torch.Tensor] = {}
-    modules: set[str] = set()
-    for layer in layers:
-        with torch.no_grad():
-            a_full = layout.gather_A(layer, layer.lora_A[slot, :rank].detach())
-            b_full = layout.gather_B(layer, layer.lora_B[slot, :, :rank].detach())
-        for name, b_part in zip(layout.hf_parts(layer), layout.split_rows(layer, b_full), strict=True):
-            tensors[f"{layout.HF_PREFIX}{name}.lora_A.weight"] = a_full.cpu().contiguous().clone()
-            tensors[f"{layout.HF_PREFIX}{name}.lora_B.weight"] = b_part.cpu().contiguous().clone()
-            modules.add(name.rsplit(".", 1)[-1])
+    modules: dict[str, tuple[int, float]] = {}
+    for layer in held:
+        for name, a, b, alpha in _export_layer(layer, slot, rslora):
+            tensors[f"{layout.HF_PREFIX}{name}.lora_A.weight"] = a
+            tensors[f"{layout.HF_PREFIX}{name}.lora_B.weight"] = b
+            modules[name] = (a.shape[0], alpha)
     out_dir = Path(out_dir)
     if write if write is not None else _is_writer():
-        _write_adapter(out_dir, tensors, rank, scale * rank, sorted(modules), _hf_name(hf_config))
+        all_names = [name for layer in layers for name in layout.hf_parts(layer)]
+        _write_adapter(out_dir, tensors, _peft_form(modules, all_names, rslora), _hf_name(hf_config))
     return out_dir
 
 
-def _write_adapter(
-    out_dir: Path, tensors: dict, rank: int, alpha: float, modules: list[str], base: str | None
-) -> None:
+def _write_adapter(out_dir: Path, tensors: dict, form: dict[str, Any], base: str | None) -> None:
     from peft import LoraConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
     config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=modules,
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base,
+        **form, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base
     )
     tmp_weights = out_dir / f".{ADAPTER_WEIGHTS}.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
@@ -201,7 +369,44 @@ def _write_adapter(
 
 
 # ----- load -----
-def _read_adapter_config(adapter_dir: Path) -> tuple[float, dict]:
+_RETRAIN = "re-train the adapter without it, or merge it into the base model"
+# adapter_config.json keys of PEFT features a resident B @ A slot cannot represent: (key, feature, what to do)
+_UNSUPPORTED_CONFIG = (
+    ("use_dora", "DoRA (use_dora=true)", _RETRAIN),
+    ("lora_bias", "LoRA bias (lora_bias=true)", _RETRAIN),
+    ("fan_in_fan_out", "fan_in_fan_out=true (Conv1D-style transposed weights)", "use a Linear-layer model"),
+    ("modules_to_save", "modules_to_save (fully trained modules saved with the adapter)", _RETRAIN),
+    ("trainable_token_indices", "trainable tokens (trainable_token_indices)", _RETRAIN),
+    ("target_parameters", "LoRA on parameters (target_parameters)", _RETRAIN),
+    ("layer_replication", "layer_replication", "re-train the adapter without it"),
+    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)", "re-train as a plain LoRA"),
+    ("use_qalora", "QA-LoRA (use_qalora=true)", _RETRAIN),
+    ("use_bdlora", "block-diagonal LoRA (use_bdlora)", _RETRAIN),
+    (
+        "velora_config",
+        "VeLoRA (velora_config)",
+        "its forward is plain LoRA: drop velora_config and the lora_velora_* tensors from the adapter",
+    ),
+    ("monteclora_config", "MonteCLoRA (monteclora_config)", _RETRAIN),
+    ("arrow_config", "Arrow routing (arrow_config)", "load one expert adapter at a time"),
+    ("kasa_config", "KaSA (kasa_config)", _RETRAIN),
+)
+# init_lora_weights values that change the base weights: the adapter only fits the changed base
+_BASE_CHANGING_INIT = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# weight-name markers of the same features, for adapters whose config does not say (marker, feature)
+_UNSUPPORTED_TENSORS = (
+    ("lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
+    ("lora_embedding_", "embedding LoRA (lora_embedding_A/B)"),
+    (".lora_A.bias", "LoRA bias (lora_bias=true)"),
+    (".lora_B.bias", "LoRA bias (lora_bias=true)"),
+    ("modules_to_save", "modules_to_save (fully trained modules saved with the adapter)"),
+    ("trainable_tokens", "trainable tokens (trainable_token_indices)"),
+    ("lora_velora", "VeLoRA (velora_config)"),
+    ("lora_diag", "KaSA (kasa_config)"),
+)
+
+
+def _read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
     config_file = adapter_dir / ADAPTER_CONFIG
     if not config_file.is_file() or not (adapter_dir / ADAPTER_WEIGHTS).is_file():
         raise SpecError(
@@ -210,36 +415,85 @@ def _read_adapter_config(adapter_dir: Path) -> tuple[float, dict]:
     cfg = json.loads(config_file.read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise SpecError("peft_type", f"only LORA adapters can be loaded, got {cfg.get('peft_type')!r}")
-    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
-        if cfg.get(key) == bad:
-            raise SpecError(key, f"{key}={bad} adapters are not supported")
-    if cfg.get("bias", "none") != "none":
-        raise SpecError("bias", "adapters that train biases are not supported (need bias='none')")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+    for key, feature, fix in _UNSUPPORTED_CONFIG:
         if cfg.get(key):
-            raise SpecError(key, f"{key} is not supported (one rank and alpha for every module)")
+            raise SpecError(key, f"{feature} adapters are not supported: {fix}")
+    if cfg.get("bias", "none") != "none":
+        raise SpecError(
+            "bias",
+            f"bias={cfg['bias']!r} adapters train the base model's biases, which is not supported: "
+            "re-train with bias='none', or merge it into the base model",
+        )
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INIT):
+        raise SpecError(
+            "init_lora_weights",
+            f"{init!r} adapters need the base weights PEFT changed at init, which is not supported: save "
+            "it as a plain LoRA (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))",
+        )
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise SpecError(
             "r", f"adapter_config.json needs r >= 1 and lora_alpha > 0, got r={r!r}, lora_alpha={alpha!r}"
         )
-    scale = float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
-    return scale, cfg
+    for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        pattern = cfg.get(key) or {}
+        if not isinstance(pattern, dict) or any(not isinstance(v, kind) or v <= 0 for v in pattern.values()):
+            raise SpecError(key, f"needs a mapping of module patterns to numbers > 0, got {pattern!r}")
+    return cfg
+
+
+def _match(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: the first key that matches the module name's end."""
+    for key, value in patterns.items():
+        try:
+            if re.match(rf"(.*\.)?({key})$", name):
+                return value
+        except re.error as exc:
+            raise SpecError(key, f"not a valid module pattern: {exc}") from exc
+    return default
+
+
+def _module_rank_alpha(cfg: dict[str, Any], name: str) -> tuple[int, float]:
+    """The module's rank and alpha as PEFT derives them from ``adapter_config.json``."""
+    rank = _match(cfg.get("rank_pattern") or {}, name, cfg["r"])
+    return int(rank), float(_match(cfg.get("alpha_pattern") or {}, name, cfg["lora_alpha"]))
 
 
 def _parse_key(key: str) -> tuple[str, str]:
-    """``base_model.model.X.lora_A.weight`` -> (``X``, ``A``)."""
+    """``base_model.model.X.lora_A.weight`` -> (``X``, ``A``); names the PEFT feature of other tensors."""
     for which in ("A", "B"):
         suffix = f".lora_{which}.weight"
         if key.startswith(layout.HF_PREFIX) and key.endswith(suffix):
             return key[len(layout.HF_PREFIX) : -len(suffix)], which
+    for marker, feature in _UNSUPPORTED_TENSORS:
+        if marker in key:
+            raise SpecError(key, f"{feature} is not supported: {_RETRAIN}")
+    if re.search(r"\.lora_(?![AB]\.)", key):
+        raise SpecError(
+            key, f"a LoRA variant tensor (only lora_A/lora_B weights) is not supported: {_RETRAIN}"
+        )
+    if key.startswith(layout.HF_PREFIX) and ".lora_" not in key and key.endswith((".weight", ".bias")):
+        raise SpecError(
+            key,
+            "a base-model tensor saved with the adapter (modules_to_save, trained biases or full weights) "
+            f"is not supported: {_RETRAIN}",
+        )
     raise SpecError(key, f"not a PEFT LoRA weight name ({layout.HF_PREFIX}<module>.lora_A/B.weight)")
 
 
 def _fuse_layer(
-    layer: MultiLoRALinear, found: dict[str, dict[str, torch.Tensor]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full ``A`` [rank, in] and canonical ``B`` [out, rank] for one layer, exact (block form if needed)."""
+    layer: MultiLoRALinear,
+    found: dict[str, dict[str, torch.Tensor]],
+    modules: dict[str, tuple[int, float]],
+    rslora: bool,
+) -> tuple[torch.Tensor, torch.Tensor, float, SlotShape]:
+    """Full ``A`` [rank, in], canonical ``B`` [out, rank], the layer's scale and the slot's shape, exact.
+
+    Parts sharing one ``A`` (what :func:`export_slot` writes for a fresh slot) keep rank r; distinct
+    ``A``s (what PEFT makes) are stacked with a block-diagonal ``B``. A part whose scale differs from
+    the layer's (first part's) has its ``B`` block scaled by the ratio.
+    """
     names, rows = layout.hf_parts(layer), layout.part_rows(layer)
     present = [n for n in names if n in found]
     for name, n_rows in zip(names, rows, strict=True):
@@ -255,40 +509,54 @@ def _fuse_layer(
             raise SpecError(
                 f"{key}.lora_B.weight", f"shape {tuple(b.shape)}, expected [{n_rows}, {a.shape[0]}]"
             )
+        if a.shape[0] != modules[name][0]:
+            raise SpecError(
+                f"{key}.lora_A.weight",
+                f"rank {a.shape[0]}, but adapter_config.json gives this module r={modules[name][0]} "
+                "(r / rank_pattern)",
+            )
     first = found[present[0]]["A"]
     shared = all(found[n]["A"].shape == first.shape and torch.equal(found[n]["A"], first) for n in present)
-    if shared:  # one A for all parts (what export_slot writes): rank r
-        a_full = first
-        blocks = [
-            found[n]["B"] if n in found else first.new_zeros(r, first.shape[0])
-            for n, r in zip(names, rows, strict=True)
-        ]
-    else:  # distinct A per part (what peft makes): A stacked, B block-diagonal
-        a_full = torch.cat([found[n]["A"] for n in present], dim=0)
-        blocks, col = [], 0
-        for name, n_rows in zip(names, rows, strict=True):
-            block = a_full.new_zeros(n_rows, a_full.shape[0])
-            if name in found:
-                r = found[name]["A"].shape[0]
-                block[:, col : col + r] = found[name]["B"]
-                col += r
-            blocks.append(block)
+    a_full = first if shared else torch.cat([found[n]["A"] for n in present], dim=0)
     if a_full.shape[0] > layer.max_rank:
-        parts = "+".join(n.rsplit(".", 1)[-1] for n in present)
+        parts = "+".join(_leaf(n) for n in present)
         raise SpecError(
             "rank",
             f"{layer.key}: {parts} have different lora_A matrices, so the fused layer needs rank "
             f"{a_full.shape[0]} > max_rank {layer.max_rank}; raise max_rank to at least {a_full.shape[0]}",
         )
-    return a_full, layout.join_rows(layer, blocks)
+    scales = {n: _scale(modules[n][1], modules[n][0], rslora) for n in present}
+    layer_scale = scales[present[0]]
+    blocks, shape, col = [], [], 0
+    for name, n_rows in zip(names, rows, strict=True):
+        block = a_full.new_zeros(n_rows, a_full.shape[0])
+        if name not in found:
+            blocks.append(block)
+            shape.append(None)
+            continue
+        r = found[name]["A"].shape[0]
+        start = 0 if shared else col
+        b = found[name]["B"]
+        if scales[name] != layer_scale:
+            b = (b.double() * (scales[name] / layer_scale)).to(b.dtype)
+        block[:, start : start + r] = b
+        blocks.append(block)
+        shape.append(PartShape(start, start + r, modules[name][1]))
+        col += r
+    return a_full, layout.join_rows(layer, blocks), layer_scale, SlotShape(tuple(shape), rslora)
 
 
 def load_slot(model: nn.Module, slot: int, adapter_dir: str | Path, optimizer: Any = None) -> None:
-    """Load a PEFT LoRA adapter dir into ``slot`` (strict names and shapes; exact scale)."""
+    """Load a PEFT LoRA adapter dir into ``slot`` (strict names and shapes; exact scales).
+
+    The slot remembers the adapter's shape (modules, per-module rank and alpha, rsLoRA), so
+    :func:`export_slot` writes the same adapter back. PEFT features a slot cannot represent (DoRA,
+    biases, embedding LoRA, saved base weights, ...) are refused by name.
+    """
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
     adapter_dir = Path(adapter_dir)
-    scale, _ = _read_adapter_config(adapter_dir)
+    cfg = _read_adapter_config(adapter_dir)
     weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     owner = {name: layer for layer in layers for name in layout.hf_parts(layer)}
     found: dict[MultiLoRALinear, dict[str, dict[str, torch.Tensor]]] = {}
@@ -307,13 +575,17 @@ def load_slot(model: nn.Module, slot: int, adapter_dir: str | Path, optimizer: A
                 )
     if not found:
         raise SpecError(str(adapter_dir), "the adapter has no LoRA weights")
-    plan = {layer: _fuse_layer(layer, parts) for layer, parts in found.items()}  # validate all first
+    rslora = bool(cfg.get("use_rslora"))
+    plan = {  # validate every layer before writing any
+        layer: _fuse_layer(layer, parts, {n: _module_rank_alpha(cfg, n) for n in parts}, rslora)
+        for layer, parts in found.items()
+    }
     for layer in layers:
         if layer in plan:
-            a_full, b_full = plan[layer]
+            a_full, b_full, scale, shape = plan[layer]
             a_local = layout.shard_A(layer, a_full).to(layer.lora_A.dtype)
             b_local = layout.shard_B(layer, b_full).to(layer.lora_B.dtype)
-            _write_slot(layer, slot, a_local, b_local, scale)
+            _write_slot(layer, slot, a_local, b_local, scale, shape)
         else:
             _empty_slot(layer, slot)
     if optimizer is not None:

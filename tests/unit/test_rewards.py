@@ -161,3 +161,10 @@ def test_custom_rewards_sync_async_batched(custom_module):
         build_reward(_spec({"type": f"{m}:wrong_count", "batched": True})).score_batch(samples)
     with pytest.raises(TypeError, match="must be a number"):
         build_reward(_spec({"type": f"{m}:not_a_number"})).score(samples[0])
+
+
+def test_batched_function_without_batched_flag_names_the_setting(custom_module):
+    fn = build_reward(_spec({"type": f"{custom_module}:batch_reward"}))  # batched, but declared per sample
+    with pytest.raises(TypeError, match="reward.batched: true") as err:
+        fn.score(RewardSample("p", "a", "a"))
+    assert "fn(prompts, completions, answers, metadatas" in str(err.value)
