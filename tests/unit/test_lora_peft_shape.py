@@ -18,7 +18,7 @@ from miles_multilora.lora import (
     multi_lora_layers,
     slot_state,
 )
-from miles_multilora.lora.slots import _peft_form
+from miles_multilora.lora.peft_format import peft_form
 from miles_multilora.lora.testing import lm_logits
 from tests.helpers import tiny_hf_model
 
@@ -232,17 +232,17 @@ def test_shape_survives_checkpoints_and_old_checkpoints_still_load(hf_and_megatr
 def test_peft_form_picks_the_smallest_exact_targeting():
     names = [f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in ("q_proj", "v_proj")] + ["lm_head"]
     every = {n: (4, 8.0) for n in names}
-    assert _peft_form(every, names, False)["target_modules"] == ["lm_head", "q_proj", "v_proj"]
+    assert peft_form(every, names, False)["target_modules"] == ["lm_head", "q_proj", "v_proj"]
     some = {n: (4, 8.0) for n in names if ".2." not in n and n != "lm_head"}
-    form = _peft_form(some, names, False)
+    form = peft_form(some, names, False)
     assert (form["target_modules"], form["layers_to_transform"]) == (["q_proj", "v_proj"], [0, 1])
     ragged = {**some, "lm_head": (2, 8.0)}
     ragged.pop("model.layers.1.self_attn.v_proj")
-    form = _peft_form(ragged, names, True)
+    form = peft_form(ragged, names, True)
     assert form["target_modules"] == sorted(ragged) and form["use_rslora"]
     assert form["rank_pattern"] == {"lm_head": 2} and not form["alpha_pattern"]
     mixed = {**every, "model.layers.1.self_attn.q_proj": (6, 8.0), "lm_head": (4, 3.0)}
-    form = _peft_form(mixed, names, False)
+    form = peft_form(mixed, names, False)
     assert form["rank_pattern"] == {"layers.1.self_attn.q_proj": 6} and form["alpha_pattern"] == {
         "lm_head": 3.0
     }
