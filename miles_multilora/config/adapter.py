@@ -42,7 +42,12 @@ LIMITS = {
     "num_steps": 10_000_000,
     "num_epochs": 1_000_000,
     "dataset.size": 10_000_000,
+    "eval.size": 4096,
+    "eval.samples": 1024,
+    "eval.every": 10_000_000,
 }
+# A reasoning-gym eval set is checked against every training question once per start: keep that cheap.
+EVAL_MAX_TRAIN_ITEMS = 100_000
 LR_SCHEDULES = ("constant", "cosine")
 EXTRACTION_RULES = ("last_number", "hash", "boxed", "none")
 
@@ -117,6 +122,39 @@ class SamplingSpec:
 
 
 @dataclass
+class EvalSpec:
+    """Held-out evaluation, run at the end of a step on the new weights; it never trains.
+
+    HF datasets: held-out rows from ``split`` of ``dataset.path`` or from another ``path`` (the
+    first ``size`` rows; ``prompt_key`` / ``answer_key`` default to the dataset's). Reasoning-gym:
+    the same task and params generated from seeds ``seed, seed + 1, ...`` (default
+    ``dataset.seed + dataset.size``, past the training seeds). Either way an item whose question
+    equals a training question is skipped, so eval items never repeat training items.
+    """
+
+    size: int = 32  # held-out items (fewer when an HF eval split has fewer rows)
+    every: int = 5  # evaluate every N of the adapter's steps; 0 = only at the end (always at the end)
+    samples: int = 1  # k per item: 1 = greedy (temperature 0); k > 1 = the adapter's sampling, pass@k
+    path: str | None = None  # HF: a held-out file/dir/hub id (default dataset.path)
+    split: str | None = None  # HF: a held-out split (default dataset.split)
+    prompt_key: str | None = None  # HF: default dataset.prompt_key
+    answer_key: str | None = None  # HF: default dataset.answer_key
+    seed: int | None = None  # reasoning-gym: first generator seed (default dataset.seed + dataset.size)
+
+
+def eval_pool_size(size: int) -> int:
+    """Reasoning-gym candidates scanned (seeds ``seed .. seed + pool - 1``) for ``size`` held-out items."""
+    return max(4096, 16 * size)
+
+
+def eval_seed(spec: AdapterSpec) -> int:
+    """The first reasoning-gym seed of ``spec``'s eval items (just past the training seeds by default)."""
+    assert spec.eval is not None
+    ds = spec.dataset
+    return ds.seed + ds.size if spec.eval.seed is None else spec.eval.seed
+
+
+@dataclass
 class AdapterSpec:
     """One LoRA adapter's experiment: model-side settings, data, reward, sampling and budget."""
 
@@ -134,9 +172,14 @@ class AdapterSpec:
     num_epochs: int | None = None
     save_interval: int = 10  # steps between checkpoints; 0 = only the final one
     seed: int = 0  # LoRA init and sampling seed
+    eval: EvalSpec | None = None  # optional held-out evaluation (EvalSpec)
 
     def to_dict(self) -> dict[str, Any]:
-        return OmegaConf.to_container(OmegaConf.structured(self), resolve=True)  # type: ignore[return-value]
+        out = OmegaConf.to_container(OmegaConf.structured(self), resolve=True)
+        assert isinstance(out, dict)
+        if out.get("eval") is None:  # a spec without eval serialises as before
+            out.pop("eval", None)
+        return out
 
 
 def _check(cond: bool, key: str, message: str) -> None:
@@ -226,6 +269,8 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     ):
         _check(len(text or "") <= MAX_TEXT_CHARS, key, f"longer than {MAX_TEXT_CHARS} characters")
     _check(opt.total_steps is None or opt.total_steps >= 1, "optimizer.total_steps", "must be >= 1")
+    if spec.eval is not None:
+        _validate_eval(spec)
     for key, value in (
         ("n_samples_per_prompt", spec.n_samples_per_prompt),
         ("prompts_per_step", spec.prompts_per_step),
@@ -242,6 +287,57 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     ):
         _check_max(key, value)
     return spec
+
+
+def _validate_eval(spec: AdapterSpec) -> None:
+    ev, ds = spec.eval, spec.dataset
+    assert ev is not None
+    _check(ev.size >= 1, "eval.size", f"must be >= 1, got {ev.size}")
+    _check(ev.every >= 0, "eval.every", f"must be >= 0 (0: only at the end), got {ev.every}")
+    _check(ev.samples >= 1, "eval.samples", f"must be >= 1, got {ev.samples}")
+    for key, value in (("eval.size", ev.size), ("eval.samples", ev.samples), ("eval.every", ev.every)):
+        _check_max(key, value)
+    _check(
+        ev.size * ev.samples <= LIMITS["samples_per_step"],
+        "eval.samples",
+        f"eval.size * eval.samples must be <= {LIMITS['samples_per_step']}",
+    )
+    if ds.task is not None:
+        for key in ("path", "split", "prompt_key", "answer_key"):
+            _check(
+                getattr(ev, key) is None,
+                f"eval.{key}",
+                "is for HF datasets (dataset.path); a reasoning-gym eval draws new items (eval.seed)",
+            )
+        _check(
+            ds.size <= EVAL_MAX_TRAIN_ITEMS,
+            "eval",
+            f"a reasoning-gym eval needs dataset.size <= {EVAL_MAX_TRAIN_ITEMS} (every training question "
+            "is checked against the eval items)",
+        )
+        first, pool = eval_seed(spec), eval_pool_size(ev.size)
+        _check(
+            first >= ds.seed + ds.size or first + pool <= ds.seed,
+            "eval.seed",
+            f"eval seeds {first}..{first + pool - 1} overlap the training seeds "
+            f"{ds.seed}..{ds.seed + ds.size - 1}; leave eval.seed unset (default {ds.seed + ds.size}) "
+            "or use one outside that range",
+        )
+        return
+    _check(
+        ev.seed is None, "eval.seed", "is for reasoning-gym datasets; an HF eval reads eval.split / eval.path"
+    )
+    _check(
+        ev.path is not None or ev.split is not None,
+        "eval.split",
+        "name held-out data: eval.split (another split of dataset.path) or eval.path",
+    )
+    same = (ev.path or ds.path) == ds.path and (ev.split or ds.split) == ds.split
+    _check(
+        not same,
+        "eval.path" if ev.path is not None else "eval.split",
+        "names the training data itself; held-out data must be another split or file",
+    )
 
 
 def _load_source(source: AdapterSpec | dict[str, Any] | str | Path) -> dict[str, Any]:

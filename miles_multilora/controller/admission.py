@@ -50,14 +50,15 @@ class AdmissionRules:
         if not remote:
             return
         check_remote_reward(spec.reward.type, self.reward_modules)
-        path = spec.dataset.path
-        if path is not None and looks_local(path) and not self._under_a_root(path):
-            roots = ", ".join(self.dataset_roots) or "none are configured"
-            raise SpecError(
-                "dataset.path",
-                "a spec submitted over the network may only read local dataset files under "
-                f"controller.dataset_roots ({roots}); use a hub dataset id or a reasoning-gym task",
-            )
+        eval_path = spec.eval.path if spec.eval is not None else None
+        for key, path in (("dataset.path", spec.dataset.path), ("eval.path", eval_path)):
+            if path is not None and looks_local(path) and not self._under_a_root(path):
+                roots = ", ".join(self.dataset_roots) or "none are configured"
+                raise SpecError(
+                    key,
+                    "a spec submitted over the network may only read local dataset files under "
+                    f"controller.dataset_roots ({roots}); use a hub dataset id or a reasoning-gym task",
+                )
 
     def _under_a_root(self, path: str) -> bool:
         resolved = Path(path).expanduser().resolve()

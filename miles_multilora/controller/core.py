@@ -50,7 +50,12 @@ from miles_multilora.controller.errors import (
 )
 from miles_multilora.controller.history import RunHistory
 from miles_multilora.controller.persistence import load_state, save_state, state_path
-from miles_multilora.controller.record import AdapterRecord, jsonable_metrics, public_from_history
+from miles_multilora.controller.record import (
+    AdapterRecord,
+    eval_summary,
+    jsonable_metrics,
+    public_from_history,
+)
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.controller.states import (
     AdapterState,
@@ -291,6 +296,7 @@ class ControllerCore:
                     record.checkpoint_step = record.step
                 if metrics:
                     record.metrics.append({"step": record.step, "time": now, **metrics})
+                    record.last_eval = eval_summary(record.step, now, metrics) or record.last_eval
                 record.needs_init = False
                 record.updated_at = now
             self._commit()

@@ -32,6 +32,12 @@ def jsonable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def eval_summary(step: int, now: float, metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """The held-out eval of one step's metrics (``eval/*`` keys, prefix dropped), or None."""
+    found = {k.removeprefix("eval/"): v for k, v in metrics.items() if k.startswith("eval/")}
+    return {"step": step, "time": now, **found} if found else None
+
+
 @dataclass
 class AdapterRecord:
     """Mutable controller-side record; only :class:`ControllerCore` touches it (under its lock).
@@ -58,6 +64,7 @@ class AdapterRecord:
     finished_at: float | None = None
     updated_at: float = field(default_factory=time.time)
     metrics: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=METRICS_HISTORY))
+    last_eval: dict[str, Any] | None = None  # the latest held-out eval: step, time, reward_mean, ...
 
     def public(self, with_spec: bool = False) -> dict[str, Any]:
         """Plain JSON-able view for ``get``/``list`` and the HTTP API."""
@@ -78,6 +85,7 @@ class AdapterRecord:
             "finished_at": self.finished_at,
             "updated_at": self.updated_at,
             "metrics": [dict(m) for m in self.metrics],
+            "last_eval": copy.deepcopy(self.last_eval),
         }
         if with_spec:
             out["spec"] = copy.deepcopy(self.spec_dict)
@@ -110,6 +118,7 @@ class AdapterRecord:
             "finished_at": self.finished_at,
             "updated_at": self.updated_at,
             "metrics": list(self.metrics),
+            "last_eval": self.last_eval,
         }
 
     @classmethod

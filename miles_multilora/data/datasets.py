@@ -86,6 +86,10 @@ class AdapterDataset:
     def row(self, index: int) -> DatasetRow:
         raise NotImplementedError
 
+    def questions(self) -> list[str]:
+        """Every row's question text (``DatasetRow.prompt``), in index order."""
+        return [self.row(i).prompt for i in range(len(self))]
+
 
 class HFAdapterDataset(AdapterDataset):
     """An HF dataset whose ``prompt_key`` / ``answer_key`` columns hold question and answer."""
@@ -117,6 +121,9 @@ class HFAdapterDataset(AdapterDataset):
             metadata=metadata,
             fields=fields,
         )
+
+    def questions(self) -> list[str]:
+        return [str(q) for q in self.dataset[self.prompt_key]]
 
 
 def create_reasoning_gym_dataset(task: str, params: dict[str, Any], size: int, seed: int) -> Any:

@@ -9,6 +9,7 @@ from miles_multilora.data.datasets import (
     load_hf_dataset,
     looks_local,
 )
+from miles_multilora.data.evaluation import load_eval_dataset
 from miles_multilora.data.prompts import fill_template
 from miles_multilora.data.records import DatasetRow
 from miles_multilora.data.reward_manager import call_with_timeout
@@ -25,6 +26,7 @@ def validate_adapter_resources(spec: AdapterSpec) -> None:
       when the hub is reachable, within ``HUB_LOAD_TIMEOUT_S``), has ``prompt_key`` /
       ``answer_key`` columns, and the prompt template's fields exist in its first row;
     - reasoning-gym: the task exists and accepts ``task_params``;
+    - HF eval data (``eval.split`` / ``eval.path``): it loads likewise and fits the template;
     - reward: a built-in name with what it needs, or an importable ``module:function``.
     """
     ds = spec.dataset
@@ -58,4 +60,18 @@ def validate_adapter_resources(spec: AdapterSpec) -> None:
         )
     if row is not None:
         fill_template(row, spec.prompt.template)
+    if spec.eval is not None and ds.path is not None:
+        _check_eval_data(spec)
     check_reward_spec(spec)
+
+
+def _check_eval_data(spec: AdapterSpec) -> None:
+    """An HF eval split/file loads, has its columns and rows, and its first row fits the template."""
+    try:
+        data = call_with_timeout(lambda: load_eval_dataset(spec), HUB_LOAD_TIMEOUT_S, "eval dataset load")
+    except TimeoutError as exc:
+        raise SpecError("eval.path", f"the eval data did not load within {HUB_LOAD_TIMEOUT_S:g} s") from exc
+    try:
+        fill_template(data.row(0), spec.prompt.template)
+    except SpecError as exc:
+        raise SpecError(exc.key, f"eval row 0: {exc.message}") from exc

@@ -1,7 +1,8 @@
 """Per-adapter metrics: wandb (offline by default), a JSONL file, a rich console table, a reward plot.
 
 Every metric is namespaced by adapter name (``<adapter>/reward_mean``) in wandb; the JSONL file
-holds one line per (step, adapter).
+holds one line per (step, adapter). Held-out eval metrics (``eval/*``) appear in the steps where
+the adapter was evaluated; the plot draws them as a dashed curve next to the training reward.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ CONSOLE_COLUMNS = (
     "lr",
     "tokens_per_s",
 )
+EVAL_PREFIX = "eval/"
 
 
 def make_console() -> Console:
@@ -94,6 +96,9 @@ class MetricsLogger:
             self._wandb.log(flat, step=global_step)
         if self.cfg.console and per_adapter:
             self.console.print(self._table(global_step, per_adapter, step_info))
+            evaluated = self._eval_table(per_adapter)
+            if evaluated is not None:
+                self.console.print(evaluated)
             if progress and progress[1]:
                 from rich.progress_bar import ProgressBar
 
@@ -120,6 +125,21 @@ class MetricsLogger:
             table.add_column(col, justify="right")
         for adapter, m in per_adapter.items():
             table.add_row(adapter, *(_fmt(m.get(col)) for col in CONSOLE_COLUMNS))
+        return table
+
+    @staticmethod
+    def _eval_table(per_adapter: dict[str, dict[str, Any]]) -> Table | None:
+        """The held-out eval of the adapters evaluated this step (``eval/*`` metrics), or None."""
+        evaluated = {a: m for a, m in per_adapter.items() if any(k.startswith(EVAL_PREFIX) for k in m)}
+        if not evaluated:
+            return None
+        keys = sorted({k for m in evaluated.values() for k in m if k.startswith(EVAL_PREFIX)})
+        keys = [k for k in keys if k != "eval/error"] + (["eval/error"] if "eval/error" in keys else [])
+        table = Table(title="held-out eval", title_justify="left")
+        for col in ("adapter", "step", *(k.removeprefix(EVAL_PREFIX) for k in keys)):
+            table.add_column(col, justify="left" if col in ("adapter", "error") else "right")
+        for adapter, m in evaluated.items():
+            table.add_row(adapter, _fmt(m.get("step")), *(_fmt(m.get(k)) for k in keys))
         return table
 
     def finish(self) -> None:
@@ -151,14 +171,30 @@ def read_metrics(jsonl_path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
-    """A PNG with every adapter's reward curve (reward_mean against its own step)."""
-    rows = read_metrics(jsonl_path)
-    series: dict[str, list[tuple[int, float]]] = {}
+Series = dict[str, list[tuple[int, float]]]
+
+
+def reward_series(rows: list[dict[str, Any]]) -> tuple[Series, Series]:
+    """Per adapter, (step, value) points sorted by step: training ``reward_mean`` and held-out
+    ``eval/reward_mean``."""
+    train: Series = {}
+    held_out: Series = {}
     for row in rows:
-        if row.get("reward_mean") is not None:
-            series.setdefault(row["adapter"], []).append((int(row["step"]), float(row["reward_mean"])))
-    if not series:
+        for key, series in (("reward_mean", train), ("eval/reward_mean", held_out)):
+            value = row.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                series.setdefault(row["adapter"], []).append((int(row["step"]), float(value)))
+    for series in (train, held_out):
+        for points in series.values():
+            points.sort()
+    return train, held_out
+
+
+def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
+    """A PNG with every adapter's reward curve (reward_mean against its own step) and, for adapters
+    with an eval section, its held-out reward (dashed, markers, same colour)."""
+    series, held_out = reward_series(read_metrics(jsonl_path))
+    if not series and not held_out:
         return None
     import matplotlib
 
@@ -166,14 +202,20 @@ def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for adapter, points in sorted(series.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=adapter)
+    for i, adapter in enumerate(sorted(set(series) | set(held_out))):
+        color = f"C{i % 10}"
+        points = series.get(adapter, [])
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=color, marker="o", label=adapter)
+        points = held_out.get(adapter, [])
+        if points:
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            ax.plot(xs, ys, color=color, linestyle="--", marker="s", label=f"{adapter} (held-out eval)")
     ax.set_xlabel("adapter step")
     ax.set_ylabel("mean reward")
-    ax.set_title("reward per adapter")
+    ax.set_title("reward per adapter" + (" (dashed: held-out eval)" if held_out else ""))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=120)

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from miles_multilora.algo import adapter_normalizers, dynamic_sampling, group_advantages, policy_loss
-from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.config.adapter import AdapterSpec, SamplingSpec
 from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.data import MultiLoRADataSource, RewardManager, RewardSample
+from miles_multilora.data.evaluation import HeldOutSet, build_held_out, eval_metrics
 from miles_multilora.data.records import PromptItem
 from miles_multilora.data.reward_registry import check_remote_reward, import_reward_modules
 from miles_multilora.errors import SpecError
@@ -155,6 +156,9 @@ class TrainerWorker:
         import_reward_modules(cfg.controller.reward_modules)  # the operator's registered rewards
         self.data = MultiLoRADataSource(tokenizer=self.tokenizer, seed=cfg.trainer.seed)
         self.rewards = RewardManager()
+        self.eval_sets: dict[str, HeldOutSet] = {}  # adapters with an eval section: their held-out set
+        self.eval_rewards = RewardManager()  # own failure counters: eval never touches training's
+        self.evaluated: dict[str, int] = {}  # adapter -> version last evaluated
         self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
         self.steps: dict[str, int] = {}  # adapter -> optimizer steps applied (== weights version)
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -176,6 +180,10 @@ class TrainerWorker:
             self.data.remove_adapter(name)
         if name in self.rewards.names:
             self.rewards.remove_adapter(name)
+        self.eval_sets.pop(name, None)
+        self.evaluated.pop(name, None)
+        if name in self.eval_rewards.names:
+            self.eval_rewards.remove_adapter(name)
         self.engine.remove_adapters([name])
 
     def ensure_resident(self, assignment: SlotAssignment) -> dict[str, Any] | None:
@@ -209,6 +217,10 @@ class TrainerWorker:
         self.optimizer.configure_slot(assignment.slot, spec.optimizer, total_steps=spec.num_steps)
         self.data.add_adapter(spec)
         self.rewards.add_adapter(spec, self.data.dataset(spec.name))
+        if spec.eval is not None:  # built once per start; a failure fails this adapter's start
+            held_out = build_held_out(spec, self.data.dataset(spec.name), self.tokenizer)
+            self.eval_rewards.add_adapter(spec, held_out.dataset)
+            self.eval_sets[spec.name] = held_out
         step, resumed = 0, None
         if assignment.resume_checkpoint:
             path, state, shard = load_resume_point(assignment, self.rank, self.world_size)
@@ -298,8 +310,9 @@ class TrainerWorker:
         for g, result in zip(owners, self.engine.generate(requests), strict=True):
             g.results.append(result)
 
-    def _score(self, groups: list[Group]) -> dict[str, Any]:
-        """Rewards on rank 0, broadcast to every rank. Returns per-adapter reward reports."""
+    def _score(self, groups: list[Group], rewards: RewardManager | None = None) -> dict[str, Any]:
+        """Rewards (of ``rewards``, default the training ones) on rank 0, broadcast to every rank.
+        Returns per-adapter reward reports."""
         report: dict[str, Any] = {}
         if self.rank == 0:
             batch: dict[str, list[RewardSample]] = {}
@@ -308,7 +321,7 @@ class TrainerWorker:
                     sample = RewardSample.from_item(g.item, r.text or "", response_length=len(r.output_ids))
                     sample.max_new_tokens = self.resident[g.adapter].spec.sampling.max_new_tokens
                     batch.setdefault(g.adapter, []).append(sample)
-            scored = self.rewards.score(batch)
+            scored = (rewards or self.rewards).score(batch)
             report = {
                 name: {
                     "rewards": s.rewards,
@@ -378,6 +391,83 @@ class TrainerWorker:
             groups = [g for gs in result.groups.values() for g in gs]
             ds_metrics = {name: result.metrics(name) for name in by_adapter}
         return groups, report, ds_metrics
+
+    # ----------------------------------------------------------------- held-out evaluation
+    def _eval_due(self, spec: AdapterSpec, trained: bool, done: bool) -> bool:
+        """Evaluate after every ``eval.every``-th trained step and at the end, once per version."""
+        ev = spec.eval
+        if ev is None or spec.name not in self.eval_sets:
+            return False
+        if self.evaluated.get(spec.name) == self.steps[spec.name]:
+            return False
+        return done or (trained and ev.every > 0 and self.steps[spec.name] % ev.every == 0)
+
+    def _eval_requests(self, groups: list[Group]) -> list[GenerationRequest]:
+        """k requests per eval item: greedy for k = 1, else the adapter's sampling; fixed seeds."""
+        requests = []
+        for g in groups:
+            a = self.resident[g.adapter]
+            ev = a.spec.eval
+            assert ev is not None
+            sampling = a.spec.sampling
+            if ev.samples == 1:
+                sampling = SamplingSpec(
+                    temperature=0.0, max_new_tokens=sampling.max_new_tokens, stop=list(sampling.stop)
+                )
+            for j in range(ev.samples):
+                requests.append(
+                    GenerationRequest(
+                        adapter=g.adapter,
+                        slot=a.slot,
+                        version=self.steps[g.adapter],
+                        prompt_ids=g.prompt_ids,
+                        sampling=sampling,
+                        seed=_seed(a.spec.seed, g.item.uid, j),
+                        metadata={"uid": g.item.uid, "sample": j, "eval": True},
+                    )
+                )
+        return requests
+
+    def _evaluate(self, names: list[str], failures: AdapterFailures) -> dict[str, dict[str, Any]]:
+        """Held-out eval of ``names`` at their current weights, all in one generate call.
+
+        No gradients, no optimizer step, no training data drawn; rewards through the eval reward
+        manager (rank 0, broadcast). Returns ``{name: eval/* metrics}``; an adapter whose eval
+        cannot be prepared (or whose eval reward failed too often) is added to ``failures``.
+        """
+        groups: list[Group] = []
+        for name in names:
+            try:
+                mine = self._requests(name, self.eval_sets[name].items)
+                for request in self._eval_requests(mine):
+                    self.engine.check_request(request)
+            except Exception as exc:  # noqa: BLE001 - isolated per adapter
+                failures.add(name, "preparing its eval requests", exc)
+                continue
+            groups.extend(mine)
+        failures.agree()  # every rank evaluates the same adapters
+        groups = [g for g in groups if g.adapter not in failures]
+        if not groups:
+            return {}
+        requests = self._eval_requests(groups)
+        by_uid = {(g.adapter, g.item.uid): g for g in groups}
+        for request, result in zip(requests, self.engine.generate(requests), strict=True):
+            by_uid[(request.adapter, request.metadata["uid"])].results.append(result)
+        report = self._score(groups, self.eval_rewards)
+        out: dict[str, dict[str, Any]] = {}
+        for name in dict.fromkeys(g.adapter for g in groups):
+            mine = [g for g in groups if g.adapter == name]
+            rep = report.get(name, {})
+            spec = self.resident[name].spec
+            assert spec.eval is not None
+            self.evaluated[name] = self.steps[name]
+            if rep.get("rewards") is None:
+                out[name] = {"eval/size": len(mine), "eval/error": rep.get("error") or "eval reward failed"}
+                if rep.get("failed"):
+                    failures.reasons.setdefault(name, f"eval: {rep.get('error') or 'reward failed'}")
+                continue
+            out[name] = eval_metrics([g.rewards for g in mine], [g.correct for g in mine], spec.eval.samples)
+        return out
 
     # ----------------------------------------------------------------- training
     def _train(self, groups: list[Group]) -> dict[str, dict[str, float]]:
@@ -559,6 +649,18 @@ class TrainerWorker:
                 self.steps[name] += 1
         self.sync_adapters(list(train_metrics))  # only adapters that changed
         t4 = time.perf_counter()
+        due = [
+            a.name
+            for a in running
+            if a.name not in failures
+            and self._eval_due(
+                a.spec,
+                a.name in train_metrics and not train_metrics[a.name].get("skipped"),
+                self._budget_reached(a.spec),
+            )
+        ]
+        evals = self._evaluate(due, failures) if due else {}  # after training: the new weights
+        t_eval = time.perf_counter()
         n_tokens = sum(len(r.output_ids) for g in groups for r in g.results)
         for a in running:
             name = a.name
@@ -572,6 +674,7 @@ class TrainerWorker:
                 )
             except Exception as exc:  # noqa: BLE001 - a metric must never stop training
                 metrics = {"step": self.steps[name], "metrics_error": failure_reason("metrics", exc)}
+            metrics.update(evals.get(name, {}))
             checkpoint = None
             done = self._budget_reached(a.spec)
             if trained and (done or (a.spec.save_interval and self.steps[name] % a.spec.save_interval == 0)):
@@ -599,7 +702,8 @@ class TrainerWorker:
             "generate_reward_s": t2 - t1,
             "train_s": t3 - t2,
             "sync_s": t4 - t3,
-            "checkpoint_s": t5 - t4,
+            "eval_s": t_eval - t4,
+            "checkpoint_s": t5 - t_eval,
             "step_s": t5 - t0,
             "tokens_per_s": n_tokens / max(t5 - t0, 1e-9),
         }

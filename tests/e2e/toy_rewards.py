@@ -41,3 +41,10 @@ def fraction_of_digits(
 def huge_reward(prompt: str, completion: str, answer: Any, metadata: dict[str, Any]) -> float:
     """A broken reward: a finite value so large that statistics over it overflow."""
     return 1e308
+
+
+@reward_function
+def lowercase_majority(prompt: str, completion: str, answer: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Share of lowercase ASCII letters, ``correct`` when they are at least half the characters."""
+    share = _share(completion, "abcdefghijklmnopqrstuvwxyz")
+    return {"reward": share, "correct": share >= 0.5}
