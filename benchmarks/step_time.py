@@ -27,6 +27,7 @@ PHASES = (
     ("train", "step/train_s"),
     ("sync", "step/sync_s"),
     ("checkpoint", "step/checkpoint_s"),
+    ("held-out eval (steps with one)", "step/eval_s"),
     ("setup (slots, init)", "step/setup_s"),
     ("total", "step/step_s"),
 )
