@@ -68,7 +68,11 @@ class RolloutConfig:
 @dataclass
 class TrainerConfig:
     world_size: int = 1  # trainer ranks (Ray actors); equals model.tp * model.pp
-    micro_batch_size: int = 8  # sequences per forward/backward micro-batch
+    micro_batch_size: int = 8  # sequences per forward/backward micro-batch (at most, with a token budget)
+    # padded tokens per micro-batch: rows sorted by length and packed under it (0: micro_batch_size rows)
+    max_tokens_per_micro_batch: int = 0
+    logprob_chunk_tokens: int = 1024  # response tokens per chunk of the LM head + log-softmax
+    recompute: str = "none"  # activation recompute in backward: none | selective (core attention) | full
     seed: int = 0
     output_dir: str = "runs/default"
     resume: bool = False
@@ -160,6 +164,13 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.pp == 1, "model.pp", "pipeline parallelism is not supported by the trainer yet; use model.pp=1")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    _check(t.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch", "must be >= 0 (0: off)")
+    _check(t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
+    _check(
+        t.recompute in ("none", "selective", "full"),
+        "trainer.recompute",
+        f"must be none, selective or full; got {t.recompute!r}",
+    )
     c = cfg.controller
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")

@@ -65,6 +65,28 @@ def patch_causal_mask() -> None:
     fused_softmax.get_default_causal_mask = get_default_causal_mask
 
 
+# 8. Megatron's activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA RNG
+#    state around the recomputed forward. On CPU there is none: the CPU generator's state stands in
+#    (the models here have no dropout, so nothing random happens inside a layer anyway).
+def patch_checkpoint_rng() -> None:
+    if not is_cpu():
+        return
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if getattr(tp_random._get_cuda_rng_state, "_miles_cpu_patch", False):
+        return
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    get_state._miles_cpu_patch = True  # type: ignore[attr-defined]
+    tp_random._get_cuda_rng_state = get_state
+    tp_random._set_cuda_rng_state = set_state
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,6 +120,7 @@ def init_distributed(
 
     patch_cuda_current_device()
     patch_causal_mask()
+    patch_checkpoint_rng()
     init_process_group(rank, world_size)
     if parallel_state.model_parallel_is_initialized():
         if (

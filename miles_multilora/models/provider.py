@@ -51,8 +51,31 @@ def _dtype(name: str) -> torch.dtype:
     return table[name]
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_settings(recompute: str) -> dict[str, Any]:
+    """TransformerConfig fields of an activation-recompute choice: ``none``; ``selective`` (core
+    attention recomputed in backward); ``full`` (every layer's input kept, the layer recomputed)."""
+    if recompute not in RECOMPUTE:
+        raise ConfigError("trainer.recompute", f"must be one of {RECOMPUTE}, got {recompute!r}")
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
+
+
+def _embedding_output_requires_grad(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    """Full recompute checkpoints each layer with a reentrant autograd Function, which only builds a
+    graph when an *input* requires grad; with a frozen embedding (LoRA training) none does."""
+    return output.requires_grad_(True) if module.training and not output.requires_grad else output
+
+
 def _finish(model: GPTModel, dtype: torch.dtype) -> GPTModel:
     model = model.to(device=compat.default_device(), dtype=dtype)
+    if getattr(model.config, "recompute_granularity", None) == "full" and model.pre_process:
+        model.embedding.register_forward_hook(_embedding_output_requires_grad)
     return model
 
 
@@ -66,8 +89,10 @@ def build_tiny_gpt(
     max_seq_len: int = 256,
     seed: int = 0,
     dtype: str = "float32",
+    recompute: str = "none",
 ) -> GPTModel:
     """A small Llama-style GPTModel (RMSNorm, SwiGLU, RoPE, GQA, untied) with random init.
+    ``recompute``: activation recompute in backward (:func:`recompute_settings`).
 
     Requires ``compat.init_distributed`` to have run (TP/PP come from parallel_state).
     """
@@ -96,6 +121,7 @@ def build_tiny_gpt(
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=_dtype(dtype),
         layernorm_epsilon=1e-6,
+        **recompute_settings(recompute),
     )
     model = GPTModel(
         config=config,
@@ -130,8 +156,11 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def load_hf_model(path: str | Path, dtype: str = "float32", load_weights: bool = True) -> LoadedModel:
-    """Build a GPTModel (local spec, TP/PP from parallel_state) from an HF checkpoint dir via AutoBridge."""
+def load_hf_model(
+    path: str | Path, dtype: str = "float32", load_weights: bool = True, recompute: str = "none"
+) -> LoadedModel:
+    """Build a GPTModel (local spec, TP/PP from parallel_state) from an HF checkpoint dir via AutoBridge;
+    ``recompute``: activation recompute in backward (:func:`recompute_settings`)."""
     hf_config = read_hf_config(path)
     auto_bridge_cls = compat.import_auto_bridge()
     compat.patch_bridge_contiguous_scatter()
@@ -157,6 +186,8 @@ def load_hf_model(path: str | Path, dtype: str = "float32", load_weights: bool =
     provider.attention_dropout = 0.0
     provider.sequence_parallel = False  # needs TE/apex; see compat
     provider.parallel_output = False  # full-vocab logits on every TP rank (sampling and logprobs need them)
+    for key, value in recompute_settings(recompute).items():
+        setattr(provider, key, value)
     provider.finalize()
     from megatron.core.process_groups_config import ProcessGroupCollection
 

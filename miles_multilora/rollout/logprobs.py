@@ -1,18 +1,24 @@
 """Recompute per-token logprobs of given sequences with a full forward (no KV cache).
 
-The trainer uses :func:`sequence_logprobs` for its training logprobs too, so nothing here runs under
-``no_grad``: callers decide. Each sequence is routed to its own LoRA slot.
+The trainer uses :func:`selected_logprobs` for its training logprobs (the response positions only,
+through a chunked LM head: no fp32 ``[tokens, vocab]`` logits), and rollout parity checks use
+:func:`sequence_logprobs`; nothing here runs under ``no_grad``: callers decide. Each sequence is
+routed to its own LoRA slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from miles_multilora.algo.chunked_logprobs import DEFAULT_CHUNK_ROWS, chunked_token_logprobs
+from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.rollout.routing import check_servable_slots, per_sequence_slots, slot_routing
-from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
 
 
 def right_pad(
@@ -81,3 +87,65 @@ def compute_logprobs(
     input_ids, lengths = right_pad(sequences, pad_id, device)
     out = sequence_logprobs(model, input_ids, slots, temperatures, vocab_size)
     return [out[i, : int(n) - 1] for i, n in enumerate(lengths)]
+
+
+def _gpt(model: torch.nn.Module) -> Any:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+@contextmanager
+def _hidden_states_only(gpt: Any) -> Iterator[None]:
+    """Make ``gpt``'s forward return the final hidden states (after the last norm, before the LM head)."""
+    saved = gpt.post_process
+    gpt.post_process = False  # GPTModel.forward returns the decoder output when not post-processing
+    try:
+        yield
+    finally:
+        gpt.post_process = saved
+
+
+def lm_head_weight(model: torch.nn.Module) -> Tensor | None:
+    """This rank's LM-head weight shard ``[V_local, H]``, or None when the chunked path cannot serve the
+    head (a LoRA-adapted or biased output layer needs the module's own forward)."""
+    gpt = _gpt(model)
+    head = gpt.output_layer
+    if isinstance(head, MultiLoRALinear) or getattr(head, "bias", None) is not None:
+        return None
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else head.weight
+
+
+def selected_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    slots: Tensor | Sequence[int],
+    temperatures: Tensor | Sequence[float],
+    vocab_size: int,
+    rows: Tensor,
+    positions: Tensor,
+    chunk: int = DEFAULT_CHUNK_ROWS,
+    route: bool = True,
+) -> Tensor:
+    """Logprobs of ``input_ids[rows[i], positions[i] + 1]`` given its prefix, for the selected pairs only.
+
+    ``input_ids`` ``[B, S]`` right-padded; ``temperatures`` per sequence (0 = greedy, taken as 1).
+    The LM head runs on the selected hidden states only, in chunks of ``chunk`` rows, so neither the
+    prompt positions' logits nor an fp32 ``[tokens, vocab]`` tensor exist. Differentiable.
+    ``route=False``: the caller has routed the model's tokens already (and keeps that routing through
+    the backward, which activation recompute needs: it runs the forward again there).
+    """
+    temps = effective_temperature(torch.as_tensor(temperatures, dtype=torch.float32, device=input_ids.device))
+    targets = input_ids[rows, positions + 1]
+    weight = lm_head_weight(model)
+    if weight is None:  # the module's own LM head: full logits, then the selected entries
+        return sequence_logprobs(model, input_ids, slots, temps, vocab_size)[rows, positions]
+    gpt = _gpt(model)
+    batch, seq_len = input_ids.shape
+    position_ids = torch.arange(seq_len, device=input_ids.device).view(1, -1).expand(batch, -1)
+    slot_list = slots.tolist() if isinstance(slots, Tensor) else list(slots)
+    routed = route and check_servable_slots(model, slot_list)
+    with slot_routing(model, per_sequence_slots(slot_list, seq_len, input_ids.device), routed):
+        with _hidden_states_only(gpt):
+            hidden = model(input_ids, position_ids, causal_mask(seq_len, input_ids.device))  # [S, B, H]
+    return chunked_token_logprobs(hidden[positions, rows], weight, targets, temps[rows], vocab_size, chunk)

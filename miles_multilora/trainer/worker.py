@@ -28,14 +28,22 @@ from miles_multilora.data.evaluation import HeldOutSet, build_held_out, eval_met
 from miles_multilora.data.records import PromptItem
 from miles_multilora.data.reward_registry import check_remote_reward, import_reward_modules
 from miles_multilora.errors import SpecError
-from miles_multilora.lora import apply_multi_lora, clear_slot, export_slot, init_slot, load_slot_state
+from miles_multilora.lora import (
+    apply_multi_lora,
+    clear_slot,
+    export_slot,
+    init_slot,
+    load_slot_state,
+    token_slots,
+)
 from miles_multilora.models import compat, provider
 from miles_multilora.models.paths import MAX_CONTEXT, resolve_model_path
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutEngine
-from miles_multilora.rollout.logprobs import right_pad, sequence_logprobs
+from miles_multilora.rollout.logprobs import right_pad, selected_logprobs
 from miles_multilora.trainer import checkpoint as ckpt
 from miles_multilora.trainer.faults import AdapterFailures, failure_reason
+from miles_multilora.trainer.microbatch import micro_batches
 from miles_multilora.trainer.resume import check_run_dir_is_ours, load_resume_point
 from miles_multilora.trainer.tokenizer import encode_prompt, load_tokenizer
 
@@ -66,15 +74,6 @@ class TrainRow:
     @property
     def response_len(self) -> int:
         return len(self.tokens) - self.prompt_len
-
-
-def _response_values(per_position: torch.Tensor, rows: list[TrainRow], width: int) -> torch.Tensor:
-    """``[len(rows), width]``: each row's values at its response positions (``per_position[i, t]``
-    belongs to token ``t + 1``), zero-padded. Differentiable."""
-    out = per_position.new_zeros(len(rows), width, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : r.response_len] = per_position[i, r.prompt_len - 1 : r.prompt_len - 1 + r.response_len]
-    return out
 
 
 class CheckpointError(RuntimeError):
@@ -111,10 +110,13 @@ class TrainerWorker:
                 t.max_seq_len,
                 seed=cfg.trainer.seed,
                 dtype=cfg.model.dtype,
+                recompute=cfg.trainer.recompute,
             )
             self.vocab_size, self.max_seq_len, self.hf_config = t.vocab_size, t.max_seq_len, None
         else:
-            loaded = provider.load_hf_model(model_path, dtype=cfg.model.dtype)
+            loaded = provider.load_hf_model(
+                model_path, dtype=cfg.model.dtype, recompute=cfg.trainer.recompute
+            )
             self.model, self.vocab_size, self.hf_config = loaded.model, loaded.vocab_size, loaded.hf_config
             self.max_seq_len = int(
                 min(getattr(self.hf_config, "max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT)
@@ -162,6 +164,7 @@ class TrainerWorker:
         self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
         self.steps: dict[str, int] = {}  # adapter -> optimizer steps applied (== weights version)
         self.output_dir = Path(cfg.trainer.output_dir)
+        self.last_train_tokens = 0  # tokens (prompt + response) of the last step's training rows
 
     # ----------------------------------------------------------------- slot lifecycle
     def _is_writer(self) -> bool:
@@ -470,8 +473,32 @@ class TrainerWorker:
         return out
 
     # ----------------------------------------------------------------- training
+    def _response_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        rows: list[TrainRow],
+        slots: list[int],
+        temps: list[float],
+        width: int,
+        route: bool = True,
+    ) -> torch.Tensor:
+        """``[len(rows), width]``: each row's logprobs at its response tokens (zero-padded), through
+        the chunked LM head on those positions only. Differentiable."""
+        row_index = torch.tensor([i for i, r in enumerate(rows) for _ in range(r.response_len)])
+        offset = torch.tensor([j for r in rows for j in range(r.response_len)])
+        prompt = torch.tensor([r.prompt_len for r in rows])
+        device = input_ids.device
+        lp = selected_logprobs(
+            self.model, input_ids, slots, temps, self.vocab_size, row_index.to(device),
+            (prompt[row_index] - 1 + offset).to(device), self.cfg.trainer.logprob_chunk_tokens, route=route,
+        )  # fmt: skip
+        out = lp.new_zeros(len(rows), width)
+        out[row_index.to(device), offset.to(device)] = lp
+        return out
+
     def _train(self, groups: list[Group]) -> dict[str, dict[str, float]]:
-        """One mixed batch: per-adapter normalised loss, micro-batches sorted by slot, per-slot step."""
+        """One mixed batch: per-adapter normalised loss, micro-batches (by a token budget when set),
+        per-slot step."""
         algo = self.algo
         rows: list[TrainRow] = []
         for g in groups:
@@ -494,38 +521,42 @@ class TrainerWorker:
             full_mask[i, : r.response_len] = 1
         normalizers = adapter_normalizers(full_mask, torch.tensor([r.slot for r in rows]), algo.aggregation)
         per_slot: dict[int, dict[str, float]] = {}
-        mb = self.cfg.trainer.micro_batch_size
+        t = self.cfg.trainer
+        batches = micro_batches(
+            [len(r.tokens) for r in rows], t.micro_batch_size, t.max_tokens_per_micro_batch
+        )
+        self.last_train_tokens = sum(len(r.tokens) for r in rows)
         self.model.train()
-        for start in range(0, len(rows), mb):
-            chunk = rows[start : start + mb]
+        for index in batches:
+            chunk = [rows[i] for i in index]
             input_ids, _ = right_pad([r.tokens for r in chunk], self.pad_id, compat.default_device())
             chunk_slots = [r.slot for r in chunk]
             temps = [r.temperature for r in chunk]
             width = max(r.response_len for r in chunk)
-            lp_all = sequence_logprobs(self.model, input_ids, chunk_slots, temps, self.vocab_size)
-            logprobs = _response_values(lp_all, chunk, width)
-            old, mask = torch.zeros_like(logprobs), torch.zeros_like(logprobs)
+            old = torch.zeros(len(chunk), width, device=input_ids.device)
+            mask = torch.zeros_like(old)
             for i, r in enumerate(chunk):
                 old[i, : r.response_len] = torch.tensor(r.rollout_logprobs[: r.response_len])
                 mask[i, : r.response_len] = 1
             ref = None
             if algo.kl_coef > 0:
                 with torch.no_grad():
-                    ref_all = sequence_logprobs(
-                        self.model, input_ids, [-1] * len(chunk), temps, self.vocab_size
-                    )
-                ref = _response_values(ref_all, chunk, width)
-            out = policy_loss(
-                logprobs,
-                old,
-                torch.tensor([r.advantage for r in chunk]),
-                mask,
-                torch.tensor(chunk_slots),
-                config=algo,
-                ref_logprobs=ref,
-                normalizers=normalizers,
-            )
-            out.loss.backward()
+                    ref = self._response_logprobs(input_ids, chunk, [-1] * len(chunk), temps, width)
+            slot_ids = torch.tensor(chunk_slots, device=input_ids.device).view(-1, 1).expand_as(input_ids)
+            # routing kept through the backward: activation recompute runs the forward again there
+            with token_slots(self.model, slot_ids.contiguous()):
+                logprobs = self._response_logprobs(input_ids, chunk, chunk_slots, temps, width, route=False)
+                out = policy_loss(
+                    logprobs,
+                    old,
+                    torch.tensor([r.advantage for r in chunk]),
+                    mask,
+                    torch.tensor(chunk_slots),
+                    config=algo,
+                    ref_logprobs=ref,
+                    normalizers=normalizers,
+                )
+                out.loss.backward()
             for slot, metrics in out.per_adapter.items():
                 acc = per_slot.setdefault(int(slot), {})
                 n = float(metrics.get("num_tokens", 0.0))

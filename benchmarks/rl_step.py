@@ -1,0 +1,235 @@
+"""One RL step on a trainer rank built in-process (no Ray), three schedules at equal work.
+
+(a) ``--adapters`` adapters mixed, each ``--prompts`` prompts x ``--samples`` samples per step;
+(b) one adapter with the same total prompts x samples per step;
+(c) one adapter at a time: ``--adapters`` steps of one adapter with ``--prompts`` x ``--samples``.
+
+Random-weight Llama-shaped model (``model.source=tiny`` with the given shape), ``--prompt-len``-token
+prompts, up to ``--new-tokens`` new tokens; lengths vary as in a real run: a random ``1/--mean-len``
+share of the vocabulary ends a sample (EOS at random points, decided on the device). Each schedule
+runs ``--warmup`` untimed steps (graph capture, kernel compiles), then ``--steps`` timed ones.
+Prints each phase (generate + reward, train, sync, checkpoint), tokens/s, the train phase's MFU
+(``4 x base parameters x trained tokens`` per second over ``--peak-tflops``, see
+docs/benchmarks.md), peak memory, and the ratios (a)/(b) and (c)/(a).
+
+    python benchmarks/rl_step.py --cpu        # tiny preset, under two minutes on a 2-core CPU
+    python benchmarks/rl_step.py              # the 2 B shape of docs/benchmarks.md (GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_multilora.config.adapter import parse_adapter_spec
+from miles_multilora.config.run import config_from_container
+from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
+from miles_multilora.data import source
+from miles_multilora.data.datasets import AdapterDataset
+from miles_multilora.data.records import DatasetRow
+from miles_multilora.trainer.worker import TrainerWorker
+
+SHAPE = dict(layers=24, hidden=2048, ffn=5632, heads=16, groups=4, vocab=151936)
+CPU_SHAPE = dict(layers=2, hidden=128, ffn=256, heads=4, groups=2, vocab=512)
+PHASES = ("generate_reward_s", "train_s", "sync_s", "checkpoint_s", "setup_s", "step_s")
+
+
+def hash_reward(prompt: str, completion: str, answer: Any, metadata: dict) -> float:
+    """A cheap reward that varies between samples (random weights earn nothing meaningful)."""
+    return float(hashlib.sha256(completion.encode()).digest()[0] % 2)
+
+
+class SyntheticPrompts(AdapterDataset):
+    """Random lowercase prompts of a fixed length, in memory (no dataset files or libraries)."""
+
+    kind = "synthetic"
+
+    def __init__(self, count: int, length: int, seed: int) -> None:
+        rng = random.Random(seed)
+        alphabet = "abcdefghijklmnopqrstuvwxyz "
+        self.rows = ["".join(rng.choice(alphabet) for _ in range(length)) for _ in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, index: int) -> DatasetRow:
+        text = self.rows[index]
+        return DatasetRow(prompt=text, answer=None, metadata={}, fields={"question": text})
+
+
+def use_synthetic_prompts(length: int) -> None:
+    """Every adapter of this process draws :class:`SyntheticPrompts` (the spec's path is a label)."""
+    source.load_adapter_dataset = lambda spec: SyntheticPrompts(4096, length, spec.seed)
+
+
+def spec(name: str, prompts: int, args: argparse.Namespace) -> dict:
+    return {
+        "name": name,
+        "rank": args.rank,
+        "alpha": 2.0 * args.rank,
+        "optimizer": {"lr": 1e-4},
+        "dataset": {"path": "synthetic.jsonl", "seed": sum(map(ord, name))},
+        "prompt": {"template": "{question}", "use_chat_template": False},
+        "reward": {"type": "rl_step:hash_reward"},
+        "n_samples_per_prompt": args.samples,
+        "prompts_per_step": prompts,
+        "num_steps": 10_000,
+        "sampling": {"temperature": 1.0, "max_new_tokens": args.new_tokens},
+        "save_interval": 0,
+    }
+
+
+def run_config(out: Path, args: argparse.Namespace) -> Any:
+    return config_from_container(
+        {
+            "model": {
+                "source": "tiny",
+                "dtype": args.dtype,
+                "tiny": {
+                    "num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": args.ffn,
+                    "num_attention_heads": args.heads, "num_query_groups": args.groups,
+                    "vocab_size": args.vocab, "max_seq_len": args.context,
+                },
+            },
+            "lora": {"num_slots": args.adapters, "max_rank": args.rank},
+            "rollout": {"max_batch_size": args.adapters * args.prompts * args.samples},
+            "trainer": {
+                "output_dir": str(out), "micro_batch_size": args.micro_batch,
+                "max_tokens_per_micro_batch": args.max_tokens, "recompute": args.recompute,
+                "logprob_chunk_tokens": args.chunk,
+            },
+            "logging": {"wandb_mode": "disabled", "console": False, "plot": False},
+        }
+    )  # fmt: skip
+
+
+def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) -> list[dict[str, float]]:
+    """Run ``warmup + steps`` steps over ``specs`` (a list per step: who runs); timings of the last ``steps``."""
+    rows = []
+    for i in range(warmup + steps):
+        running = []
+        for raw in specs[i % len(specs)]:
+            parsed = parse_adapter_spec(raw, max_rank=64)
+            step = worker.steps.get(parsed.name, 0)
+            init = parsed.name not in worker.resident
+            slot = len(running)
+            running.append(
+                SlotAssignment(parsed.name, f"{parsed.name}-1", slot, parsed, step, step, None, init)
+            )
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out = worker.step(Snapshot(i + 1, worker.cfg.lora.num_slots, tuple(running), (), ()))
+        if out["failed"]:
+            raise RuntimeError(f"adapters failed in the step: {out['failed']}")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= warmup:
+            timing = dict(out["timing"])
+            timing["generated"] = timing["tokens_per_s"] * timing["step_s"]
+            timing["trained"] = worker.last_train_tokens
+            rows.append(timing)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cpu", action="store_true")
+    for key, value in SHAPE.items():
+        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value}")
+    parser.add_argument("--adapters", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=150)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--mean-len", type=int, default=160, help="mean sample length set by the EOS share")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=16, help="trainer.micro_batch_size")
+    parser.add_argument("--max-tokens", type=int, default=0, help="trainer.max_tokens_per_micro_batch")
+    parser.add_argument("--recompute", default="none", help="trainer.recompute: none | selective | full")
+    parser.add_argument("--chunk", type=int, default=1024, help="trainer.logprob_chunk_tokens")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
+    parser.add_argument("--schedules", default="a,b,c")
+    args = parser.parse_args()
+    preset = CPU_SHAPE if args.cpu else SHAPE
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.cpu:
+        args.adapters, args.prompts, args.samples = 4, 2, 4
+        args.prompt_len, args.new_tokens, args.mean_len, args.micro_batch = 24, 24, 16, 8
+    args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
+    args.context = 1 << (args.prompt_len + args.new_tokens + 8).bit_length()
+
+    tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
+    use_synthetic_prompts(args.prompt_len)
+    worker = TrainerWorker(run_config(tmp / "out", args))
+    vocab = worker.vocab_size
+    rng = random.Random(1)
+    worker.engine.eos_token_ids = set(rng.sample(range(vocab), max(1, vocab // args.mean_len)))
+    base_params = sum(p.numel() for n, p in worker.model.named_parameters() if "lora_" not in n)
+    total = args.adapters * args.prompts
+    plans = {
+        "a": (f"(a) {args.adapters} adapters mixed", [[spec(f"a{i}", args.prompts, args) for i in range(args.adapters)]]),
+        "b": ("(b) 1 adapter, same work", [[spec("b0", total, args)]]),
+        "c": ("(c) 1 adapter at a time", [[spec("c0", args.prompts, args)]]),
+    }  # fmt: skip
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"{base_params / 1e9:.2f} B base parameters on {device}; {args.adapters} x {args.prompts} prompts x "
+          f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len}); "
+          f"micro-batch {args.micro_batch} rows / {args.max_tokens or '-'} tokens, recompute {args.recompute}")  # fmt: skip
+    results: dict[str, dict[str, float]] = {}
+    for key in args.schedules.split(","):
+        title, specs = plans[key]
+        steps = args.steps * (args.adapters if key == "c" else 1)  # (c): equal work per timed round
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        rows = schedule(worker, specs, steps, args.warmup)
+        per_round = args.adapters if key == "c" else 1
+        agg = {k: sum(r[k] for r in rows) / args.steps for k in (*PHASES, "generated", "trained")}
+        agg["median_step_s"] = statistics.median(r["step_s"] for r in rows) * per_round
+        agg["peak_gb"] = (
+            torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+        )
+        agg["wall_s"] = time.perf_counter() - start
+        results[key] = agg
+        worker.clear_slots(tuple(range(args.adapters)))  # the next schedule starts from empty slots
+        print(f"  ran {title}: {len(rows)} timed steps in {agg['wall_s']:.1f} s")
+    header = (
+        f"{'schedule':>26} {'round s':>8} {'gen+rwd s':>9} {'train s':>8} {'sync s':>7} {'ckpt s':>7} "
+        f"{'gen tok/s':>10} {'train tok/s':>11} {'train MFU':>9} {'peak GB':>8}"
+    )
+    print(
+        f"\nper round of equal work ({args.adapters * args.prompts * args.samples} samples); mean of {args.steps} rounds"
+    )
+    print(header)
+    print("-" * len(header))
+    for key, agg in results.items():
+        mfu = 4 * base_params * agg["trained"] / max(agg["train_s"], 1e-9) / (args.peak_tflops * 1e12)
+        print(
+            f"{plans[key][0]:>26} {agg['step_s']:>8.2f} {agg['generate_reward_s']:>9.2f} {agg['train_s']:>8.2f} "
+            f"{agg['sync_s']:>7.2f} {agg['checkpoint_s']:>7.2f} {agg['generated'] / agg['generate_reward_s']:>10.0f} "
+            f"{agg['trained'] / agg['train_s']:>11.0f} {mfu:>9.1%} {agg['peak_gb']:>8.1f}"
+        )
+    if "a" in results and "b" in results:
+        print(f"(a)/(b) round time: {results['a']['step_s'] / results['b']['step_s']:.2f} "
+              f"(throughput ratio {results['b']['step_s'] / results['a']['step_s']:.2f})")  # fmt: skip
+    if "a" in results and "c" in results:
+        print(f"(c)/(a) round time: {results['c']['step_s'] / results['a']['step_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The chunked LM-head logprobs under TP=2 with a vocab-sharded head (gloo) equal the full logits."""
+
+from __future__ import annotations
+
+import torch
+
+from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs
+from miles_multilora.rollout.sampling import token_logprobs
+from tests.helpers import run_distributed
+from tests.unit.test_chunked_logprobs import _inputs
+
+
+def _tp2(rank: int, world_size: int) -> None:
+    from miles_multilora.models import compat
+
+    compat.init_distributed(tp=2, pp=1, seed=0)
+    h, w, targets, temps = _inputs(vocab_padded=40)
+    vocab = 33
+    full = token_logprobs(h @ w.t(), targets, temps, vocab)
+    (grad_full,) = torch.autograd.grad(full.sum(), h)
+    shard = w.view(2, 20, -1)[rank]  # vocab-parallel: rank r holds ids [20 r, 20 r + 20)
+    h2 = h.detach().clone().requires_grad_(True)
+    got = chunked_token_logprobs(h2, shard, targets, temps, vocab, chunk=4)
+    (grad_got,) = torch.autograd.grad(got.sum(), h2)
+    torch.testing.assert_close(got, full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_got, grad_full, rtol=1e-5, atol=1e-6)
+    compat.destroy_distributed()
+
+
+def test_tp2_vocab_sharded_head_equals_the_full_logits():
+    run_distributed(_tp2, world_size=2)
