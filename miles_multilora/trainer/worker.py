@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,16 +276,24 @@ class TrainerWorker:
             groups.append(Group(name, item, ids[-budget:], []))
         return groups
 
-    def _groups(self, batch: dict[str, list[PromptItem]], failures: AdapterFailures) -> list[Group]:
-        """The step's groups; an adapter whose prompts cannot be encoded or served fails alone."""
+    def _groups(
+        self,
+        batch: dict[str, list[PromptItem]],
+        failures: AdapterFailures,
+        requests_of: Callable[[list[Group]], list[GenerationRequest]] | None = None,
+        stage: str = "preparing its generation requests",
+    ) -> list[Group]:
+        """The groups of ``batch`` (training requests by default); an adapter whose prompts cannot be
+        encoded or served fails alone."""
+        requests_of = requests_of or self._group_requests
         groups = []
         for name, items in batch.items():
             try:
                 mine = self._requests(name, items)
-                for request in self._group_requests(mine):
+                for request in requests_of(mine):
                     self.engine.check_request(request)
             except Exception as exc:  # noqa: BLE001 - isolated per adapter
-                failures.add(name, "preparing its generation requests", exc)
+                failures.add(name, stage, exc)
                 continue
             groups.extend(mine)
         return groups
@@ -438,16 +447,8 @@ class TrainerWorker:
         manager (rank 0, broadcast). Returns ``{name: eval/* metrics}``; an adapter whose eval
         cannot be prepared (or whose eval reward failed too often) is added to ``failures``.
         """
-        groups: list[Group] = []
-        for name in names:
-            try:
-                mine = self._requests(name, self.eval_sets[name].items)
-                for request in self._eval_requests(mine):
-                    self.engine.check_request(request)
-            except Exception as exc:  # noqa: BLE001 - isolated per adapter
-                failures.add(name, "preparing its eval requests", exc)
-                continue
-            groups.extend(mine)
+        items = {name: self.eval_sets[name].items for name in names}
+        groups = self._groups(items, failures, self._eval_requests, "preparing its eval requests")
         failures.agree()  # every rank evaluates the same adapters
         groups = [g for g in groups if g.adapter not in failures]
         if not groups:

@@ -119,6 +119,21 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def stop_service(service: subprocess.Popen, ray_tmp: str) -> list[int]:
+    """Kill the service's process group if it still runs, then any process of this test's own Ray
+    (by its temp dir); returns the Ray processes that had to be killed."""
+    if service.poll() is None:
+        _kill_group(service)
+    leftover = [] if _ray_gone(ray_tmp) else _ray_pids(ray_tmp)
+    for pid in leftover:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    return leftover
+
+
 def _wait_for(
     what: str, pred: Callable[[], Any], timeout_s: float, service: subprocess.Popen, log: Path
 ) -> Any:
@@ -237,13 +252,5 @@ def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
         if runner is not None and runner.poll() is None:
             runner.kill()
             runner.wait()
-        if service.poll() is None:
-            _kill_group(service)
-        leftover = [] if _ray_gone(ray_tmp) else _ray_pids(ray_tmp)
-        for pid in leftover:  # only processes of this test's own Ray
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        leftover = stop_service(service, ray_tmp)
     assert not leftover, f"Ray processes left behind: {leftover}"

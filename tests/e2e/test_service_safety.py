@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -27,7 +25,15 @@ from miles_multilora.controller.client import ControllerClient
 from miles_multilora.models.compat import free_port
 from miles_multilora.trainer import checkpoint as ckpt
 from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, toy_adapter
-from tests.e2e.test_service import _env, _kill_group, _metric_lines, _ray_gone, _ray_pids, _wait_for
+from tests.e2e.test_service import (
+    _env,
+    _kill_group,
+    _metric_lines,
+    _ray_gone,
+    _ray_pids,
+    _wait_for,
+    stop_service,
+)
 
 SCRIPTS = REPO_ROOT / "examples" / "multi_lora"
 DATA = Path(TOY_PROMPTS).parent
@@ -195,15 +201,7 @@ def test_bad_specs_fail_alone_names_never_collide_and_restart_falls_back(tmp_pat
         service.send_signal(signal.SIGTERM)
         assert service.wait(timeout=90) == 0, log.read_text()[-4000:]
     finally:
-        if service.poll() is None:
-            _kill_group(service)
-        leftover = [] if _ray_gone(ray_tmp) else _ray_pids(ray_tmp)
-        for pid in leftover:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        leftover = stop_service(service, ray_tmp)
     assert not leftover, f"Ray processes left behind: {leftover}"
 
 
