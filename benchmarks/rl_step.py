@@ -87,12 +87,14 @@ def spec(name: str, prompts: int, args: argparse.Namespace) -> dict:
     }
 
 
-def run_config(out: Path, args: argparse.Namespace) -> Any:
+def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) -> Any:
     return config_from_container(
         {
             "model": {
                 "source": "tiny",
                 "dtype": args.dtype,
+                "dp": dp,
+                "tp": tp,
                 "tiny": {
                     "num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": args.ffn,
                     "num_attention_heads": args.heads, "num_query_groups": args.groups,

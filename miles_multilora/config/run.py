@@ -43,6 +43,7 @@ class ModelConfig:
     dtype: str = "float32"
     tp: int = 1
     pp: int = 1
+    dp: int | None = None  # data-parallel replicas; None: trainer.world_size / (tp * pp), else 1
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -67,7 +68,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    world_size: int = 1  # trainer ranks (Ray actors); equals model.tp * model.pp
+    world_size: int | None = None  # trainer ranks (Ray actors) = model.dp * tp * pp; None: derived
     micro_batch_size: int = 8  # sequences per forward/backward micro-batch (at most, with a token budget)
     # padded tokens per micro-batch: rows sorted by length and packed under it (0: micro_batch_size rows)
     max_tokens_per_micro_batch: int = 0
@@ -127,6 +128,31 @@ def _check(cond: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+def _resolve_world(m: ModelConfig, t: TrainerConfig) -> None:
+    """Fill in whichever of ``model.dp`` and ``trainer.world_size`` is unset (world = dp * tp * pp)."""
+    _check(m.dp is None or m.dp >= 1, "model.dp", "must be >= 1")
+    _check(t.world_size is None or t.world_size >= 1, "trainer.world_size", "must be >= 1")
+    model_parallel = m.tp * m.pp
+    if t.world_size is None:
+        m.dp = m.dp or 1
+        t.world_size = m.dp * model_parallel
+        return
+    _check(
+        t.world_size % model_parallel == 0,
+        "trainer.world_size",
+        f"{t.world_size} ranks do not split into groups of model.tp * model.pp = {model_parallel}; use a "
+        f"multiple of {model_parallel} (data parallelism: world_size = model.dp * tp * pp)",
+    )
+    if m.dp is None:
+        m.dp = t.world_size // model_parallel
+    _check(
+        t.world_size == m.dp * model_parallel,
+        "trainer.world_size",
+        f"must equal model.dp * model.tp * model.pp = {m.dp} * {m.tp} * {m.pp} = {m.dp * model_parallel} "
+        "(or leave one of trainer.world_size and model.dp unset)",
+    )
+
+
 def validate_run_config(cfg: RunConfig) -> RunConfig:
     m = cfg.model
     _check(m.source in ("demo", "hf", "tiny"), "model.source", f"must be demo, hf or tiny; got {m.source!r}")
@@ -155,12 +181,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         "set rollout.sglang_url for rollout.engine=sglang",
     )
     t = cfg.trainer
-    _check(t.world_size >= 1, "trainer.world_size", "must be >= 1")
-    _check(
-        t.world_size == m.tp * m.pp,
-        "trainer.world_size",
-        f"must equal model.tp * model.pp = {m.tp * m.pp} (data parallelism is not supported yet)",
-    )
+    _resolve_world(m, t)
     _check(m.pp == 1, "model.pp", "pipeline parallelism is not supported by the trainer yet; use model.pp=1")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")

@@ -66,7 +66,9 @@ def recompute_settings(recompute: str) -> dict[str, Any]:
     return {}
 
 
-def _embedding_output_requires_grad(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+def _embedding_output_requires_grad(
+    module: torch.nn.Module, inputs: Any, output: torch.Tensor
+) -> torch.Tensor:
     """Full recompute checkpoints each layer with a reentrant autograd Function, which only builds a
     graph when an *input* requires grad; with a frozen embedding (LoRA training) none does."""
     return output.requires_grad_(True) if module.training and not output.requires_grad else output

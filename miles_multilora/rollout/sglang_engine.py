@@ -40,10 +40,19 @@ class SGLangEngine(RolloutEngine):
         urls: base URL(s), e.g. ``"http://10.0.0.5:30000"``.
         timeout_s: per HTTP call.
         max_concurrency: in-flight ``/generate`` calls (SGLang batches them server-side).
+        manages_adapters: this client loads and unloads adapters on the servers; with several
+            trainer ranks only one does (the others only track the versions being served).
+        first_server: where this client's round-robin over ``urls`` starts (DP ranks spread out).
     """
 
     def __init__(
-        self, urls: str | Sequence[str], *, timeout_s: float = 600.0, max_concurrency: int = 64
+        self,
+        urls: str | Sequence[str],
+        *,
+        timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        manages_adapters: bool = True,
+        first_server: int = 0,
     ) -> None:
         super().__init__()
         self.urls = [urls] if isinstance(urls, str) else list(urls)
@@ -52,6 +61,8 @@ class SGLangEngine(RolloutEngine):
         self.urls = [u.rstrip("/") for u in self.urls]
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
+        self.manages_adapters = manages_adapters
+        self.first_server = first_server
 
     # ------------------------------------------------------------------- http
     def _call(self, method: str, url: str, path: str, payload: dict[str, Any] | None = None) -> Any:
@@ -104,7 +115,7 @@ class SGLangEngine(RolloutEngine):
             if old is not None and (old.version, old.path) == (av.version, av.path):
                 continue
             try:
-                for url in self.urls:
+                for url in self.urls if self.manages_adapters else []:
                     if old is not None:
                         self._call(
                             "POST", url, "/unload_lora_adapter", {"lora_name": lora_name(name, old.version)}
@@ -119,7 +130,7 @@ class SGLangEngine(RolloutEngine):
     def remove_adapters(self, names: Iterable[str]) -> None:
         for name in list(names):
             av = self._adapters.pop(name, None)
-            if av is not None:
+            if av is not None and self.manages_adapters:
                 for url in self.urls:
                     self._call(
                         "POST", url, "/unload_lora_adapter", {"lora_name": lora_name(name, av.version)}
@@ -130,7 +141,8 @@ class SGLangEngine(RolloutEngine):
         self.check_requests(requests)
         if not requests:
             return []
-        jobs = [(self.urls[i % len(self.urls)], req) for i, req in enumerate(requests)]
+        n = len(self.urls)
+        jobs = [(self.urls[(self.first_server + i) % n], req) for i, req in enumerate(requests)]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(jobs))) as pool:
             return list(pool.map(lambda job: self._generate_one(*job), jobs))
 

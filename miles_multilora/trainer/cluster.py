@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from miles_multilora.config.run import RunConfig
+from miles_multilora.errors import ConfigError
 from miles_multilora.models.compat import free_port
 
 
@@ -58,28 +59,107 @@ def start_ray(address: str | None = None, namespace: str = "miles_multilora") ->
     )
 
 
+PLACEMENT_TIMEOUT_S = float(os.environ.get("MILES_PLACEMENT_TIMEOUT_S", 120))
+
+
 def _worker_class() -> Any:
     from miles_multilora.trainer.worker import TrainerWorker
 
-    return ray.remote(num_cpus=0)(TrainerWorker)
+    return ray.remote(TrainerWorker)
+
+
+def cluster_gpus() -> int:
+    """GPUs the Ray cluster offers (0 on a CPU cluster: trainer ranks then run on CPU)."""
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def rank_bundles(world: int, model_parallel: int) -> list[tuple[int, int]]:
+    """``(placement group, bundle)`` of each global rank: one group per TP (x PP) group, in megatron's
+    rank order (tensor-parallel rank fastest), so each TP group lands on one node."""
+    return [(rank // model_parallel, rank % model_parallel) for rank in range(world)]
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """Rank 0's node address and a free port on it (MASTER_ADDR / MASTER_PORT of the world)."""
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def _placement_groups(world: int, model_parallel: int, gpus: int) -> list[Any]:
+    """One STRICT_PACK placement group of ``model_parallel`` single-GPU bundles per TP group."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    if gpus < world:
+        raise ConfigError(
+            "trainer.world_size",
+            f"{world} trainer ranks need {world} GPUs (one each) but the Ray cluster has {gpus}; "
+            "lower model.dp or model.tp, or add GPUs",
+        )
+    groups = [
+        placement_group([{"GPU": 1, "CPU": 1}] * model_parallel, strategy="STRICT_PACK")
+        for _ in range(world // model_parallel)
+    ]
+    try:
+        ray.get([g.ready() for g in groups], timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        for g in groups:
+            remove_placement_group(g)
+        raise ConfigError(
+            "model.tp",
+            f"could not place {len(groups)} groups of {model_parallel} GPUs (+1 CPU each), each on one "
+            f"node, within {PLACEMENT_TIMEOUT_S:.0f}s: a tensor-parallel group must fit on one node "
+            "(check `ray status`: free GPUs per node)",
+        ) from None
+    return groups
 
 
 def start_trainer_group(cfg: RunConfig) -> list[Any]:
-    """``cfg.trainer.world_size`` trainer actors, wired into one torch.distributed world."""
+    """``cfg.trainer.world_size`` trainer actors, wired into one torch.distributed world.
+
+    On a Ray cluster with GPUs each rank asks for one GPU inside a placement group that keeps its
+    TP group on one node, and uses the GPU Ray assigns it; MASTER_ADDR is rank 0's node. On a CPU
+    cluster the actors share the local CPUs.
+    """
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     world = cfg.trainer.world_size
-    port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // world)
+    assert world is not None  # filled in by the config's validation
+    model_parallel = cfg.model.tp * cfg.model.pp
+    gpus = cluster_gpus()
     actor_cls = _worker_class()
+    threads = max(1, (os.cpu_count() or 1) // world)
+    options: list[dict[str, Any]] = [{"num_cpus": 0} for _ in range(world)]
+    master_addr, port = "127.0.0.1", free_port()
+    if gpus:
+        groups = _placement_groups(world, model_parallel, gpus)
+        for rank, (group, bundle) in enumerate(rank_bundles(world, model_parallel)):
+            strategy = PlacementGroupSchedulingStrategy(groups[group], placement_group_bundle_index=bundle)
+            options[rank] = {"num_gpus": 1, "num_cpus": 1, "scheduling_strategy": strategy}
+        first = PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=0)
+        master_addr, port = ray.get(_rendezvous.options(scheduling_strategy=first).remote())
     workers = []
     for rank in range(world):
         env = {
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "MILES_TORCH_THREADS": str(threads),
             "OMP_NUM_THREADS": str(threads),
         }
-        workers.append(actor_cls.options(runtime_env={"env_vars": env}).remote(cfg, rank, world))
+        if gpus:
+            env["LOCAL_RANK"] = "0"  # Ray shows each actor only the GPU it assigned
+        workers.append(
+            actor_cls.options(runtime_env={"env_vars": env}, **options[rank]).remote(cfg, rank, world)
+        )
     ray.get([w.__ray_ready__.remote() for w in workers])
     return workers
+
+
+def placement_lines(workers: list[Any]) -> list[str]:
+    """One line per trainer rank: its DP/TP ranks, host and device."""
+    lines = []
+    for p in ray.get([w.placement.remote() for w in workers]):
+        where = p.get("gpu") or p["device"]
+        lines.append(f"rank {p['rank']} (dp {p['dp_rank']}, tp {p['tp_rank']}): {p['host']} {where}")
+    return lines

@@ -17,7 +17,7 @@ from miles_multilora.controller.token import read_token
 from miles_multilora.data.reward_registry import import_reward_modules
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.models.paths import context_length
-from miles_multilora.trainer.cluster import start_ray, start_trainer_group
+from miles_multilora.trainer.cluster import placement_lines, start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step, plot_rewards
 
@@ -104,6 +104,9 @@ def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, di
     console.print("starting trainer ranks (loading the model) ...")
     workers = start_trainer_group(cfg)
     console.print(f"trainer ready in {time.perf_counter() - t0:.1f}s")
+    if len(workers) > 1:
+        for line in placement_lines(workers):
+            console.print(f"  {line}")
     logger = MetricsLogger(cfg.logging, output_dir, run_name=output_dir.name, console=console)
     try:
         steps = run_loop(

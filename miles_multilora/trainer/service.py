@@ -30,7 +30,7 @@ from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
 from miles_multilora.controller.token import read_token
 from miles_multilora.errors import ConfigError
-from miles_multilora.trainer.cluster import start_ray, start_trainer_group
+from miles_multilora.trainer.cluster import placement_lines, start_ray, start_trainer_group
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step
 from miles_multilora.trainer.run import admission_rules, prepare_run, register_new_adapters
@@ -187,6 +187,8 @@ def run_service(
         console.print("starting trainer ranks (loading the model) ...")
         t0 = time.perf_counter()
         workers = start_trainer_group(cfg)
+        for line in placement_lines(workers) if len(workers) > 1 else []:
+            console.print(f"  {line}")
         logger = MetricsLogger(cfg.logging, output_dir, run_name=output_dir.name, console=console)
         console.print(
             f"service ready in {time.perf_counter() - t0:.1f}s; submit with: miles-multilora submit "

@@ -1,14 +1,17 @@
 """One trainer rank: the Megatron model with resident LoRA slots, its optimizer, rollout and data.
 
-Every rank of a TP group runs the same step on the same inputs (data and sampling are seeded per
-adapter and step, so they agree); rewards are computed on rank 0 and broadcast, so a reward that
-depends on wall-clock (timeouts) cannot make ranks disagree. The driver passes one controller
-snapshot per step to every rank (see :mod:`miles_multilora.trainer.loop`).
+Every rank runs the same step on the same inputs (data and sampling are seeded per adapter and
+step, so they agree). Under data parallelism each DP rank generates a share of the groups and
+trains a share of the rows (see :mod:`miles_multilora.trainer.data_parallel`); rewards are computed
+on rank 0 over every group and broadcast, so a reward that depends on wall-clock (timeouts) cannot
+make ranks disagree. The driver passes one controller snapshot per step to every rank (see
+:mod:`miles_multilora.trainer.loop`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -43,6 +46,13 @@ from miles_multilora.optim import SlotAdamW
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutEngine
 from miles_multilora.rollout.logprobs import right_pad, selected_logprobs
 from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.trainer.data_parallel import (
+    DPLayout,
+    allreduce_slot_grads,
+    balance,
+    generate_sharded,
+    sum_metrics,
+)
 from miles_multilora.trainer.faults import AdapterFailures, failure_reason
 from miles_multilora.trainer.microbatch import micro_batches
 from miles_multilora.trainer.resume import check_run_dir_is_ours, load_resume_point
@@ -77,6 +87,9 @@ class TrainRow:
         return len(self.tokens) - self.prompt_len
 
 
+log = logging.getLogger(__name__)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (on some rank); the adapter fails, the service goes on."""
 
@@ -98,6 +111,7 @@ class TrainerWorker:
         compat.init_distributed(
             tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
         )
+        self.layout = DPLayout.from_megatron(world_size)
         model_path = resolve_model_path(cfg)
         if model_path is None:
             t = cfg.model.tiny
@@ -139,7 +153,11 @@ class TrainerWorker:
         if cfg.rollout.engine == "sglang":
             from miles_multilora.rollout.sglang_engine import SGLangEngine
 
-            self.engine = SGLangEngine([u.strip() for u in str(cfg.rollout.sglang_url).split(",")])
+            self.engine = SGLangEngine(
+                [u.strip() for u in str(cfg.rollout.sglang_url).split(",")],
+                manages_adapters=self._is_writer(),  # one rank loads adapters on the servers
+                first_server=self.layout.dp_rank,
+            )
         else:
             from miles_multilora.rollout.embedded import EmbeddedEngine
 
@@ -166,6 +184,25 @@ class TrainerWorker:
         self.steps: dict[str, int] = {}  # adapter -> optimizer steps applied (== weights version)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.last_train_tokens = 0  # tokens (prompt + response) of the last step's training rows
+        self.last_rank_train_tokens = 0  # the share of them this rank trained
+        self._warned_small_step = False
+
+    def placement(self) -> dict[str, Any]:
+        """Where this rank runs: its ranks, host and device (the GPU's UUID on CUDA)."""
+        import socket
+
+        info: dict[str, Any] = {
+            "rank": self.rank,
+            "dp_rank": self.layout.dp_rank,
+            "tp_rank": self.layout.tp_rank,
+            "host": socket.gethostname(),
+            "device": str(compat.default_device()),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        if not compat.is_cpu():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            info["gpu"] = f"{props.name} {getattr(props, 'uuid', '')}".strip()
+        return info
 
     # ----------------------------------------------------------------- slot lifecycle
     def _is_writer(self) -> bool:
@@ -227,7 +264,7 @@ class TrainerWorker:
             self.eval_sets[spec.name] = held_out
         step, resumed = 0, None
         if assignment.resume_checkpoint:
-            path, state, shard = load_resume_point(assignment, self.rank, self.world_size)
+            path, state, shard = load_resume_point(assignment, self.layout.tp_rank, self.cfg.model.tp)
             load_slot_state(self.model, assignment.slot, shard["slot"])
             self.optimizer.load_slot_state_dict(assignment.slot, shard["optimizer"])
             self.data.restore_adapter_state(spec.name, state["data"])
@@ -261,8 +298,21 @@ class TrainerWorker:
                     dist.barrier()
                 path = str(out.resolve())
             changed[name] = AdapterVersion(slot, version, path)
-        if changed:
+        if not changed:
+            return
+        if self.world_size == 1 or self.cfg.rollout.engine == "embedded":
             self.engine.update_adapters(changed)
+            return
+        error = None  # only rank 0 talks to the servers: every rank must see its failure
+        try:
+            self.engine.update_adapters(changed)
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+        error = self._first_error(error)
+        if error is not None:
+            from miles_multilora.rollout import RolloutError
+
+            raise RolloutError(error)
 
     # ----------------------------------------------------------------- rollout + rewards
     def _requests(self, name: str, items: list[PromptItem]) -> list[Group]:
@@ -316,11 +366,32 @@ class TrainerWorker:
                 )
         return requests
 
-    def _generate(self, groups: list[Group]) -> None:
-        requests = self._group_requests(groups)
-        owners = [g for g in groups for _ in range(self.resident[g.adapter].spec.n_samples_per_prompt)]
-        for g, result in zip(owners, self.engine.generate(requests), strict=True):
-            g.results.append(result)
+    def _generate(
+        self, groups: list[Group], requests_of: Callable[[list[Group]], list[GenerationRequest]] | None = None
+    ) -> None:
+        """Fill each group's results; the groups are generated by their DP ranks and gathered."""
+        requests_of = requests_of or self._group_requests
+        if self.layout.dp_size > 1 and len(groups) < self.layout.dp_size and not self._warned_small_step:
+            self._warned_small_step = True
+            if self.rank == 0:
+                log.warning(
+                    "this step has %d groups for %d DP ranks: some ranks generate and train nothing "
+                    "(raise prompts_per_step or lower model.dp)", len(groups), self.layout.dp_size,
+                )  # fmt: skip
+
+        def generate(part: list[Group]) -> list[list[GenerationResult]]:
+            per_group = [requests_of([g]) for g in part]
+            results = self.engine.generate([r for rs in per_group for r in rs])
+            out, start = [], 0
+            for rs in per_group:
+                out.append(results[start : start + len(rs)])
+                start += len(rs)
+            return out
+
+        every_tp_rank = self.cfg.rollout.engine == "embedded"  # TP-sharded engine: every rank runs it
+        gathered = generate_sharded(groups, generate, self.layout, every_tp_rank=every_tp_rank)
+        for g, results in zip(groups, gathered, strict=True):
+            g.results.extend(results)
 
     def _score(self, groups: list[Group], rewards: RewardManager | None = None) -> dict[str, Any]:
         """Rewards (of ``rewards``, default the training ones) on rank 0, broadcast to every rank.
@@ -453,10 +524,7 @@ class TrainerWorker:
         groups = [g for g in groups if g.adapter not in failures]
         if not groups:
             return {}
-        requests = self._eval_requests(groups)
-        by_uid = {(g.adapter, g.item.uid): g for g in groups}
-        for request, result in zip(requests, self.engine.generate(requests), strict=True):
-            by_uid[(request.adapter, request.metadata["uid"])].results.append(result)
+        self._generate(groups, self._eval_requests)
         report = self._score(groups, self.eval_rewards)
         out: dict[str, dict[str, Any]] = {}
         for name in dict.fromkeys(g.adapter for g in groups):
@@ -499,9 +567,10 @@ class TrainerWorker:
 
     def _train(self, groups: list[Group]) -> dict[str, dict[str, float]]:
         """One mixed batch: per-adapter normalised loss, micro-batches (by a token budget when set),
-        per-slot step."""
+        per-slot step. Under DP this rank trains a token-balanced share of the groups, with the
+        normalisers of the whole step, and the active slots' gradients are summed over DP."""
         algo = self.algo
-        rows: list[TrainRow] = []
+        group_rows: list[list[TrainRow]] = []
         for g in groups:
             if not g.rewards:
                 continue
@@ -510,23 +579,34 @@ class TrainerWorker:
             )
             sampling = self.resident[g.adapter].spec.sampling
             temp = sampling.temperature if sampling.temperature > 0 else 1.0
+            mine = []
             for r, a in zip(g.results, adv.tolist(), strict=True):
                 if r.output_ids:
                     tokens = list(r.prompt_ids) + list(r.output_ids)
-                    rows.append(TrainRow(r.slot, tokens, len(r.prompt_ids), r.logprobs, a, temp))
-        if not rows:
+                    mine.append(TrainRow(r.slot, tokens, len(r.prompt_ids), r.logprobs, a, temp))
+            if mine:
+                group_rows.append(mine)
+        all_rows = [r for rs in group_rows for r in rs]
+        if not all_rows:
             return {}
-        rows.sort(key=lambda row: row.slot)  # tokens sorted by slot
-        full_mask = torch.zeros(len(rows), max(r.response_len for r in rows))
-        for i, r in enumerate(rows):
+        full_mask = torch.zeros(len(all_rows), max(r.response_len for r in all_rows))
+        for i, r in enumerate(all_rows):
             full_mask[i, : r.response_len] = 1
-        normalizers = adapter_normalizers(full_mask, torch.tensor([r.slot for r in rows]), algo.aggregation)
+        normalizers = adapter_normalizers(
+            full_mask, torch.tensor([r.slot for r in all_rows]), algo.aggregation
+        )
+        owner = balance([sum(len(r.tokens) for r in rs) for rs in group_rows], self.layout.dp_size)
+        rows = [r for rs, o in zip(group_rows, owner, strict=True) if o == self.layout.dp_rank for r in rs]
+        rows.sort(key=lambda row: row.slot)  # tokens sorted by slot
         per_slot: dict[int, dict[str, float]] = {}
         t = self.cfg.trainer
-        batches = micro_batches(
-            [len(r.tokens) for r in rows], t.micro_batch_size, t.max_tokens_per_micro_batch
+        batches = (
+            micro_batches([len(r.tokens) for r in rows], t.micro_batch_size, t.max_tokens_per_micro_batch)
+            if rows
+            else []
         )
-        self.last_train_tokens = sum(len(r.tokens) for r in rows)
+        self.last_train_tokens = sum(len(r.tokens) for r in all_rows)
+        self.last_rank_train_tokens = sum(len(r.tokens) for r in rows)
         self.model.train()
         for index in batches:
             chunk = [rows[i] for i in index]
@@ -567,7 +647,10 @@ class TrainerWorker:
                         acc[k] = acc.get(k, 0.0) + float(v)
                     elif k != "num_tokens":  # token means of this micro-batch: weight by tokens
                         acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * n
-        active = sorted({r.slot for r in rows})
+        active = sorted({r.slot for r in all_rows})
+        if self.layout.dp_size > 1:
+            allreduce_slot_grads(self.optimizer.params, active, self.layout.dp_group)
+            per_slot = sum_metrics(per_slot, self.layout)
         stats = self.optimizer.step(active)
         self.optimizer.zero_grad(active)
         out_metrics: dict[str, dict[str, float]] = {}
@@ -596,9 +679,10 @@ class TrainerWorker:
         stage = ckpt.staging_dir(self._run_dir(a), step)
         error = None
         try:
-            ckpt.write_rank_shard(
-                stage, self.rank, self.model, a.slot, self.optimizer.slot_state_dict(a.slot)
-            )
+            if self.layout.is_shard_writer:  # one shard per TP rank, written by DP rank 0
+                ckpt.write_rank_shard(
+                    stage, self.layout.tp_rank, self.model, a.slot, self.optimizer.slot_state_dict(a.slot)
+                )
             export_slot(self.model, a.slot, stage / "adapter", self.hf_config, write=self._is_writer())
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = failure_reason(f"writing checkpoint step {step} on rank {self.rank}", exc)

@@ -63,8 +63,9 @@ def _env(ray_tmp: str) -> dict[str, str]:
     return env
 
 
-def _start_service(out: Path, port: int, ray_tmp: str, log: Path) -> subprocess.Popen:
+def _start_service(out: Path, port: int, ray_tmp: str, log: Path, dp: int = 1) -> subprocess.Popen:
     overrides = [
+        f"model.dp={dp}",
         "model.source=tiny",
         "lora.num_slots=2",
         "lora.max_rank=8",
@@ -167,7 +168,8 @@ def _checkpoint_steps(out: Path, name: str) -> list[int]:
     return [int(ckpt.read_state(p)["step"]) for p in adapter_checkpoints(out, name)]
 
 
-def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp1", "dp2"])
+def test_service_schedule_kill_and_resume(tmp_path: Path, dp: int) -> None:
     out = tmp_path / "out"
     log = tmp_path / "service.log"
     runner_log = tmp_path / "schedule.log"
@@ -175,7 +177,7 @@ def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
     ray_tmp = tempfile.mkdtemp(prefix="ray_svc_", dir="/tmp")  # short: Ray's socket paths are limited
     port = free_port()
     client = ControllerClient(f"http://127.0.0.1:{port}")
-    service = _start_service(out, port, ray_tmp, log)
+    service = _start_service(out, port, ray_tmp, log, dp)
     runner = None
     try:
         with runner_log.open("w") as fh:
@@ -213,7 +215,7 @@ def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
             assert _checkpoint_steps(out, name)[-1] >= resume_from[name]
 
         # Phase 2: restart on the same output_dir: a and c resume without being resubmitted.
-        service = _start_service(out, port, ray_tmp, log)
+        service = _start_service(out, port, ray_tmp, log, dp)
         _wait_for("the restarted controller", lambda: client.health()["status"] == "ok", 120, service, log)
         _wait_for(
             "every adapter to end",
@@ -236,6 +238,9 @@ def test_service_schedule_kill_and_resume(tmp_path: Path) -> None:
             assert _checkpoint_steps(out, name)[-1] == STEPS[name]
             assert final[name]["last_checkpoint"].endswith(ckpt.step_name(STEPS[name]))
         assert _checkpoint_steps(out, "b")[-1] == final["b"]["step"]  # drained: final checkpoint at cancel
+        for name in ("a", "b", "c"):  # one shard per TP rank, whatever the number of DP ranks
+            shards = sorted(p.name for p in adapter_checkpoints(out, name)[-1].glob("slot_rank*.pt"))
+            assert shards == ["slot_rank0.pt"], (name, shards)
 
         # The schedule runner rode out the crash and saw every adapter end.
         assert runner.wait(timeout=60) == 0, runner_log.read_text()

@@ -26,7 +26,9 @@ def test_default_configs_compose_and_validate():
         (["trainer.nope=1"], "override", "trainer.nope"),
         (["model.source=gpt9"], "model.source", "demo, hf or tiny"),
         (["model.source=hf"], "model.hf_path", "hf_path"),
-        (["trainer.world_size=2"], "trainer.world_size", "model.tp"),
+        (["trainer.world_size=3", "model.tp=2"], "trainer.world_size", "multiple of 2"),
+        (["trainer.world_size=4", "model.dp=3"], "trainer.world_size", "model.dp * model.tp"),
+        (["model.dp=0"], "model.dp", ">= 1"),
         (["algo.eps_low=2"], "algo.eps_low", "[0, 1)"),
         (["lora.max_rank=12"], "adapters[2].rank", "max_rank 12"),
         (["lora.kernels=cuda"], "lora.kernels", "auto, triton or torch"),
@@ -43,3 +45,18 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert main(["show-config", "train", "lora.num_slots=abc"]) == 2
     assert "lora.num_slots" in capsys.readouterr().out
     assert main(["show-config", "train", "model.tp=1"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dp", "world"),
+    [
+        ([], 1, 1),
+        (["model.tp=2"], 1, 2),
+        (["model.dp=2", "model.tp=2"], 2, 4),
+        (["trainer.world_size=4", "model.tp=2"], 2, 4),
+        (["trainer.world_size=2", "model.dp=2"], 2, 2),
+    ],
+)
+def test_data_parallel_size_and_world_size_fill_each_other_in(overrides, dp, world):
+    cfg = load_run_config("train", overrides)
+    assert (cfg.model.dp, cfg.trainer.world_size) == (dp, world)

@@ -1,0 +1,149 @@
+"""Data-parallel RL step scaling: DP=n trainer ranks (one process and GPU each, NCCL; gloo on CPU)
+against DP=1 on the same per-rank work.
+
+Each rank is a :class:`TrainerWorker` built in-process by a spawned process (no Ray). Every step
+mixes ``--adapters`` adapters; each has ``--prompts`` prompts x ``--samples`` samples *per DP rank*
+(so DP=2 runs twice the global batch of DP=1). The layouts run one after another (a world per
+layout), DP=1 first and last as the control for drift; each runs ``--warmup`` untimed steps, then
+``--steps`` timed ones. Prints per layout the median step time, its phases, global tokens/s
+(generated + trained tokens over the step) and the speed-up over DP=1 (ideal: n).
+
+    python benchmarks/dp_step.py --cpu --layouts 1x1,2x1       # tiny shape, gloo, 2-core CPU
+    python benchmarks/dp_step.py --layouts 1x1,2x1,1x1         # 2 GPUs: the 2 B shape of rl_step.py
+    python benchmarks/dp_step.py --layouts 1x1,2x1,2x2,1x1     # 4 GPUs: DP=2 x TP=2 too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rl_step  # noqa: E402  (the shared model shape, specs and schedule of the RL-step benchmark)
+
+
+def _rank_main(
+    rank: int, world: int, dp: int, tp: int, port: int, args: argparse.Namespace, out: str
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )  # fmt: skip
+    from miles_multilora.models import compat
+    from miles_multilora.trainer.worker import TrainerWorker
+
+    rl_step.use_synthetic_prompts(args.prompt_len)
+    worker = TrainerWorker(rl_step.run_config(Path(out) / "run", args, dp=dp, tp=tp), rank, world)
+    rng = random.Random(1)
+    worker.engine.eos_token_ids = set(
+        rng.sample(range(worker.vocab_size), max(1, worker.vocab_size // args.mean_len))
+    )
+    specs = [[rl_step.spec(f"a{i}", args.prompts * dp, args) for i in range(args.adapters)]]
+    rows = rl_step.schedule(worker, specs, args.steps, args.warmup)
+    rows[-1]["rank_trained"] = worker.last_rank_train_tokens
+    rows[-1]["peak_gb"] = (
+        torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+    )
+    if rank == 0:
+        Path(out, "rows.json").write_text(json.dumps(rows))
+    compat.destroy_distributed()
+
+
+def run_layout(dp: int, tp: int, args: argparse.Namespace) -> list[dict[str, float]]:
+    from miles_multilora.models.compat import free_port
+
+    world = dp * tp
+    out = tempfile.mkdtemp(prefix=f"dp_step_{dp}x{tp}_")
+    mp.start_processes(
+        _rank_main,
+        args=(world, dp, tp, free_port(), args, out),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    return json.loads(Path(out, "rows.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--layouts", default="1x1,2x1,1x1", help="DPxTP layouts, run in this order")
+    parser.add_argument("--adapters", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per adapter per DP rank")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=150)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--mean-len", type=int, default=160)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--recompute", default="none")
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args()
+    shape = rl_step.CPU_SHAPE if args.cpu else rl_step.SHAPE
+    for key, value in shape.items():
+        setattr(args, key, value)
+    if args.cpu:
+        args.adapters, args.prompts, args.samples = 4, 2, 4
+        args.prompt_len, args.new_tokens, args.mean_len = 24, 24, 16
+        args.micro_batch, args.max_tokens = 8, 0
+    args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
+    args.context = 1 << (args.prompt_len + args.new_tokens + 8).bit_length()
+    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    gpus = torch.cuda.device_count()
+    need = max(dp * tp for dp, tp in layouts)
+    if not args.cpu and gpus < need:
+        raise SystemExit(
+            f"layouts {args.layouts} need {need} GPUs; this machine has {gpus} (use --cpu on CPU)"
+        )
+    device = torch.cuda.get_device_name() if gpus and not args.cpu else "cpu"
+    print(f"{device} x {gpus}; {args.adapters} adapters x {args.prompts} prompts x {args.samples} samples per DP "
+          f"rank, prompt {args.prompt_len}, <= {args.new_tokens} new tokens; {args.steps} timed steps per layout")  # fmt: skip
+    results: list[tuple[str, dict[str, Any]]] = []
+    for dp, tp in layouts:
+        rows = run_layout(dp, tp, args)
+        step = statistics.median(r["step_s"] for r in rows)
+        agg = {
+            "step_s": step,
+            "gen_s": statistics.median(r["generate_reward_s"] for r in rows),
+            "train_s": statistics.median(r["train_s"] for r in rows),
+            "tokens": statistics.median(r["generated"] + r["trained"] for r in rows),
+            "rank_share": rows[-1]["rank_trained"] / max(rows[-1]["trained"], 1),
+            "peak_gb": rows[-1]["peak_gb"],
+            "dp": dp,
+        }
+        results.append((f"DP={dp} x TP={tp}", agg))
+        print(f"  ran DP={dp} x TP={tp}: median step {step:.2f} s")
+    base = [a["tokens"] / a["step_s"] for name, a in results if a["dp"] == 1 and name.endswith("TP=1")]
+    base_rate = statistics.median(base) if base else None
+    header = (
+        f"{'layout':>14} {'step s':>7} {'gen+rwd s':>9} {'train s':>8} {'tokens/step':>11} {'tokens/s':>9} "
+        f"{'vs DP=1':>8} {'rank 0 share':>12} {'peak GB':>8}"
+    )
+    print("\n" + header)
+    print("-" * len(header))
+    for name, a in results:
+        rate = a["tokens"] / a["step_s"]
+        ratio = f"{rate / base_rate:.2f}x" if base_rate else "-"
+        print(
+            f"{name:>14} {a['step_s']:>7.2f} {a['gen_s']:>9.2f} {a['train_s']:>8.2f} {a['tokens']:>11.0f} "
+            f"{rate:>9.0f} {ratio:>8} {a['rank_share']:>12.0%} {a['peak_gb']:>8.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
