@@ -38,8 +38,15 @@ def _rank_main(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )  # fmt: skip
-    from miles_multilora.models import compat
+    os.environ.setdefault(
+        "MILES_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // world))
+    )  # no oversubscription
     from miles_multilora.trainer.worker import TrainerWorker
+
+    if args.watchdog:  # a stuck rank prints every thread's stack and exits
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
 
     rl_step.use_synthetic_prompts(args.prompt_len)
     worker = TrainerWorker(rl_step.run_config(Path(out) / "run", args, dp=dp, tp=tp), rank, world)
@@ -55,7 +62,9 @@ def _rank_main(
     )
     if rank == 0:
         Path(out, "rows.json").write_text(json.dumps(rows))
-    compat.destroy_distributed()
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # no process-group teardown: destroying NCCL groups of TP ranks can hang
 
 
 def run_layout(dp: int, tp: int, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -93,6 +102,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument(
+        "--watchdog", type=float, default=0, help="seconds before a rank dumps its stacks and exits"
+    )
     args = parser.parse_args()
     shape = rl_step.CPU_SHAPE if args.cpu else rl_step.SHAPE
     for key, value in shape.items():
@@ -125,11 +137,14 @@ def main() -> None:
             "rank_share": rows[-1]["rank_trained"] / max(rows[-1]["trained"], 1),
             "peak_gb": rows[-1]["peak_gb"],
             "dp": dp,
+            "tp": tp,
         }
         results.append((f"DP={dp} x TP={tp}", agg))
         print(f"  ran DP={dp} x TP={tp}: median step {step:.2f} s")
-    base = [a["tokens"] / a["step_s"] for name, a in results if a["dp"] == 1 and name.endswith("TP=1")]
-    base_rate = statistics.median(base) if base else None
+    base: dict[int, list[float]] = {}  # DP=1 tokens/s per TP size
+    for _, a in results:
+        if a["dp"] == 1:
+            base.setdefault(a["tp"], []).append(a["tokens"] / a["step_s"])
     header = (
         f"{'layout':>14} {'step s':>7} {'gen+rwd s':>9} {'train s':>8} {'tokens/step':>11} {'tokens/s':>9} "
         f"{'vs DP=1':>8} {'rank 0 share':>12} {'peak GB':>8}"
@@ -138,7 +153,8 @@ def main() -> None:
     print("-" * len(header))
     for name, a in results:
         rate = a["tokens"] / a["step_s"]
-        ratio = f"{rate / base_rate:.2f}x" if base_rate else "-"
+        ref = base.get(a["tp"])
+        ratio = f"{rate / statistics.median(ref):.2f}x" if ref else "-"
         print(
             f"{name:>14} {a['step_s']:>7.2f} {a['gen_s']:>9.2f} {a['train_s']:>8.2f} {a['tokens']:>11.0f} "
             f"{rate:>9.0f} {ratio:>8} {a['rank_share']:>12.0%} {a['peak_gb']:>8.1f}"

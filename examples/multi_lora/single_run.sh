@@ -5,7 +5,7 @@
 #
 #   bash examples/multi_lora/single_run.sh trainer.output_dir=runs/mine algo=dapo
 #   bash examples/multi_lora/single_run.sh model=qwen3_4b model.hf_path=/models/Qwen3-4B \
-#       model.tp=2 trainer.world_size=2            # GPU cluster
+#       model.tp=2 model.dp=2                      # GPU cluster (docs/cluster.md)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${MILES_VENV:-$REPO/.venv}/bin/python"
