@@ -111,3 +111,22 @@ def test_errors_are_surfaced_with_the_server_message(servers, tmp_path):
     assert not engine.is_healthy()
     with pytest.raises(RolloutError, match="not healthy"):
         engine.wait_until_healthy(timeout_s=0.2, poll_s=0.05)
+
+
+def test_data_parallel_clients_share_servers_and_one_manages_adapters(servers, tmp_path):
+    """Two DP ranks' clients: only the managing one loads adapters; each starts its round-robin at
+    another server, so one request per rank lands on different servers."""
+    a, b = servers
+    path = _peft_dir(tmp_path, "m1")
+    rank0 = SGLangEngine([a.url, b.url], manages_adapters=True, first_server=0)
+    rank1 = SGLangEngine([a.url, b.url], manages_adapters=False, first_server=1)
+    rank0.update_adapters({"math": AdapterVersion(0, 1, path)})
+    rank1.update_adapters({"math": AdapterVersion(0, 1, path)})  # tracks the version, no HTTP
+    assert a.events == b.events == [("load", "math@v1")]
+    assert rank1.adapter_versions() == {"math": 1}
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=4)
+    rank0.generate([GenerationRequest("math", 0, 1, [1, 2], sampling, seed=1)])
+    rank1.generate([GenerationRequest("math", 0, 1, [1, 2], sampling, seed=2)])
+    assert len(a.generate_payloads) == len(b.generate_payloads) == 1
+    rank1.remove_adapters(["math"])
+    assert a.events == [("load", "math@v1")] and rank1.adapter_versions() == {}
