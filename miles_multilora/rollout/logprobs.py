@@ -126,20 +126,25 @@ def selected_logprobs(
     positions: Tensor,
     chunk: int = DEFAULT_CHUNK_ROWS,
     route: bool = True,
+    targets: Tensor | None = None,
 ) -> Tensor:
     """Logprobs of ``input_ids[rows[i], positions[i] + 1]`` given its prefix, for the selected pairs only.
 
     ``input_ids`` ``[B, S]`` right-padded; ``temperatures`` per sequence (0 = greedy, taken as 1).
     The LM head runs on the selected hidden states only, in chunks of ``chunk`` rows, so neither the
     prompt positions' logits nor an fp32 ``[tokens, vocab]`` tensor exist. Differentiable.
+    ``targets``: the token scored at each pair instead of the next input token.
     ``route=False``: the caller has routed the model's tokens already (and keeps that routing through
     the backward, which activation recompute needs: it runs the forward again there).
     """
     temps = effective_temperature(torch.as_tensor(temperatures, dtype=torch.float32, device=input_ids.device))
-    targets = input_ids[rows, positions + 1]
     weight = lm_head_weight(model)
     if weight is None:  # the module's own LM head: full logits, then the selected entries
+        if targets is not None and not bool((targets == input_ids[rows, positions + 1]).all()):
+            raise ValueError("targets other than the next input token need the chunked LM head")
         return sequence_logprobs(model, input_ids, slots, temps, vocab_size)[rows, positions]
+    if targets is None:
+        targets = input_ids[rows, positions + 1]
     gpt = _gpt(model)
     batch, seq_len = input_ids.shape
     position_ids = torch.arange(seq_len, device=input_ids.device).view(1, -1).expand(batch, -1)

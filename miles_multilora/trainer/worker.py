@@ -38,23 +38,15 @@ from miles_multilora.lora import (
     export_slot,
     init_slot,
     load_slot_state,
-    token_slots,
 )
 from miles_multilora.models import compat, provider
 from miles_multilora.models.paths import MAX_CONTEXT, resolve_model_path
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutEngine
-from miles_multilora.rollout.logprobs import right_pad, selected_logprobs
 from miles_multilora.trainer import checkpoint as ckpt
-from miles_multilora.trainer.data_parallel import (
-    DPLayout,
-    allreduce_slot_grads,
-    balance,
-    generate_sharded,
-    sum_metrics,
-)
+from miles_multilora.trainer.data_parallel import DPLayout, balance, generate_sharded
 from miles_multilora.trainer.faults import AdapterFailures, failure_reason
-from miles_multilora.trainer.microbatch import micro_batches
+from miles_multilora.trainer.primitives import MicroBatch, ScoredRow, TrainingPrimitives, finish_metrics
 from miles_multilora.trainer.resume import check_run_dir_is_ours, load_resume_point
 from miles_multilora.trainer.tokenizer import encode_prompt, load_tokenizer
 
@@ -71,22 +63,6 @@ class Group:
     correct: list[bool | None] = field(default_factory=list)
 
 
-@dataclass
-class TrainRow:
-    """One completion to train on: prompt + output tokens, rollout logprobs and its advantage."""
-
-    slot: int
-    tokens: list[int]  # prompt + output
-    prompt_len: int
-    rollout_logprobs: list[float]  # one per output token
-    advantage: float
-    temperature: float
-
-    @property
-    def response_len(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-
 log = logging.getLogger(__name__)
 
 
@@ -99,7 +75,7 @@ def _seed(*parts: Any) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-class TrainerWorker:
+class TrainerWorker(TrainingPrimitives):
     """The state and the step of one trainer rank."""
 
     def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
@@ -542,35 +518,30 @@ class TrainerWorker:
         return out
 
     # ----------------------------------------------------------------- training
-    def _response_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        rows: list[TrainRow],
-        slots: list[int],
-        temps: list[float],
-        width: int,
-        route: bool = True,
-    ) -> torch.Tensor:
-        """``[len(rows), width]``: each row's logprobs at its response tokens (zero-padded), through
-        the chunked LM head on those positions only. Differentiable."""
-        row_index = torch.tensor([i for i, r in enumerate(rows) for _ in range(r.response_len)])
-        offset = torch.tensor([j for r in rows for j in range(r.response_len)])
-        prompt = torch.tensor([r.prompt_len for r in rows])
-        device = input_ids.device
-        lp = selected_logprobs(
-            self.model, input_ids, slots, temps, self.vocab_size, row_index.to(device),
-            (prompt[row_index] - 1 + offset).to(device), self.cfg.trainer.logprob_chunk_tokens, route=route,
-        )  # fmt: skip
-        out = lp.new_zeros(len(rows), width)
-        out[row_index.to(device), offset.to(device)] = lp
-        return out
+    def _rl_loss(self, normalizers: dict[int, float]) -> Callable[[MicroBatch], Any]:
+        """The GRPO/DAPO policy loss of a micro-batch, normalised per adapter over the whole step."""
+
+        def loss(batch: MicroBatch) -> tuple[torch.Tensor, dict[int, dict[str, float]]]:
+            out = policy_loss(
+                batch.logprobs,
+                batch.values("old_logprobs"),
+                torch.tensor([r.values["advantage"][0] for r in batch.rows]),
+                batch.mask,
+                batch.slots,
+                config=self.algo,
+                ref_logprobs=batch.reference,
+                normalizers=normalizers,
+            )
+            return out.loss, out.per_adapter
+
+        return loss
 
     def _train(self, groups: list[Group]) -> dict[str, dict[str, float]]:
         """One mixed batch: per-adapter normalised loss, micro-batches (by a token budget when set),
         per-slot step. Under DP this rank trains a token-balanced share of the groups, with the
         normalisers of the whole step, and the active slots' gradients are summed over DP."""
         algo = self.algo
-        group_rows: list[list[TrainRow]] = []
+        group_rows: list[list[ScoredRow]] = []
         for g in groups:
             if not g.rewards:
                 continue
@@ -582,87 +553,32 @@ class TrainerWorker:
             mine = []
             for r, a in zip(g.results, adv.tolist(), strict=True):
                 if r.output_ids:
+                    prompt_len = len(r.prompt_ids)
                     tokens = list(r.prompt_ids) + list(r.output_ids)
-                    mine.append(TrainRow(r.slot, tokens, len(r.prompt_ids), r.logprobs, a, temp))
+                    values = {"old_logprobs": list(r.logprobs[: len(r.output_ids)]), "advantage": [a]}
+                    positions = list(range(prompt_len - 1, len(tokens) - 1))
+                    mine.append(ScoredRow(r.slot, tokens, positions, temperature=temp, values=values))
             if mine:
                 group_rows.append(mine)
         all_rows = [r for rs in group_rows for r in rs]
         if not all_rows:
             return {}
-        full_mask = torch.zeros(len(all_rows), max(r.response_len for r in all_rows))
+        full_mask = torch.zeros(len(all_rows), max(r.width for r in all_rows))
         for i, r in enumerate(all_rows):
-            full_mask[i, : r.response_len] = 1
+            full_mask[i, : r.width] = 1
         normalizers = adapter_normalizers(
             full_mask, torch.tensor([r.slot for r in all_rows]), algo.aggregation
         )
         owner = balance([sum(len(r.tokens) for r in rs) for rs in group_rows], self.layout.dp_size)
         rows = [r for rs, o in zip(group_rows, owner, strict=True) if o == self.layout.dp_rank for r in rs]
-        rows.sort(key=lambda row: row.slot)  # tokens sorted by slot
-        per_slot: dict[int, dict[str, float]] = {}
-        t = self.cfg.trainer
-        batches = (
-            micro_batches([len(r.tokens) for r in rows], t.micro_batch_size, t.max_tokens_per_micro_batch)
-            if rows
-            else []
-        )
         self.last_train_tokens = sum(len(r.tokens) for r in all_rows)
         self.last_rank_train_tokens = sum(len(r.tokens) for r in rows)
-        self.model.train()
-        for index in batches:
-            chunk = [rows[i] for i in index]
-            input_ids, _ = right_pad([r.tokens for r in chunk], self.pad_id, compat.default_device())
-            chunk_slots = [r.slot for r in chunk]
-            temps = [r.temperature for r in chunk]
-            width = max(r.response_len for r in chunk)
-            old = torch.zeros(len(chunk), width, device=input_ids.device)
-            mask = torch.zeros_like(old)
-            for i, r in enumerate(chunk):
-                old[i, : r.response_len] = torch.tensor(r.rollout_logprobs[: r.response_len])
-                mask[i, : r.response_len] = 1
-            ref = None
-            if algo.kl_coef > 0:
-                with torch.no_grad():
-                    ref = self._response_logprobs(input_ids, chunk, [-1] * len(chunk), temps, width)
-            slot_ids = torch.tensor(chunk_slots, device=input_ids.device).view(-1, 1).expand_as(input_ids)
-            # routing kept through the backward: activation recompute runs the forward again there
-            with token_slots(self.model, slot_ids.contiguous()):
-                logprobs = self._response_logprobs(input_ids, chunk, chunk_slots, temps, width, route=False)
-                out = policy_loss(
-                    logprobs,
-                    old,
-                    torch.tensor([r.advantage for r in chunk]),
-                    mask,
-                    torch.tensor(chunk_slots),
-                    config=algo,
-                    ref_logprobs=ref,
-                    normalizers=normalizers,
-                )
-                out.loss.backward()
-            for slot, metrics in out.per_adapter.items():
-                acc = per_slot.setdefault(int(slot), {})
-                n = float(metrics.get("num_tokens", 0.0))
-                acc["num_tokens"] = acc.get("num_tokens", 0.0) + n
-                for k, v in metrics.items():
-                    if k in ("loss", "pg_loss"):  # already normalised over the whole step: sum
-                        acc[k] = acc.get(k, 0.0) + float(v)
-                    elif k != "num_tokens":  # token means of this micro-batch: weight by tokens
-                        acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * n
-        active = sorted({r.slot for r in all_rows})
-        if self.layout.dp_size > 1:
-            allreduce_slot_grads(self.optimizer.params, active, self.layout.dp_group)
-            per_slot = sum_metrics(per_slot, self.layout)
-        stats = self.optimizer.step(active)
-        self.optimizer.zero_grad(active)
+        result = self.forward_backward(rows, self._rl_loss(normalizers), reference=algo.kl_coef > 0)
+        stats, per_slot = self.optim_step(sorted({r.slot for r in all_rows}), result.per_slot)
         out_metrics: dict[str, dict[str, float]] = {}
         slot_to_name = {a.slot: n for n, a in self.resident.items()}
-        for slot in active:
-            s = stats[slot]
-            acc = per_slot.get(slot, {})
-            n = max(acc.get("num_tokens", 0.0), 1e-9)
-            m = {
-                k[3:] if k.startswith("_w_") else k: (v / n if k.startswith("_w_") else v)
-                for k, v in acc.items()
-            }
+        for slot, s in stats.items():
+            m = finish_metrics(per_slot.get(slot, {}))
             m.update(grad_norm=s.grad_norm, lr=s.lr, skipped=float(s.skipped))
             out_metrics[slot_to_name[slot]] = m
         return out_metrics

@@ -1,0 +1,196 @@
+"""The training primitives every front door composes: forward/backward over mixed-slot rows with a
+pluggable loss, and the per-slot optimizer step.
+
+The RL step (:meth:`TrainerWorker.step`) and the Tinker API both call these: a row carries its
+slot, its tokens and the positions whose next token is scored; the loss sees the logprobs at those
+positions (``[rows, width]``, zero-padded) and returns one scalar plus per-slot metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from miles_multilora.lora import token_slots
+from miles_multilora.models import compat
+from miles_multilora.rollout.logprobs import right_pad, selected_logprobs
+from miles_multilora.trainer.data_parallel import DPLayout, allreduce_slot_grads, sum_metrics
+from miles_multilora.trainer.microbatch import micro_batches
+
+SUMMED_METRICS = ("loss", "pg_loss")  # already normalised over the whole step: summed over micro-batches
+
+
+@dataclass
+class ScoredRow:
+    """One sequence: its slot, tokens, and the positions ``p`` whose next token is scored.
+
+    ``targets[j]`` is the token scored at ``positions[j]`` (default ``tokens[p + 1]``); ``values``
+    holds per-position loss inputs (for example ``weights``, ``advantages``, ``logprobs``)."""
+
+    slot: int
+    tokens: list[int]
+    positions: list[int]
+    targets: list[int] | None = None
+    temperature: float = 1.0
+    values: dict[str, list[float]] = field(default_factory=dict)
+    tag: int = 0  # the caller's grouping (e.g. a request); loss functions may key metrics by it
+
+    @property
+    def width(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class MicroBatch:
+    """What a loss function sees: the rows, their scored logprobs ``[rows, width]`` (differentiable),
+    the 0/1 ``mask`` of real positions, and (when asked for) the base model's logprobs."""
+
+    rows: list[ScoredRow]
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    reference: torch.Tensor | None = None
+
+    def values(self, key: str, default: float = 0.0) -> torch.Tensor:
+        """``[rows, width]`` of per-position input ``key`` (zero-padded)."""
+        out = torch.full(tuple(self.mask.shape), default, dtype=torch.float32)
+        for i, r in enumerate(self.rows):
+            data = r.values.get(key)
+            if data is not None:
+                out[i, : len(data)] = torch.tensor(data[: r.width], dtype=torch.float32)
+        return out.to(self.mask.device)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return torch.tensor([r.slot for r in self.rows])
+
+
+class LossFn(Protocol):
+    def __call__(self, batch: MicroBatch) -> tuple[torch.Tensor, dict[int, dict[str, float]]]:
+        """The scalar to backpropagate and per-slot metrics (``num_tokens`` weights the others)."""
+        ...
+
+
+@dataclass
+class ForwardBackwardResult:
+    """Per-row logprobs at their positions (input order) and per-slot metric sums."""
+
+    logprobs: list[list[float]]
+    per_slot: dict[int, dict[str, float]]
+
+
+class TrainingPrimitives:
+    """Mixin of :class:`~miles_multilora.trainer.worker.TrainerWorker`: needs ``model``,
+    ``optimizer``, ``cfg``, ``layout``, ``pad_id`` and ``vocab_size``."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    cfg: Any
+    layout: DPLayout
+    pad_id: int
+    vocab_size: int
+
+    def row_logprobs(
+        self, input_ids: torch.Tensor, rows: Sequence[ScoredRow], slots: list[int], route: bool = True
+    ) -> torch.Tensor:
+        """``[len(rows), width]``: each row's logprobs at its positions (zero-padded), through the
+        chunked LM head on those positions only. Differentiable."""
+        device = input_ids.device
+        row_index = torch.tensor([i for i, r in enumerate(rows) for _ in r.positions], device=device)
+        offset = torch.tensor([j for r in rows for j in range(r.width)], device=device)
+        positions = torch.tensor([p for r in rows for p in r.positions], device=device)
+        targets = None
+        if any(r.targets is not None for r in rows):
+            targets = torch.tensor(
+                [t for r in rows for t in (r.targets or [r.tokens[p + 1] for p in r.positions])],
+                device=device,
+            )
+        lp = selected_logprobs(
+            self.model, input_ids, slots, [r.temperature for r in rows], self.vocab_size, row_index,
+            positions, self.cfg.trainer.logprob_chunk_tokens, route=route, targets=targets,
+        )  # fmt: skip
+        out = lp.new_zeros(len(rows), max((r.width for r in rows), default=0))
+        out[row_index, offset] = lp
+        return out
+
+    def forward_backward(
+        self,
+        rows: Sequence[ScoredRow],
+        loss_fn: LossFn | None,
+        *,
+        reference: bool = False,
+        on_micro_batch: Callable[[int], None] | None = None,
+    ) -> ForwardBackwardResult:
+        """Score ``rows`` in micro-batches (by the trainer's row and token budgets) with each row's
+        slot routed; with ``loss_fn`` backpropagate its loss (gradients accumulate in the slots).
+        ``reference`` also computes the base model's logprobs (slot -1, no grad) for the loss."""
+        t = self.cfg.trainer
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # tokens sorted by slot
+        lengths = [len(rows[i].tokens) for i in order]
+        batches = micro_batches(lengths, t.micro_batch_size, t.max_tokens_per_micro_batch) if rows else []
+        logprobs: list[list[float]] = [[] for _ in rows]
+        per_slot: dict[int, dict[str, float]] = {}
+        self.model.train(loss_fn is not None)
+        for index in batches:
+            picked = [order[i] for i in index]
+            chunk = [rows[i] for i in picked]
+            input_ids, _ = right_pad([r.tokens for r in chunk], self.pad_id, compat.default_device())
+            slots = [r.slot for r in chunk]
+            width = max(r.width for r in chunk)
+            mask = torch.zeros(len(chunk), width, device=input_ids.device)
+            for i, r in enumerate(chunk):
+                mask[i, : r.width] = 1
+            ref = None
+            if reference:
+                with torch.no_grad():
+                    ref = self.row_logprobs(input_ids, chunk, [-1] * len(chunk))
+            slot_ids = torch.tensor(slots, device=input_ids.device).view(-1, 1).expand_as(input_ids)
+            # routing kept through the backward: activation recompute runs the forward again there
+            with token_slots(self.model, slot_ids.contiguous()), torch.set_grad_enabled(loss_fn is not None):
+                lp = self.row_logprobs(input_ids, chunk, slots, route=False)
+                if loss_fn is not None:
+                    loss, metrics = loss_fn(MicroBatch(chunk, lp, mask, ref))
+                    loss.backward()
+                    _accumulate(per_slot, metrics)
+            values = lp.detach().float().cpu().tolist()
+            for j, (i, r) in enumerate(zip(picked, chunk, strict=True)):
+                logprobs[i] = values[j][: r.width]
+            if on_micro_batch is not None:
+                on_micro_batch(len(chunk))
+        return ForwardBackwardResult(logprobs, per_slot)
+
+    def optim_step(
+        self, slots: Sequence[int], per_slot: dict[int, dict[str, float]] | None = None
+    ) -> tuple[dict[int, Any], dict[int, dict[str, float]]]:
+        """Sum ``slots``' gradients over DP (and the metric sums ``per_slot``), step each slot's
+        AdamW, zero their grads. Returns (step stats, the DP-summed metric sums)."""
+        active = sorted(set(slots))
+        per_slot = per_slot or {}
+        if self.layout.dp_size > 1:
+            allreduce_slot_grads(self.optimizer.params, active, self.layout.dp_group)
+            per_slot = sum_metrics(per_slot, self.layout)
+        stats = self.optimizer.step(active)
+        self.optimizer.zero_grad(active)
+        return stats, per_slot
+
+
+def _accumulate(acc_all: dict[int, dict[str, float]], metrics: dict[int, dict[str, float]]) -> None:
+    for slot, m in metrics.items():
+        acc = acc_all.setdefault(int(slot), {})
+        n = float(m.get("num_tokens", 0.0))
+        acc["num_tokens"] = acc.get("num_tokens", 0.0) + n
+        for k, v in m.items():
+            if k in SUMMED_METRICS:
+                acc[k] = acc.get(k, 0.0) + float(v)
+            elif k != "num_tokens":  # token means of this micro-batch: weight by tokens
+                acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * n
+
+
+def finish_metrics(acc: dict[str, float]) -> dict[str, float]:
+    """Metric sums of one slot -> values: token-weighted means divided out, sums kept."""
+    n = max(acc.get("num_tokens", 0.0), 1e-9)
+    return {
+        k[3:] if k.startswith("_w_") else k: (v / n if k.startswith("_w_") else v) for k, v in acc.items()
+    }

@@ -1,0 +1,213 @@
+"""The Tinker backend on one in-process trainer rank (tiny model, fp32 CPU): client models in their
+own slots, cross-client forward/backward batches with per-model isolation, Adam steps, sampling from
+the live slot, exact save/load, and errors that fail one request and change nothing else."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_multilora.config.adapter import SamplingSpec
+from miles_multilora.errors import SpecError
+from miles_multilora.models import compat
+from miles_multilora.tinker.backend import (
+    BatchingQueue,
+    Datum,
+    ForwardBackwardRequest,
+    TinkerBackend,
+    TinkerError,
+)
+from miles_multilora.trainer.worker import TrainerWorker
+from tests.e2e.conftest import tiny_run_config
+
+TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[TinkerBackend]:
+    cfg = tiny_run_config(
+        tmp_path / "run", [], lora={"num_slots": 2, "max_rank": 8}, trainer={"micro_batch_size": 4}
+    )
+    worker = TrainerWorker(cfg)
+    try:
+        yield TinkerBackend(worker)
+    finally:
+        compat.destroy_distributed()
+
+
+def sft_datum(tokens: list[int]) -> Datum:
+    """Next-token prediction over the whole sequence, every position weighted 1."""
+    return Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def slot_grads(backend: TinkerBackend, slot: int) -> list[torch.Tensor]:
+    return [p.grad[slot].clone() for p in backend.worker.optimizer.params if p.grad is not None]
+
+
+def test_supervised_loss_falls_and_outputs_line_up(backend: TinkerBackend) -> None:
+    backend.create_model("sft", rank=4, seed=1)
+    data = [sft_datum(TEXT), sft_datum(TEXT[3:])]
+    losses = []
+    for _ in range(15):
+        (out,) = backend.forward_backward([ForwardBackwardRequest("sft", data)])
+        losses.append(out.metrics["loss:sum"] / out.metrics["num_tokens:sum"])
+        backend.optim_step("sft", lr=3e-3)
+    assert [len(lp) for lp in out.logprobs] == [len(TEXT) - 1, len(TEXT) - 4]
+    assert out.metrics["num_tokens:sum"] == len(TEXT) - 1 + len(TEXT) - 4
+    # the reported loss is -sum(weights * logprobs) of the returned logprobs
+    assert out.metrics["loss:sum"] == pytest.approx(-sum(sum(lp) for lp in out.logprobs), rel=1e-5)
+    # per token, from ~ln(128) (random tiny model) down; its small logit range bounds how far
+    assert losses[-1] < losses[0] - 0.5, losses
+    (scored,) = backend.forward_backward([ForwardBackwardRequest("sft", data, forward_only=True)])
+    assert scored.metrics["loss:sum"] == pytest.approx(-sum(sum(lp) for lp in scored.logprobs), rel=1e-5)
+    assert all(p.grad is None or not p.grad.any() for p in backend.worker.optimizer.params)  # forward only
+
+
+def test_a_mixed_batch_gives_each_model_its_gradient_alone(backend: TinkerBackend) -> None:
+    backend.create_model("a", rank=4, seed=1)
+    backend.create_model("b", rank=8, seed=2)
+    backend.optim_step("b", lr=1e-2)  # b's B != 0 is not needed; one step keeps things honest
+    a_req = ForwardBackwardRequest("a", [sft_datum(TEXT)])
+    b_req = ForwardBackwardRequest(
+        "b",
+        [
+            Datum(
+                TEXT[:6],
+                {"target_tokens": TEXT[1:7], "logprobs": [-4.0] * 6, "advantages": [1, -1, 0.5, 0, 2, -2]},
+            )
+        ],
+        loss_fn="ppo",
+        loss_fn_config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    )
+    slot_a, slot_b = backend.model("a").slot, backend.model("b").slot
+    (alone_a,) = backend.forward_backward([a_req])
+    grads_a = slot_grads(backend, slot_a)
+    backend.worker.optimizer.zero_grad()
+    (alone_b,) = backend.forward_backward([b_req])
+    grads_b = slot_grads(backend, slot_b)
+    backend.worker.optimizer.zero_grad()
+    mixed_a, mixed_b = backend.forward_backward([a_req, b_req])
+    assert any(g.abs().max() > 0 for g in grads_a) and any(g.abs().max() > 0 for g in grads_b)
+    for alone, mixed in ((grads_a, slot_grads(backend, slot_a)), (grads_b, slot_grads(backend, slot_b))):
+        for x, y in zip(alone, mixed, strict=True):
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert mixed_a.metrics == pytest.approx(alone_a.metrics) and mixed_b.metrics == pytest.approx(
+        alone_b.metrics
+    )
+
+
+def test_rl_losses_on_own_samples_give_the_policy_gradient(backend: TinkerBackend) -> None:
+    """sample from the live slot -> importance_sampling (and unclipped ppo) on those samples: at
+    ratio 1 their gradient is the policy gradient, i.e. cross_entropy weighted by the advantages."""
+    backend.create_model("rl", rank=8, seed=3)
+    backend.optim_step("rl", lr=1e-2)  # version 1: the sampler must serve the stepped weights
+    results = backend.sample("rl", TEXT[:4], 6, SamplingSpec(temperature=1.0, max_new_tokens=8), seed=11)
+    assert {(r.adapter, r.version) for r in results} == {("rl", 1)}
+    slot = backend.model("rl").slot
+    grads = {}
+    for loss_fn, config in (("importance_sampling", {}), ("ppo", {}), ("cross_entropy", {})):
+        data = []
+        for j, r in enumerate(results):
+            tokens = TEXT[:4] + r.output_ids
+            n, k = len(tokens) - 1, len(r.output_ids)
+            adv = [0.0] * (n - k) + [float(j - 2.5)] * k
+            inputs = {"target_tokens": tokens[1:]}
+            if loss_fn == "cross_entropy":
+                inputs["weights"] = adv
+            else:
+                inputs.update(logprobs=[0.0] * (n - k) + list(r.logprobs), advantages=adv)
+            data.append(Datum(tokens[:-1], inputs))
+        (out,) = backend.forward_backward(
+            [ForwardBackwardRequest("rl", data, loss_fn=loss_fn, loss_fn_config=config)]
+        )
+        for r, lp in zip(results, out.logprobs, strict=True):  # the rollout's logprobs are the trainer's
+            assert lp[3:] == pytest.approx(r.logprobs, abs=1e-5)
+        grads[loss_fn] = slot_grads(backend, slot)
+        backend.worker.optimizer.zero_grad()
+    assert any(g.abs().max() > 0 for g in grads["cross_entropy"])
+    for name in ("importance_sampling", "ppo"):
+        for x, y in zip(grads["cross_entropy"], grads[name], strict=True):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), name
+
+
+def test_clients_batch_together_and_a_bad_request_fails_alone(backend: TinkerBackend) -> None:
+    backend.create_model("a", rank=4, seed=1)
+    backend.create_model("b", rank=4, seed=2)
+    queue = BatchingQueue(backend, window_s=0.3)
+    try:
+        bad = ForwardBackwardRequest(
+            "b", [Datum(TEXT[:5], {"target_tokens": TEXT[1:5], "weights": [1.0] * 4})]
+        )
+        futures = []
+        start = threading.Barrier(3)
+
+        def client(request: ForwardBackwardRequest) -> None:
+            start.wait()
+            futures.append(queue.submit_forward_backward(request))
+
+        threads = [
+            threading.Thread(target=client, args=(r,))
+            for r in (ForwardBackwardRequest("a", [sft_datum(TEXT)]), bad, ForwardBackwardRequest("b", [sft_datum(TEXT[2:])]))
+        ]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        outcomes = {}
+        for f in futures:
+            try:
+                out = f.result(timeout=60)
+                outcomes.setdefault("ok", []).append(out)
+            except TinkerError as exc:
+                outcomes.setdefault("error", []).append(exc)
+        assert len(outcomes["ok"]) == 2 and len(outcomes["error"]) == 1
+        assert "has 4 values for 5 input tokens" in str(outcomes["error"][0])
+        assert queue.batches == [2]  # the two good requests of two clients ran as one batch
+        stats = queue.submit(backend.optim_step, "a", lr=1e-2).result(timeout=60)
+        assert stats["skipped:sum"] == 0.0 and backend.model("a").steps == 1
+    finally:
+        queue.close()
+
+
+def test_errors_are_clear_and_change_nothing(backend: TinkerBackend, tmp_path: Path) -> None:
+    with pytest.raises(TinkerError, match="1..8"):
+        backend.create_model("big", rank=16)
+    backend.create_model("a", rank=4, seed=1)
+    backend.create_model("b", rank=4, seed=2)
+    with pytest.raises(TinkerError, match="no free slot"):
+        backend.create_model("c", rank=4)
+    with pytest.raises(TinkerError, match="unknown model"):
+        backend.forward_backward([ForwardBackwardRequest("nope", [sft_datum(TEXT)])])
+    with pytest.raises(SpecError, match="unknown loss"):
+        backend.check(ForwardBackwardRequest("a", [sft_datum(TEXT)], loss_fn="dro"))
+    with pytest.raises(TinkerError, match="needs 'logprobs'"):
+        backend.check(ForwardBackwardRequest("a", [sft_datum(TEXT)], loss_fn="importance_sampling"))
+    assert set(backend.models) == {"a", "b"}
+
+    # save -> train on -> load gives back the exact slot and optimizer state
+    backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
+    backend.optim_step("a", lr=1e-2)
+    saved = backend.save_state("a", tmp_path / "a.pt")
+    slot = backend.model("a").slot
+    before = [p[slot].detach().clone() for p in backend.worker.optimizer.params]
+    moments = backend.worker.optimizer.slot_state_dict(slot)
+    backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
+    backend.optim_step("a", lr=1e-2)
+    backend.load_state("a", saved)
+    assert all(torch.equal(x, p[slot]) for x, p in zip(before, backend.worker.optimizer.params, strict=True))
+    after = backend.worker.optimizer.slot_state_dict(slot)
+    assert after["step"] == moments["step"] == backend.model("a").steps == 1
+    assert all(torch.equal(after["exp_avg"][k], moments["exp_avg"][k]) for k in moments["exp_avg"])
+
+    # unloading frees the slot for a third client, which starts fresh (no leakage)
+    backend.unload_model("a")
+    third = backend.create_model("c", rank=2, seed=5)
+    assert third.slot == slot and backend.worker.optimizer.slot_state_dict(slot)["step"] == 0
+    state = backend.worker.optimizer.slot_state_dict(slot)
+    assert all(not t.any() for t in state["exp_avg"].values())
+    with pytest.raises(TinkerError, match="unknown model"):
+        backend.sample("a", TEXT[:3], 1, SamplingSpec(max_new_tokens=2))
