@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
@@ -194,11 +193,15 @@ def test_a_state_file_of_the_earlier_format_moves_its_finished_runs_to_the_histo
     assert "old" in (tmp_path / HISTORY_FILE_NAME).read_text()
 
 
-def test_ten_thousand_finished_runs_load_in_under_a_second_and_writes_stay_fast(tmp_path):
+def test_ten_thousand_finished_runs_restore_and_writes_only_append(tmp_path):
+    """Finished runs live in the append-only history: restoring 10k of them works, and each later
+    write rewrites only the small state file and appends its own history lines (never the 10k).
+    Restore and write times are measured by benchmarks/controller_churn.py, not asserted here."""
     core = ControllerCore(num_slots=2, max_rank=16, state_dir=tmp_path)
     _finish_many(core, ["template"])
-    template = json.loads((tmp_path / HISTORY_FILE_NAME).read_text())
-    with (tmp_path / HISTORY_FILE_NAME).open("w") as f:
+    history = tmp_path / HISTORY_FILE_NAME
+    template = json.loads(history.read_text())
+    with history.open("w") as f:
         for i in range(10_000):
             entry = {**template, "name": f"run{i}", "run_id": f"run{i}-{i + 1}", "seq": i + 1}
             entry["spec"] = {**template["spec"], "name": f"run{i}"}
@@ -206,20 +209,20 @@ def test_ten_thousand_finished_runs_load_in_under_a_second_and_writes_stay_fast(
     state = json.loads((tmp_path / STATE_FILE_NAME).read_text())
     (tmp_path / STATE_FILE_NAME).write_text(json.dumps({**state, "seq": 10_000}))
 
-    start = time.perf_counter()
     restored = ControllerCore.restore(tmp_path, num_slots=2, max_rank=16)
-    load_s = time.perf_counter() - start
     assert len(restored.list()) == 10_000 and restored.health()["adapters"]["CANCELLED"] == 10_000
-    start = time.perf_counter()
+    before = history.read_bytes()
     for i in range(20):  # each register and cancel writes the state file (and the history line)
         restored.register(spec(f"new{i}"))
         restored.snapshot()
         restored.cancel(f"new{i}")
-    write_s = (time.perf_counter() - start) / 20
-    state_bytes = (tmp_path / STATE_FILE_NAME).stat().st_size
-    assert load_s < 1.0, f"restore took {load_s:.2f} s"
-    assert write_s < 0.1, f"a register/snapshot/cancel cycle took {write_s:.3f} s"
-    assert state_bytes < 10_000, f"the state file grew to {state_bytes} bytes with no live run"
+        state_bytes = (tmp_path / STATE_FILE_NAME).stat().st_size
+        assert state_bytes < 10_000, f"the state file grew to {state_bytes} bytes with no live run"
+    after = history.read_bytes()
+    assert after.startswith(before), "the history was rewritten instead of appended to"
+    added = [json.loads(line) for line in after[len(before) :].decode().splitlines()]
+    # new0 and new1 took the two slots at their snapshot: cancelling them drains, it does not finish
+    assert [e["name"] for e in added] == [f"new{i}" for i in range(2, 20)]
 
 
 def test_temp_leftovers_are_ignored_and_a_failed_write_changes_nothing(tmp_path, monkeypatch):
