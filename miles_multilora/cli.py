@@ -27,12 +27,17 @@ def _parser() -> argparse.ArgumentParser:
         prog="miles-multilora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("train", "one-shot training run"), ("serve", "long-running training service")):
+    defaults = {"train": "train", "serve": "service", "tinker-serve": "tinker"}
+    for name, help_text in (
+        ("train", "one-shot training run"),
+        ("serve", "long-running training service"),
+        ("tinker-serve", "Tinker-protocol server for the official tinker SDK"),
+    ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument(
             "overrides", nargs="*", help="hydra overrides, e.g. trainer.output_dir=runs/x algo=dapo"
         )
-        p.add_argument("--config-name", default="train" if name == "train" else "service")
+        p.add_argument("--config-name", default=defaults[name])
     show = sub.add_parser("show-config", help="print the composed and validated config")
     show.add_argument("config_name", nargs="?", default="train")
     show.add_argument("overrides", nargs="*")
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             from miles_multilora.trainer.run import run_training
 
             run_training(cfg)
+        elif args.command == "tinker-serve":
+            from miles_multilora.tinker.serve import serve_forever
+
+            serve_forever(cfg, console)
         else:
             from miles_multilora.trainer.service import run_service
 

@@ -112,6 +112,21 @@ class ControllerConfig:
 
 
 @dataclass
+class TinkerConfig:
+    """``tinker-serve``: the Tinker-protocol server. Its API key (a ``tml-`` key, as the SDK sends
+    it) comes from ``api_key_file`` (readable by its owner only), never from the config itself."""
+
+    host: str = "127.0.0.1"  # a non-loopback host requires an API key
+    port: int = 8500
+    api_key_file: str | None = None
+    base_model: str | None = None  # the name clients pass as base_model (default: the model's path/source)
+    tokenizer_id: str | None = None  # what get_info reports for get_tokenizer() (a HF id or local dir)
+    batch_window_s: float = 0.02  # forward/backward requests of different clients within it run as one batch
+    state_dir: str | None = None  # saved states (tinker://.../weights/...); default <output_dir>/tinker
+    max_body_mb: int = 64
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -120,6 +135,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    tinker: TinkerConfig = field(default_factory=TinkerConfig)
     adapters: list[Any] = field(default_factory=list)  # spec file paths or inline spec mappings
 
 
@@ -192,6 +208,10 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         "trainer.recompute",
         f"must be none, selective or full; got {t.recompute!r}",
     )
+    tk = cfg.tinker
+    _check(tk.batch_window_s >= 0, "tinker.batch_window_s", "must be >= 0")
+    _check(tk.max_body_mb >= 1, "tinker.max_body_mb", "must be >= 1")
+    _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
     c = cfg.controller
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")

@@ -89,16 +89,20 @@ def _start_service(out: Path, port: int, ray_tmp: str, log: Path, dp: int = 1) -
 
 
 def _ray_pids(ray_tmp: str) -> list[int]:
-    """Processes whose command line names this test's Ray temp dir (raylet, gcs, workers)."""
+    """Processes of this test's Ray (raylet, gcs, workers): their command line names its temp dir,
+    or, for workers that renamed themselves (``ray::TrainerWorker``), their environment does (the
+    service runs with ``MILES_RAY_TMPDIR``, which every Ray process inherits)."""
     pids = []
+    needle = ray_tmp.encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (entry / "cmdline").read_bytes()
+            renamed = cmdline.startswith(b"ray::") and needle in (entry / "environ").read_bytes()
         except OSError:
             continue
-        if ray_tmp in cmdline:
+        if needle in cmdline or renamed:
             pids.append(int(entry.name))
     return pids
 

@@ -1,0 +1,86 @@
+"""The protobuf bodies of the Tinker protocol (the pinned SDK's own message classes, no pickle).
+
+``forward_backward`` requests arrive as ``ForwardBackwardRequest``; its results and sampling
+results go back as ``ForwardBackwardOutput`` / ``SampleResponse``. Token ids are int32
+little-endian, loss inputs dense float32 / int64 little-endian tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from miles_multilora.rollout import GenerationResult
+from miles_multilora.tinker.backend import Datum, ForwardBackwardOutput, ForwardBackwardRequest, TinkerError
+
+PROTOBUF = "application/x-protobuf"
+_DTYPES = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_INT64: "<i8", pb.DTYPE_INT32: "<i4"}
+
+
+def _tensor(t: pb.Tensor, where: str) -> list[float]:
+    if t.WhichOneof("encoding") != "dense":
+        raise TinkerError(where, "only dense tensors are supported (pass 1-D lists or arrays)")
+    if t.dtype not in _DTYPES:
+        raise TinkerError(where, f"unsupported dtype {pb.DType.Name(t.dtype)}")
+    values = np.frombuffer(t.dense, _DTYPES[t.dtype])
+    if len(t.shape) != 1 or int(t.shape[0]) != len(values):
+        raise TinkerError(
+            where, f"must be 1-D with its shape set; got shape {list(t.shape)} for {len(values)} values"
+        )
+    return values.tolist()
+
+
+def decode_forward_backward(body: bytes) -> tuple[ForwardBackwardRequest, int | None]:
+    """A ``ForwardBackwardRequest`` body -> the backend's request and its ``seq_id``."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and others
+        raise TinkerError("body", f"not a tinker_public.ForwardBackwardRequest: {exc}") from exc
+    data = []
+    for i, d in enumerate(msg.data):
+        tokens: list[int] = []
+        for chunk in d.model_input:
+            if chunk.WhichOneof("chunk") != "encoded_text":
+                raise TinkerError(f"data[{i}].model_input", "only encoded_text chunks are supported")
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, "<i4").tolist())
+        inputs = {k: _tensor(v, f"data[{i}].loss_fn_inputs.{k}") for k, v in d.loss_fn_inputs.items()}
+        data.append(Datum(tokens, inputs))
+    config = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():
+        if v.WhichOneof("value") == "number":
+            config[k] = float(v.number)
+        else:
+            raise TinkerError(f"loss_fn_config.{k}", "must be a number")
+    request = ForwardBackwardRequest(
+        msg.model_id, data, msg.loss_fn or "cross_entropy", config, msg.forward_only
+    )
+    return request, (int(msg.seq_id) if msg.seq_id else None)
+
+
+def encode_forward_backward(out: ForwardBackwardOutput) -> bytes:
+    """One ``ArrayRecord`` with each datum's ``logprobs`` (float32) and the metrics."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    record = msg.loss_fn_outputs.add()
+    record.num_datums = len(out.logprobs)
+    field = record.fields["logprobs"]
+    field.dtype = pb.DTYPE_FLOAT32
+    blobs = [np.asarray(lp, "<f4").tobytes() for lp in out.logprobs]
+    field.data = b"".join(blobs)
+    field.offsets = np.cumsum([0, *(len(b) for b in blobs)]).astype("<i8").tobytes()
+    for k, v in out.metrics.items():
+        msg.metrics[k] = float(v)
+    return msg.SerializeToString()
+
+
+def encode_samples(results: Sequence[GenerationResult]) -> bytes:
+    """A ``SampleResponse``: tokens, logprobs and stop reason of each sample, in request order."""
+    msg = pb.SampleResponse()
+    for r in results:
+        seq = msg.sequences.add()
+        seq.stop_reason = pb.STOP_REASON_LENGTH if r.finish_reason == "length" else pb.STOP_REASON_STOP
+        seq.tokens = np.asarray(r.output_ids, "<i4").tobytes()
+        seq.logprobs = np.asarray(r.logprobs, "<f4").tobytes()
+    return msg.SerializeToString()
