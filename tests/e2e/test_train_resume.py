@@ -1,5 +1,6 @@
 """A training run SIGKILLed mid-way and resumed ends with exactly the weights, optimizer state and
-data offsets of an uninterrupted run (resume from the last complete checkpoint)."""
+data offsets of an uninterrupted run (resume from the last complete checkpoint), with one trainer
+rank and with two data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from miles_multilora.trainer import checkpoint as ckpt
 from tests.e2e.conftest import (
@@ -36,7 +39,7 @@ TRAIN_SCRIPT = """
 import json, sys
 from tests.e2e.conftest import tiny_run_config
 from miles_multilora.trainer.run import run_training
-run_training(tiny_run_config(sys.argv[1], json.loads(sys.argv[2])))
+run_training(tiny_run_config(sys.argv[1], json.loads(sys.argv[2]), model={"source": "tiny", "dp": int(sys.argv[3])}))
 """
 
 
@@ -47,12 +50,12 @@ def _logged_steps(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _start_and_kill(out: Path, timeout_s: float = 240.0) -> int:
+def _start_and_kill(out: Path, dp: int, timeout_s: float = 240.0) -> int:
     """Train in a subprocess (own process group, own Ray) and SIGKILL the whole group once
     ``KILL_AFTER_STEP`` steps are logged. Returns the number of global steps logged by then."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", TRAIN_SCRIPT, str(out), json.dumps(ADAPTERS)],
+        [sys.executable, "-c", TRAIN_SCRIPT, str(out), json.dumps(ADAPTERS), str(dp)],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -79,16 +82,18 @@ def _start_and_kill(out: Path, timeout_s: float = 240.0) -> int:
     return len({r["global_step"] for r in _logged_steps(out)})
 
 
-def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, ray_session: None) -> None:
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp1", "dp2"])
+def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, ray_session: None, dp: int) -> None:
     from miles_multilora.trainer.run import run_training
 
+    model = {"source": "tiny", "dp": dp}
     killed = tmp_path / "killed"
-    steps_before_kill = _start_and_kill(killed)
+    steps_before_kill = _start_and_kill(killed, dp)
     assert steps_before_kill < STEPS, "the run finished before it could be killed"
     resume_points = {a["name"]: adapter_checkpoints(killed, a["name"]) for a in ADAPTERS}
     assert all(resume_points.values()), f"no complete checkpoint before the kill: {resume_points}"
 
-    records = run_training(tiny_run_config(killed, ADAPTERS, trainer={"resume": True}))
+    records = run_training(tiny_run_config(killed, ADAPTERS, trainer={"resume": True}, model=model))
     assert {n: (r["state"], r["step"]) for n, r in records.items()} == {
         "lower": ("DONE", STEPS),
         "digits": ("DONE", STEPS),
@@ -102,11 +107,12 @@ def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, ray_se
         assert resumed == list(range(resumed[0], STEPS + 1)), steps
 
     straight = tmp_path / "straight"
-    run_training(tiny_run_config(straight, ADAPTERS))
+    run_training(tiny_run_config(straight, ADAPTERS, model=model))
 
     for name in ("lower", "digits"):
         a, b = final_checkpoint(killed, name), final_checkpoint(straight, name)
         assert a.name == b.name == f"step_{STEPS:06d}"
+        assert sorted(p.name for p in a.glob("slot_rank*.pt")) == ["slot_rank0.pt"]  # one shard per TP rank
         assert max_abs_diff(checkpoint_tensors(a), checkpoint_tensors(b)) <= 1e-6, name
         assert max_abs_diff(optimizer_tensors(a), optimizer_tensors(b)) <= 1e-6, name
         assert ckpt.read_state(a)["data"] == ckpt.read_state(b)["data"], name
