@@ -7,6 +7,7 @@ gradient differences into large relative weight differences).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,10 @@ def _one_step(rank: int, world: int, out: str, names: list[str], tp: int) -> Non
         trainer={"micro_batch_size": 3, "world_size": world},
     )
     worker = TrainerWorker(cfg, rank, world)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("miles_multilora.trainer.worker").addHandler(handler)
     grads: dict[str, torch.Tensor] = {}
     step = worker.optimizer.step
 
@@ -68,6 +73,7 @@ def _one_step(rank: int, world: int, out: str, names: list[str], tp: int) -> Non
             "failed": result["failed"],
             "layout": (worker.layout.dp_rank, worker.layout.tp_rank),
             "tokens": (worker.last_train_tokens, worker.last_rank_train_tokens),
+            "warnings": warnings,
         },
         Path(out) / f"rank{rank}.pt",
     )
@@ -109,6 +115,18 @@ def test_two_dp_ranks_give_the_update_of_one(tmp_path: Path) -> None:
                     name,
                     key,
                 )
+
+
+def test_fewer_groups_than_dp_ranks_warns_and_still_trains(tmp_path: Path) -> None:
+    """b alone has one group for two DP ranks: rank 1 generates and trains nothing, rank 0 warns
+    once, and the update is still the one-rank update."""
+    one = _run(tmp_path, "b1", 1, ["b"])[0]
+    two = _run(tmp_path, "b2", 2, ["b"])
+    assert [r["tokens"][1] for r in two] == [one["tokens"][0], 0]
+    assert any("1 groups for 2 DP ranks" in w for w in two[0]["warnings"]), two[0]["warnings"]
+    assert not one["warnings"] and not two[1]["warnings"]  # only rank 0 of a DP run says it
+    for rank in two:
+        _close(one["grads"], rank["grads"], rows=slice(0, 1))
 
 
 def test_isolation_under_data_parallelism(tmp_path: Path) -> None:
