@@ -670,7 +670,22 @@ class TrainerWorker(TrainingPrimitives):
         for a in snapshot.draining:  # no in-flight work in a synchronous step: final checkpoint now
             if a.name not in failures:
                 self._checkpoint_or_fail(a.name, failures, drained)
-        running = [a for a in snapshot.running if a.name not in failures]
+        running = []
+        for a in snapshot.running:
+            if a.name in failures:
+                continue
+            if self._budget_reached(a.spec):  # resumed at its budget (a later checkpoint): finish, no step
+                path = (resumed.get(a.name) or {}).get("checkpoint") or a.resume_checkpoint
+                path = path or self._checkpoint_or_fail(a.name, failures)
+                if path is not None:
+                    step = self.steps[a.name]
+                    finished[a.name] = str(path)
+                    results[a.name] = {"trained": False, "step": step, "checkpoint": None,
+                                       "metrics": {"step": step, "version": step}}  # fmt: skip
+                    if a.name in resumed:
+                        results[a.name]["resumed"] = resumed[a.name]
+                continue
+            running.append(a)
         t1 = time.perf_counter()
         groups, report, ds_metrics = self._rollout(running, failures) if running else ([], {}, {})
         t2 = time.perf_counter()
