@@ -86,35 +86,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--layouts", default="1x1,2x1,1x1", help="DPxTP layouts, run in this order")
-    parser.add_argument("--adapters", type=int, default=16)
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per adapter per DP rank")
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=150)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--mean-len", type=int, default=160)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=16384)
-    parser.add_argument("--recompute", default="none")
-    parser.add_argument("--chunk", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--dtype", default=None)
+    rl_step.add_workload_args(parser, micro_batch=64, max_tokens=16384, steps=3)  # --prompts: per DP rank
     parser.add_argument(
         "--watchdog", type=float, default=0, help="seconds before a rank dumps its stacks and exits"
     )
-    args = parser.parse_args()
-    shape = rl_step.CPU_SHAPE if args.cpu else rl_step.SHAPE
-    for key, value in shape.items():
-        setattr(args, key, value)
+    args = rl_step.finish_workload_args(parser.parse_args())
     if args.cpu:
-        args.adapters, args.prompts, args.samples = 4, 2, 4
-        args.prompt_len, args.new_tokens, args.mean_len = 24, 24, 16
-        args.micro_batch, args.max_tokens = 8, 0
-    args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
-    args.context = 1 << (args.prompt_len + args.new_tokens + 8).bit_length()
+        args.max_tokens = 0
     layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
     gpus = torch.cuda.device_count()
     need = max(dp * tp for dp, tp in layouts)

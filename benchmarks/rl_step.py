@@ -141,10 +141,10 @@ def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) 
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_workload_args(
+    parser: argparse.ArgumentParser, *, micro_batch: int, max_tokens: int, steps: int
+) -> None:
+    """The model shape, the step's workload and the training settings (shared with dp_step.py)."""
     parser.add_argument("--cpu", action="store_true")
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value}")
@@ -155,16 +155,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--mean-len", type=int, default=160, help="mean sample length set by the EOS share")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--micro-batch", type=int, default=16, help="trainer.micro_batch_size")
-    parser.add_argument("--max-tokens", type=int, default=0, help="trainer.max_tokens_per_micro_batch")
+    parser.add_argument("--micro-batch", type=int, default=micro_batch, help="trainer.micro_batch_size")
+    parser.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="trainer.max_tokens_per_micro_batch"
+    )
     parser.add_argument("--recompute", default="none", help="trainer.recompute: none | selective | full")
     parser.add_argument("--chunk", type=int, default=1024, help="trainer.logprob_chunk_tokens")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
-    parser.add_argument("--schedules", default="a,b,c")
-    args = parser.parse_args()
+
+
+def finish_workload_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the shape preset (the tiny one and a small workload with ``--cpu``), dtype and context."""
     preset = CPU_SHAPE if args.cpu else SHAPE
     for key, value in preset.items():
         if getattr(args, key) is None:
@@ -174,6 +177,17 @@ def main() -> None:
         args.prompt_len, args.new_tokens, args.mean_len, args.micro_batch = 24, 24, 16, 8
     args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
     args.context = 1 << (args.prompt_len + args.new_tokens + 8).bit_length()
+    return args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(parser, micro_batch=16, max_tokens=0, steps=2)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
+    parser.add_argument("--schedules", default="a,b,c")
+    args = finish_workload_args(parser.parse_args())
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
     use_synthetic_prompts(args.prompt_len)

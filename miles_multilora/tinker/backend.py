@@ -23,8 +23,8 @@ from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import clear_slot, init_slot, load_slot_state, slot_state
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult
-from miles_multilora.tinker.losses import LOSS_INPUTS, check_loss, per_token_loss, tinker_loss
-from miles_multilora.trainer.primitives import MicroBatch, ScoredRow
+from miles_multilora.tinker.losses import LOSS_INPUTS, check_loss, tinker_loss
+from miles_multilora.trainer.primitives import ScoredRow
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
 
@@ -149,7 +149,6 @@ class TinkerBackend:
         slot (``forward_only`` requests score without a backward)."""
         rows: list[ScoredRow] = []
         losses: dict[int, tuple[str, dict[str, float]]] = {}
-        owner: list[int] = []
         for tag, request in enumerate(requests):
             losses[tag] = (request.loss_fn, check_loss(request.loss_fn, request.loss_fn_config))
             slot = self.model(request.model_id).slot
@@ -159,26 +158,15 @@ class TinkerBackend:
                     ScoredRow(slot, list(d.tokens), list(range(len(d.tokens))),
                               [int(t) for t in d.inputs["target_tokens"]], values=values, tag=tag)
                 )  # fmt: skip
-                owner.append(tag)
-        train = [i for i, r in enumerate(rows) if not requests[r.tag].forward_only]
-        score = [i for i, r in enumerate(rows) if requests[r.tag].forward_only]
+        loss = tinker_loss(losses)
         logprobs: list[list[float]] = [[] for _ in rows]
         metrics: dict[int, dict[str, float]] = {}
-        for picked, backward in ((train, True), (score, False)):
+        for backward in (True, False):  # forward-only requests score without a graph
+            picked = [i for i, r in enumerate(rows) if requests[r.tag].forward_only != backward]
             if not picked:
                 continue
-            part = [rows[i] for i in picked]
-            if backward:
-                result = self.worker.forward_backward(part, tinker_loss(losses))
-                metrics.update(result.per_slot)
-            else:
-                with torch.no_grad():
-                    result = self.worker.forward_backward(part, None)
-                for tag in {r.tag for r in part}:
-                    metrics[tag] = _forward_metrics(
-                        losses[tag],
-                        [(r, lp) for r, lp in zip(part, result.logprobs, strict=True) if r.tag == tag],
-                    )
+            result = self.worker.forward_backward([rows[i] for i in picked], loss, backward=backward)
+            metrics.update(result.per_slot)
             for i, lp in zip(picked, result.logprobs, strict=True):
                 logprobs[i] = lp
         outputs = []
@@ -186,7 +174,7 @@ class TinkerBackend:
             m = metrics.get(tag, {})
             outputs.append(
                 ForwardBackwardOutput(
-                    [logprobs[i] for i in range(len(rows)) if owner[i] == tag],
+                    [lp for r, lp in zip(rows, logprobs, strict=True) if r.tag == tag],
                     {"loss:sum": m.get("loss", 0.0), "num_tokens:sum": m.get("num_tokens", 0.0)},
                 )
             )
@@ -256,22 +244,6 @@ class TinkerBackend:
             self.worker.optimizer.load_slot_state_dict(e.slot, payload["optimizer"])
             e.steps = int(payload["meta"]["steps"])
         self.worker.engine.update_adapters({model_id: AdapterVersion(e.slot, e.steps)})
-
-
-def _forward_metrics(
-    loss: tuple[str, dict[str, float]], rows: list[tuple[ScoredRow, list[float]]]
-) -> dict[str, float]:
-    """The loss of a forward-only request (no graph): the same sums as the backward's."""
-    if not rows:
-        return {"loss": 0.0, "num_tokens": 0.0}
-    width = max(r.width for r, _ in rows)
-    lp = torch.zeros(len(rows), width)
-    mask = torch.zeros(len(rows), width)
-    for i, (r, values) in enumerate(rows):
-        lp[i, : len(values)] = torch.tensor(values)
-        mask[i, : r.width] = 1
-    value = per_token_loss(loss[0], loss[1], MicroBatch([r for r, _ in rows], lp, mask)).sum()
-    return {"loss": float(value), "num_tokens": float(mask.sum())}
 
 
 class BatchingQueue:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -29,20 +29,14 @@ class FutureStore:
         self._by_key: dict[Hashable, str] = {}
         self._ids = itertools.count(1)
 
-    def known(self, key: Hashable | None) -> str | None:
-        """The request id already given to ``key`` (a retried request), if any."""
-        if key is None:
-            return None
-        with self._lock:
-            rid = self._by_key.get(key)
-            return rid if rid in self._items else None
-
-    def add(self, future: Future, kind: str, key: Hashable | None = None) -> str:
+    def submit(self, key: Hashable | None, kind: str, start: Callable[[], Future]) -> str:
+        """The request id of ``key``: a retried request (same key) gets its first id back and
+        ``start`` (which queues the work) runs only for a new one."""
         with self._lock:
             if key is not None and self._by_key.get(key) in self._items:
                 return self._by_key[key]
             rid = f"req-{next(self._ids)}"
-            self._items[rid] = Pending(future, kind)
+            self._items[rid] = Pending(start(), kind)
             if key is not None:
                 self._by_key[key] = rid
             while len(self._items) > self.max_kept:

@@ -94,10 +94,9 @@ def create_app(
         return await call_next(request)
 
     def submit(kind: str, key: Any, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        rid = state.futures.known(key)
-        if rid is None:
-            rid = state.futures.add(state.queue.submit(fn, *args, **kwargs), kind, key)
-        return {"request_id": rid}
+        return {
+            "request_id": state.futures.submit(key, kind, lambda: state.queue.submit(fn, *args, **kwargs))
+        }
 
     # ---------------------------------------------------------------- client and session
     @app.post(f"{API}/client/config")
@@ -187,10 +186,11 @@ def create_app(
         except SpecError as exc:
             return _error(400, str(exc))
         key = (fb.model_id, seq) if seq is not None else None
-        rid = state.futures.known(key)
-        if rid is None:
-            rid = state.futures.add(state.queue.submit_forward_backward(fb), "forward_backward", key)
-        return {"request_id": rid}
+        return {
+            "request_id": state.futures.submit(
+                key, "forward_backward", lambda: state.queue.submit_forward_backward(fb)
+            )
+        }
 
     @app.post(f"{API}/optim_step")
     async def optim_step(body: dict[str, Any]) -> Any:
@@ -317,9 +317,7 @@ def create_app(
             return state.backend.sample(sampler.model_id, prompt, n, spec, seed)
 
         key = (sampler.sampler_id, body.get("seq_id"))
-        rid = state.futures.known(key)
-        if rid is None:
-            rid = state.futures.add(state.queue.submit(sample), "sample", key)
+        rid = state.futures.submit(key, "sample", lambda: state.queue.submit(sample))
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{j}" for j in range(n)]}
 
     # ---------------------------------------------------------------- futures

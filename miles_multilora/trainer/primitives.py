@@ -8,7 +8,7 @@ positions (``[rows, width]``, zero-padded) and returns one scalar plus per-slot 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,7 +75,8 @@ class LossFn(Protocol):
 
 @dataclass
 class ForwardBackwardResult:
-    """Per-row logprobs at their positions (input order) and per-slot metric sums."""
+    """Per-row logprobs at their positions (input order; empty unless asked for) and per-slot (or
+    per-tag) metric sums."""
 
     logprobs: list[list[float]]
     per_slot: dict[int, dict[str, float]]
@@ -118,21 +119,24 @@ class TrainingPrimitives:
     def forward_backward(
         self,
         rows: Sequence[ScoredRow],
-        loss_fn: LossFn | None,
+        loss_fn: LossFn,
         *,
+        backward: bool = True,
         reference: bool = False,
-        on_micro_batch: Callable[[int], None] | None = None,
+        return_logprobs: bool = True,
     ) -> ForwardBackwardResult:
         """Score ``rows`` in micro-batches (by the trainer's row and token budgets) with each row's
-        slot routed; with ``loss_fn`` backpropagate its loss (gradients accumulate in the slots).
-        ``reference`` also computes the base model's logprobs (slot -1, no grad) for the loss."""
+        slot routed, and evaluate ``loss_fn`` on each; with ``backward`` backpropagate it (gradients
+        accumulate in the slots), else only its metrics are kept (no graph). ``reference`` also
+        computes the base model's logprobs (slot -1, no grad) for the loss. The per-row logprobs are
+        copied to the host once, at the end, when ``return_logprobs``."""
         t = self.cfg.trainer
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # tokens sorted by slot
         lengths = [len(rows[i].tokens) for i in order]
         batches = micro_batches(lengths, t.micro_batch_size, t.max_tokens_per_micro_batch) if rows else []
-        logprobs: list[list[float]] = [[] for _ in rows]
+        kept: list[tuple[list[int], torch.Tensor]] = []
         per_slot: dict[int, dict[str, float]] = {}
-        self.model.train(loss_fn is not None)
+        self.model.train(backward)
         for index in batches:
             picked = [order[i] for i in index]
             chunk = [rows[i] for i in picked]
@@ -148,17 +152,18 @@ class TrainingPrimitives:
                     ref = self.row_logprobs(input_ids, chunk, [-1] * len(chunk))
             slot_ids = torch.tensor(slots, device=input_ids.device).view(-1, 1).expand_as(input_ids)
             # routing kept through the backward: activation recompute runs the forward again there
-            with token_slots(self.model, slot_ids.contiguous()), torch.set_grad_enabled(loss_fn is not None):
+            with token_slots(self.model, slot_ids.contiguous()), torch.set_grad_enabled(backward):
                 lp = self.row_logprobs(input_ids, chunk, slots, route=False)
-                if loss_fn is not None:
-                    loss, metrics = loss_fn(MicroBatch(chunk, lp, mask, ref))
+                loss, metrics = loss_fn(MicroBatch(chunk, lp, mask, ref))
+                if backward:
                     loss.backward()
-                    _accumulate(per_slot, metrics)
-            values = lp.detach().float().cpu().tolist()
-            for j, (i, r) in enumerate(zip(picked, chunk, strict=True)):
-                logprobs[i] = values[j][: r.width]
-            if on_micro_batch is not None:
-                on_micro_batch(len(chunk))
+            _accumulate(per_slot, metrics)
+            if return_logprobs:
+                kept.append((picked, lp.detach()))
+        logprobs: list[list[float]] = [[] for _ in rows]
+        for picked, lp in kept:
+            for i, values in zip(picked, lp.float().cpu().tolist(), strict=True):
+                logprobs[i] = values[: rows[i].width]
         return ForwardBackwardResult(logprobs, per_slot)
 
     def optim_step(

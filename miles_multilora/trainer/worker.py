@@ -42,7 +42,13 @@ from miles_multilora.lora import (
 from miles_multilora.models import compat, provider
 from miles_multilora.models.paths import MAX_CONTEXT, resolve_model_path
 from miles_multilora.optim import SlotAdamW
-from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutEngine
+from miles_multilora.rollout import (
+    AdapterVersion,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    RolloutError,
+)
 from miles_multilora.trainer import checkpoint as ckpt
 from miles_multilora.trainer.data_parallel import DPLayout, balance, generate_sharded
 from miles_multilora.trainer.faults import AdapterFailures, failure_reason
@@ -286,8 +292,6 @@ class TrainerWorker(TrainingPrimitives):
             error = f"{type(exc).__name__}: {exc}"
         error = self._first_error(error)
         if error is not None:
-            from miles_multilora.rollout import RolloutError
-
             raise RolloutError(error)
 
     # ----------------------------------------------------------------- rollout + rewards
@@ -324,22 +328,29 @@ class TrainerWorker(TrainingPrimitives):
             groups.extend(mine)
         return groups
 
+    def _sample_requests(
+        self, g: Group, n: int, sampling: SamplingSpec, **metadata: Any
+    ) -> list[GenerationRequest]:
+        """``n`` requests for group ``g`` at its adapter's current version, seeded per prompt and sample."""
+        a = self.resident[g.adapter]
+        return [
+            GenerationRequest(
+                adapter=g.adapter,
+                slot=a.slot,
+                version=self.steps[g.adapter],
+                prompt_ids=g.prompt_ids,
+                sampling=sampling,
+                seed=_seed(a.spec.seed, g.item.uid, j),
+                metadata={"uid": g.item.uid, "sample": j, **metadata},
+            )
+            for j in range(n)
+        ]
+
     def _group_requests(self, groups: list[Group]) -> list[GenerationRequest]:
         requests = []
         for g in groups:
-            a = self.resident[g.adapter]
-            for j in range(a.spec.n_samples_per_prompt):
-                requests.append(
-                    GenerationRequest(
-                        adapter=g.adapter,
-                        slot=a.slot,
-                        version=self.steps[g.adapter],
-                        prompt_ids=g.prompt_ids,
-                        sampling=a.spec.sampling,
-                        seed=_seed(a.spec.seed, g.item.uid, j),
-                        metadata={"uid": g.item.uid, "sample": j},
-                    )
-                )
+            spec = self.resident[g.adapter].spec
+            requests += self._sample_requests(g, spec.n_samples_per_prompt, spec.sampling)
         return requests
 
     def _generate(
@@ -465,26 +476,15 @@ class TrainerWorker(TrainingPrimitives):
         """k requests per eval item: greedy for k = 1, else the adapter's sampling; fixed seeds."""
         requests = []
         for g in groups:
-            a = self.resident[g.adapter]
-            ev = a.spec.eval
+            spec = self.resident[g.adapter].spec
+            ev = spec.eval
             assert ev is not None
-            sampling = a.spec.sampling
+            sampling = spec.sampling
             if ev.samples == 1:
                 sampling = SamplingSpec(
                     temperature=0.0, max_new_tokens=sampling.max_new_tokens, stop=list(sampling.stop)
                 )
-            for j in range(ev.samples):
-                requests.append(
-                    GenerationRequest(
-                        adapter=g.adapter,
-                        slot=a.slot,
-                        version=self.steps[g.adapter],
-                        prompt_ids=g.prompt_ids,
-                        sampling=sampling,
-                        seed=_seed(a.spec.seed, g.item.uid, j),
-                        metadata={"uid": g.item.uid, "sample": j, "eval": True},
-                    )
-                )
+            requests += self._sample_requests(g, ev.samples, sampling, eval=True)
         return requests
 
     def _evaluate(self, names: list[str], failures: AdapterFailures) -> dict[str, dict[str, Any]]:
@@ -525,7 +525,7 @@ class TrainerWorker(TrainingPrimitives):
             out = policy_loss(
                 batch.logprobs,
                 batch.values("old_logprobs"),
-                torch.tensor([r.values["advantage"][0] for r in batch.rows]),
+                batch.values("advantages"),
                 batch.mask,
                 batch.slots,
                 config=self.algo,
@@ -555,7 +555,8 @@ class TrainerWorker(TrainingPrimitives):
                 if r.output_ids:
                     prompt_len = len(r.prompt_ids)
                     tokens = list(r.prompt_ids) + list(r.output_ids)
-                    values = {"old_logprobs": list(r.logprobs[: len(r.output_ids)]), "advantage": [a]}
+                    n = len(r.output_ids)
+                    values = {"old_logprobs": list(r.logprobs[:n]), "advantages": [a] * n}
                     positions = list(range(prompt_len - 1, len(tokens) - 1))
                     mine.append(ScoredRow(r.slot, tokens, positions, temperature=temp, values=values))
             if mine:
@@ -573,7 +574,9 @@ class TrainerWorker(TrainingPrimitives):
         rows = [r for rs, o in zip(group_rows, owner, strict=True) if o == self.layout.dp_rank for r in rs]
         self.last_train_tokens = sum(len(r.tokens) for r in all_rows)
         self.last_rank_train_tokens = sum(len(r.tokens) for r in rows)
-        result = self.forward_backward(rows, self._rl_loss(normalizers), reference=algo.kl_coef > 0)
+        result = self.forward_backward(
+            rows, self._rl_loss(normalizers), reference=algo.kl_coef > 0, return_logprobs=False
+        )
         stats, per_slot = self.optim_step(sorted({r.slot for r in all_rows}), result.per_slot)
         out_metrics: dict[str, dict[str, float]] = {}
         slot_to_name = {a.slot: n for n, a in self.resident.items()}

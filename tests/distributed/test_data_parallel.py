@@ -35,10 +35,8 @@ def _specs(names: list[str]) -> list[dict[str, Any]]:
 
 def _one_step(rank: int, world: int, out: str, names: list[str], tp: int) -> None:
     """One step of ``names`` (slots in order) on ``world`` ranks; each rank saves what it saw."""
-    from miles_multilora.config.adapter import parse_adapter_spec
-    from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
     from miles_multilora.trainer.worker import TrainerWorker
-    from tests.e2e.conftest import tiny_run_config
+    from tests.e2e.conftest import snapshot_of, tiny_run_config
 
     specs = _specs(names)
     cfg = tiny_run_config(
@@ -61,11 +59,7 @@ def _one_step(rank: int, world: int, out: str, names: list[str], tp: int) -> Non
         return step(active)
 
     worker.optimizer.step = record_then_step  # type: ignore[method-assign]
-    running = []
-    for slot, raw in enumerate(specs):
-        spec = parse_adapter_spec(raw, max_rank=8)
-        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, 0, 0, None, True))
-    result = worker.step(Snapshot(1, 2, tuple(running), (), ()))
+    result = worker.step(snapshot_of(1, specs))
     torch.save(
         {
             "grads": grads,

@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.config.run import RunConfig, config_from_container
+from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.trainer import checkpoint as ckpt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +61,19 @@ def tiny_run_config(output_dir: str | Path, adapters: list[dict], **sections: di
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
     return config_from_container(data)
+
+
+def snapshot_of(
+    snapshot_id: int, specs: list[dict], steps: dict[str, int] | None = None, init: bool = True
+) -> Snapshot:
+    """A controller snapshot running ``specs`` in slots 0, 1, ... (run ids ``<name>-1``), each at
+    its step in ``steps`` (default 0); ``init``: the slots must be (re)initialised first."""
+    running = []
+    for slot, raw in enumerate(specs):
+        spec = parse_adapter_spec(raw, max_rank=8)
+        step = (steps or {}).get(spec.name, 0)
+        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, step, step, None, init))
+    return Snapshot(snapshot_id, len(specs), tuple(running), (), ())
 
 
 def adapter_checkpoints(output_dir: str | Path, adapter: str) -> list[Path]:

@@ -14,12 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from miles_multilora.config.adapter import parse_adapter_spec
-from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.models import compat
 from miles_multilora.trainer.metrics import reward_series
 from miles_multilora.trainer.worker import TrainerWorker
-from tests.e2e.conftest import REPO_ROOT, tiny_run_config, toy_adapter
+from tests.e2e.conftest import REPO_ROOT, snapshot_of, tiny_run_config, toy_adapter
 
 TOY_EVAL = str(REPO_ROOT / "tests" / "e2e" / "data" / "toy_eval.jsonl")
 TIMING_KEYS = {"tokens_per_s", "step_time_s", "reward/latency_s"}
@@ -32,15 +30,6 @@ def _lower(steps: int, **eval_section: Any) -> dict[str, Any]:
 
 def _digits(steps: int) -> dict[str, Any]:
     return toy_adapter("digits", "fraction_of_digits", steps=steps, batched=True)
-
-
-def _snapshot(snapshot_id: int, specs: list[dict[str, Any]], steps: dict[str, int], init: bool) -> Snapshot:
-    running = []
-    for slot, raw in enumerate(specs):
-        spec = parse_adapter_spec(raw, max_rank=8)
-        step = steps.get(spec.name, 0)
-        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, step, step, None, init))
-    return Snapshot(snapshot_id, len(specs), tuple(running), (), ())
 
 
 @pytest.fixture
@@ -62,7 +51,7 @@ def make_worker(tmp_path: Path) -> Iterator[Any]:
 def _train(worker: TrainerWorker, specs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
     outs = []
     for i in range(steps):
-        outs.append(worker.step(_snapshot(i + 1, specs, dict(worker.steps), init=i == 0)))
+        outs.append(worker.step(snapshot_of(i + 1, specs, dict(worker.steps), init=i == 0)))
         assert not outs[-1]["failed"], outs[-1]["failed"]
     return outs
 
@@ -124,7 +113,7 @@ def test_a_failing_eval_fails_only_its_adapter(make_worker: Any, tmp_path: Path)
     missing = {"eval": {"path": str(tmp_path / "nope.jsonl")}}
     specs = [toy_adapter("broken", "fraction_of_lowercase", steps=3, **missing), _digits(3)]
     worker = make_worker(specs)
-    out = worker.step(_snapshot(1, specs, {}, init=True))
+    out = worker.step(snapshot_of(1, specs, {}, init=True))
     assert "eval.path" in out["failed"]["broken"] and "nope.jsonl" in out["failed"]["broken"]
     assert out["results"]["digits"]["trained"] and "broken" not in worker.resident
 
@@ -132,7 +121,7 @@ def test_a_failing_eval_fails_only_its_adapter(make_worker: Any, tmp_path: Path)
     worker = make_worker(specs)
     _train(worker, specs, 1)
     worker.eval_sets["lower"].items[0].prompt = None  # type: ignore[assignment]  # cannot be encoded
-    out = worker.step(_snapshot(2, specs, dict(worker.steps), init=False))
+    out = worker.step(snapshot_of(2, specs, dict(worker.steps), init=False))
     assert out["failed"]["lower"].startswith("preparing its eval requests")
     assert set(out["results"]) == {"digits"} and out["results"]["digits"]["trained"]
     assert "lower" not in worker.resident and "lower" not in worker.eval_sets

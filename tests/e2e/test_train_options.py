@@ -12,11 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from miles_multilora.config.adapter import parse_adapter_spec
-from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.models import compat
 from miles_multilora.trainer.worker import TrainerWorker
-from tests.e2e.conftest import tiny_run_config, toy_adapter
+from tests.e2e.conftest import snapshot_of, tiny_run_config, toy_adapter
 
 
 def _specs() -> list[dict[str, Any]]:
@@ -40,11 +38,7 @@ def _gradients_of_one_step(out: Path, **trainer: Any) -> dict[str, torch.Tensor]
 
     worker.optimizer.step = record_then_step  # type: ignore[method-assign]
     try:
-        running = []
-        for slot, raw in enumerate(_specs()):
-            spec = parse_adapter_spec(raw, max_rank=8)
-            running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, 0, 0, None, True))
-        out_step = worker.step(Snapshot(1, 2, tuple(running), (), ()))
+        out_step = worker.step(snapshot_of(1, _specs()))
         assert all(r["trained"] for r in out_step["results"].values())
         return grads
     finally:

@@ -10,12 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from miles_multilora.config.adapter import parse_adapter_spec
-from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.models import compat
 from miles_multilora.rollout.logprobs import right_pad, sequence_logprobs
 from miles_multilora.trainer.worker import Group, TrainerWorker
-from tests.e2e.conftest import final_checkpoint, tiny_run_config, toy_adapter
+from tests.e2e.conftest import final_checkpoint, snapshot_of, tiny_run_config, toy_adapter
 
 STEPS = 12
 # Low temperature sharpens the random model's flat logits so a rank-4 LoRA moves the sampled
@@ -67,15 +65,6 @@ def in_process_worker(tmp_path: Any) -> Iterator[ParityCheckingWorker]:
     compat.destroy_distributed()
 
 
-def _snapshot(snapshot_id: int, specs: list[dict[str, Any]], steps: dict[str, int], init: bool) -> Snapshot:
-    running = []
-    for slot, raw in enumerate(specs):
-        spec = parse_adapter_spec(raw, max_rank=8)
-        step = steps.get(spec.name, 0)
-        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, step, step, None, init))
-    return Snapshot(snapshot_id, len(specs), tuple(running), (), ())
-
-
 def test_rollout_logprobs_equal_trainer_logprobs_in_the_training_step(
     in_process_worker: ParityCheckingWorker,
 ) -> None:
@@ -83,7 +72,7 @@ def test_rollout_logprobs_equal_trainer_logprobs_in_the_training_step(
     specs = _two_adapters(steps=3)
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters() if "lora_B" in n}
     for i in range(2):  # step 2 samples from updated (non-zero) LoRA weights, version 1
-        out = worker.step(_snapshot(i + 1, specs, dict(worker.steps), init=i == 0))
+        out = worker.step(snapshot_of(i + 1, specs, dict(worker.steps), init=i == 0))
         assert {n: r["step"] for n, r in out["results"].items()} == {"lower": i + 1, "digits": i + 1}
         assert all(r["trained"] for r in out["results"].values())
     assert worker.samples_checked >= 2 * 2 * 2 * 8 * 0.9  # steps x adapters x prompts x samples
