@@ -3,9 +3,11 @@
 ``log_softmax(h @ W^T / T)[target]`` for selected hidden rows, computed in chunks of rows: each
 chunk's logits exist only inside the chunk (forward and, recomputed, backward), so peak memory is
 ``chunk x vocab`` instead of ``tokens x vocab`` (3.7 GB in fp32 for 16 sequences of 400 tokens at
-a 152k vocabulary). Under tensor parallelism ``W`` is this rank's vocab shard: the max, the sum of
-exponentials and the target logit are all-reduced, and the input gradient too (what Megatron's
-column-parallel output layer does around its GEMM). The numbers equal
+a 152k vocabulary). Each rank reduces its vocab shard ``W`` to three numbers per row (max, sum of
+exponentials, target logit); under tensor parallelism those are combined across ranks, and the
+input gradient is all-reduced (what Megatron's column-parallel output layer does around its GEMM).
+On a CUDA device the per-chunk reductions are the fused Triton kernels of :mod:`logprob_kernels`
+(one pass over the logits each way), elsewhere PyTorch ops. The numbers equal
 :func:`~miles_multilora.rollout.sampling.token_logprobs` of the full logits up to fp32 rounding.
 """
 
@@ -15,7 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles_multilora.algo import logprob_kernels
+
 DEFAULT_CHUNK_ROWS = 1024
+FUSED = True  # the Triton reductions on CUDA devices; tests and benchmarks switch it off to compare
 
 
 def _tp_group() -> tuple[object | None, int, int]:
@@ -39,28 +44,33 @@ def _all_reduce(t: Tensor, op: dist.ReduceOp, group: object | None, size: int) -
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, vocab_size, chunk):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, temperature, vocab_size, chunk, fused):  # type: ignore[override]
         group, size, rank = _tp_group()
         local = weight.shape[0]
         start = rank * local
+        valid = max(0, min(local, vocab_size - start))  # this shard's real (unpadded) vocab columns
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse_all = torch.empty_like(out)
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(lo + chunk, hidden.shape[0])
-            z = _logits(hidden[lo:hi], weight, temperature[lo:hi], start, vocab_size)
-            m = _all_reduce(z.max(-1).values, dist.ReduceOp.MAX, group, size)
-            s = _all_reduce(torch.exp(z - m.unsqueeze(-1)).sum(-1), dist.ReduceOp.SUM, group, size)
-            lse = m + torch.log(s)
             local_t = targets[lo:hi] - start
-            mine = (local_t >= 0) & (local_t < local)
-            picked = z.gather(-1, local_t.clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
-            picked = _all_reduce(
-                torch.where(mine, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group, size
-            )
+            if fused:
+                m, s, picked = logprob_kernels.row_stats(
+                    hidden[lo:hi] @ weight.t(), local_t, temperature[lo:hi], valid
+                )
+            else:
+                m, s, picked = _row_stats(hidden[lo:hi], weight, temperature[lo:hi], local_t, valid)
+            if size > 1:  # combine the shards: global max, rescaled sums, the one shard's target logit
+                m_all = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, size)
+                s = _all_reduce(s * torch.exp(m - m_all), dist.ReduceOp.SUM, group, size)
+                mine = (local_t >= 0) & (local_t < local)
+                picked = _all_reduce(torch.where(mine, picked, 0.0), dist.ReduceOp.SUM, group, size)
+                m = m_all
+            lse = m + torch.log(s)
             out[lo:hi] = picked - lse
             lse_all[lo:hi] = lse
         ctx.save_for_backward(hidden, weight, targets, temperature, lse_all)
-        ctx.vocab_size, ctx.chunk = vocab_size, chunk
+        ctx.vocab_size, ctx.chunk, ctx.fused = vocab_size, chunk, fused
         return out
 
     @staticmethod
@@ -69,30 +79,66 @@ class _ChunkedLogprobs(torch.autograd.Function):
         group, size, rank = _tp_group()
         local = weight.shape[0]
         start = rank * local
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        valid = max(0, min(local, ctx.vocab_size - start))
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None, None
+        grad_hidden = torch.empty_like(hidden)
         for lo in range(0, hidden.shape[0], ctx.chunk):
             hi = min(lo + ctx.chunk, hidden.shape[0])
-            z = _logits(hidden[lo:hi], weight, temperature[lo:hi], start, ctx.vocab_size)
-            g = grad_out[lo:hi].float()
-            dz = torch.exp(z - lse_all[lo:hi].unsqueeze(-1)) * (-g).unsqueeze(-1)  # d lp / d z = onehot - p
             local_t = targets[lo:hi] - start
-            mine = (local_t >= 0) & (local_t < local)
-            dz.scatter_add_(
-                -1, local_t.clamp(0, local - 1).unsqueeze(-1), torch.where(mine, g, 0.0).unsqueeze(-1)
-            )
-            dz = dz / temperature[lo:hi].unsqueeze(-1)
-            if grad_hidden is not None:
-                grad_hidden[lo:hi] = dz.to(hidden.dtype) @ weight
-        if grad_hidden is not None:
-            _all_reduce(grad_hidden, dist.ReduceOp.SUM, group, size)
-        return grad_hidden, None, None, None, None, None
+            if ctx.fused:
+                dz = logprob_kernels.softmax_grad_(
+                    hidden[lo:hi] @ weight.t(),
+                    local_t,
+                    temperature[lo:hi],
+                    lse_all[lo:hi],
+                    grad_out[lo:hi],
+                    valid,
+                )
+            else:
+                dz = _logit_grad(
+                    hidden[lo:hi], weight, temperature[lo:hi], local_t, valid, lse_all[lo:hi], grad_out[lo:hi]
+                )
+            grad_hidden[lo:hi] = dz.to(hidden.dtype) @ weight
+        _all_reduce(grad_hidden, dist.ReduceOp.SUM, group, size)
+        return grad_hidden, None, None, None, None, None, None
 
 
-def _logits(hidden: Tensor, weight: Tensor, temperature: Tensor, start: int, vocab_size: int) -> Tensor:
-    """fp32 tempered logits of this rank's vocab shard, padded ids (``>= vocab_size``) at -inf."""
+def _logits(hidden: Tensor, weight: Tensor, temperature: Tensor, valid: int) -> Tensor:
+    """fp32 tempered logits of this rank's vocab shard, padded columns (``>= valid``) at -inf."""
     z = (hidden @ weight.t()).float() / temperature.unsqueeze(-1)
-    ids = torch.arange(start, start + weight.shape[0], device=z.device)
-    return z.masked_fill(ids >= vocab_size, float("-inf"))
+    return z.masked_fill(torch.arange(weight.shape[0], device=z.device) >= valid, float("-inf"))
+
+
+def _row_stats(
+    hidden: Tensor, weight: Tensor, temperature: Tensor, local_t: Tensor, valid: int
+) -> tuple[Tensor, ...]:
+    """PyTorch twin of :func:`logprob_kernels.row_stats` (max, sum of exp, target logit or 0)."""
+    z = _logits(hidden, weight, temperature, valid)
+    m = z.max(-1).values
+    s = torch.exp(z - m.unsqueeze(-1)).sum(-1)
+    mine = (local_t >= 0) & (local_t < weight.shape[0])
+    picked = z.gather(-1, local_t.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
+    return m, s, torch.where(mine, picked, 0.0)
+
+
+def _logit_grad(
+    hidden: Tensor,
+    weight: Tensor,
+    temperature: Tensor,
+    local_t: Tensor,
+    valid: int,
+    lse: Tensor,
+    grad: Tensor,
+) -> Tensor:
+    """PyTorch twin of :func:`logprob_kernels.softmax_grad_`: ``(onehot - p) * g / T``, fp32."""
+    z = _logits(hidden, weight, temperature, valid)
+    g = grad.float()
+    dz = torch.exp(z - lse.unsqueeze(-1)) * (-g).unsqueeze(-1)  # d lp / d z = onehot - p
+    local = weight.shape[0]
+    mine = (local_t >= 0) & (local_t < local)
+    dz.scatter_add_(-1, local_t.clamp(0, local - 1).unsqueeze(-1), torch.where(mine, g, 0.0).unsqueeze(-1))
+    return dz / temperature.unsqueeze(-1)
 
 
 def chunked_token_logprobs(
@@ -102,10 +148,16 @@ def chunked_token_logprobs(
     temperature: Tensor,
     vocab_size: int,
     chunk: int = DEFAULT_CHUNK_ROWS,
+    fused: bool | None = None,
 ) -> Tensor:
     """``log_softmax(hidden @ weight^T / T)[target]`` per row: ``hidden`` ``[N, H]``, ``weight`` this
     rank's ``[V_local, H]`` LM-head shard (frozen: no gradient is returned for it), ``targets`` ``[N]``
-    global ids, ``temperature`` ``[N]`` (greedy rows already mapped to 1). Differentiable in ``hidden``."""
+    global ids, ``temperature`` ``[N]`` (greedy rows already mapped to 1). Differentiable in ``hidden``.
+    ``fused``: the Triton kernels of :mod:`logprob_kernels` (default: on a CUDA device)."""
     if weight.requires_grad:
         raise ValueError("chunked logprobs need a frozen LM head (no gradient is computed for its weight)")
-    return _ChunkedLogprobs.apply(hidden, weight, targets.long(), temperature.float(), vocab_size, chunk)
+    if fused is None:
+        fused = FUSED and logprob_kernels.HAVE_TRITON and hidden.is_cuda
+    return _ChunkedLogprobs.apply(
+        hidden, weight, targets.long(), temperature.float(), vocab_size, chunk, bool(fused)
+    )

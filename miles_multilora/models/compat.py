@@ -87,6 +87,21 @@ def patch_checkpoint_rng() -> None:
     tp_random._set_cuda_rng_state = set_state
 
 
+# 9. Megatron runs a fused RoPE only through Transformer Engine's function (``apply_rope_fusion``);
+#    without TE that hook is empty. On a GPU with Triton we fill it with our kernel (models/fused_rope);
+#    on CPU the unfused RoPE runs. Returns whether a fused RoPE is available (the config flag).
+def install_fused_rope() -> bool:
+    if is_cpu():
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from miles_multilora.models import fused_rope
+
+    if rope_utils.fused_apply_rotary_pos_emb is None and fused_rope.HAVE_TRITON:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope.apply_rope
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

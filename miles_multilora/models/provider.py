@@ -21,6 +21,8 @@ from megatron.core.transformer import TransformerConfig
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.models import compat
+from miles_multilora.models.fused_mlp import use_fused_mlp
+from miles_multilora.models.sdpa_attention import with_sdpa_attention
 
 # Architectures whose dense decoder maps onto the local GPT spec (what megatron-bridge converts
 # and what our MultiLoRA layers target). Others are refused with a clear message.
@@ -76,6 +78,7 @@ def _embedding_output_requires_grad(
 
 def _finish(model: GPTModel, dtype: torch.dtype) -> GPTModel:
     model = model.to(device=compat.default_device(), dtype=dtype)
+    use_fused_mlp(model)  # SwiGLU in one Triton kernel each way when the activations are on a GPU
     if getattr(model.config, "recompute_granularity", None) == "full" and model.pre_process:
         model.embedding.register_forward_hook(_embedding_output_requires_grad)
     return model
@@ -115,7 +118,7 @@ def build_tiny_gpt(
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=compat.install_fused_rope(),
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=compat.is_cpu(),
@@ -127,7 +130,7 @@ def build_tiny_gpt(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=fused_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm")),
         vocab_size=vocab_size,
         max_sequence_length=max_seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -138,6 +141,20 @@ def build_tiny_gpt(
         rotary_base=10000,
     )
     return _finish(model, _dtype(dtype))
+
+
+def fused_layer_spec(spec: Any) -> Any:
+    """A local GPT layer spec with the fused core attention (:mod:`sdpa_attention`); it falls back
+    to Megatron's module where it does not apply. (The MLPs are made fused after the build,
+    :func:`~miles_multilora.models.fused_mlp.use_fused_mlp`.)"""
+    return with_sdpa_attention(spec)
+
+
+def _bridge_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """megatron-bridge's local layer spec with the fused attention and MLP."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    return fused_layer_spec(local_layer_spec(config))
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -169,9 +186,7 @@ def load_hf_model(
     torch_dtype = _dtype(dtype)
     bridge = auto_bridge_cls.from_hf_pretrained(str(path), torch_dtype=torch_dtype)
     provider = bridge.to_megatron_provider(load_weights=False)
-    from megatron.bridge.models.gpt_provider import local_layer_spec
-
-    provider.transformer_layer_spec = local_layer_spec
+    provider.transformer_layer_spec = _bridge_layer_spec
     provider.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
     provider.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
     provider.params_dtype = torch_dtype
@@ -182,7 +197,7 @@ def load_hf_model(
     provider.bias_activation_fusion = False
     provider.bias_dropout_fusion = False
     provider.masked_softmax_fusion = False
-    provider.apply_rope_fusion = False
+    provider.apply_rope_fusion = compat.install_fused_rope()
     provider.persist_layer_norm = False
     provider.hidden_dropout = 0.0
     provider.attention_dropout = 0.0

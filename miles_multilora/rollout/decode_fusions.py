@@ -61,8 +61,14 @@ def fusable(norm: torch.nn.Module, mlp: torch.nn.Module, device: torch.device) -
     norm_ok = (
         type(norm) is torch.nn.RMSNorm and norm.weight is not None and norm.eps is not None
     )  # exact type: subclasses may change the math
+    return norm_ok, silu_gated_mlp(mlp)
+
+
+def silu_gated_mlp(mlp: torch.nn.Module) -> bool:
+    """Whether ``mlp`` is a SiLU-gated MLP that :func:`swiglu` can stand in for (no clamp, offset,
+    bias or Megatron/TE activation fusion)."""
     cfg = getattr(mlp, "config", None)
-    mlp_ok = (
+    return (
         cfg is not None
         and bool(cfg.gated_linear_unit)
         and cfg.activation_func is F.silu
@@ -72,7 +78,6 @@ def fusable(norm: torch.nn.Module, mlp: torch.nn.Module, device: torch.device) -
         and not getattr(cfg, "add_bias_linear", False)
         and not getattr(cfg, "use_te_activation_func", False)
     )
-    return norm_ok, mlp_ok
 
 
 def add_rmsnorm(

@@ -34,11 +34,6 @@ def right_pad(
     return ids, lengths
 
 
-def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> Tensor:
-    """Megatron-style boolean attention mask ``[1, 1, S, S]`` (True = masked out)."""
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1).view(1, 1, seq_len, seq_len)
-
-
 def forward_logits(model: torch.nn.Module, input_ids: Tensor, slots: Tensor | Sequence[int]) -> Tensor:
     """Full causal forward of right-padded ``input_ids [B, S]``; returns logits ``[B, S, V]``."""
     batch, seq_len = input_ids.shape
@@ -47,9 +42,7 @@ def forward_logits(model: torch.nn.Module, input_ids: Tensor, slots: Tensor | Se
     routed = check_servable_slots(model, slot_list)
     slot_ids = per_sequence_slots(slot_list, seq_len, input_ids.device)
     with slot_routing(model, slot_ids, routed):
-        return model(
-            input_ids, position_ids, causal_mask(seq_len, input_ids.device), runtime_gather_output=True
-        )
+        return model(input_ids, position_ids, None, runtime_gather_output=True)  # causal
 
 
 def sequence_logprobs(
@@ -152,5 +145,5 @@ def selected_logprobs(
     routed = route and check_servable_slots(model, slot_list)
     with slot_routing(model, per_sequence_slots(slot_list, seq_len, input_ids.device), routed):
         with _hidden_states_only(gpt):
-            hidden = model(input_ids, position_ids, causal_mask(seq_len, input_ids.device))  # [S, B, H]
+            hidden = model(input_ids, position_ids, None)  # [S, B, H]; causal by the layers' mask type
     return chunked_token_logprobs(hidden[positions, rows], weight, targets, temps[rows], vocab_size, chunk)

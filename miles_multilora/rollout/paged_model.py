@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
@@ -21,6 +20,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from torch import Tensor
 
+from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
 from miles_multilora.rollout.kv_cache import PagedKVCache
@@ -155,10 +155,9 @@ class PagedModel:
             write_prefill_kv(
                 cache.k[i], cache.v[i], k.transpose(0, 1), v.transpose(0, 1), block_table, lengths
             )
-            ctx = F.scaled_dot_product_attention(
-                q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                is_causal=True, scale=self.scales[i], enable_gqa=self.heads != self.kv_heads,
-            )  # fmt: skip
+            ctx = causal_attention(
+                q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), self.scales[i]
+            )
             ctx = ctx.permute(2, 0, 1, 3).reshape(seq, batch, self.heads * self.head_dim)
             hidden = self._add(hidden, attn.linear_proj(ctx))
             hidden = self._add(hidden, layer.mlp(layer.pre_mlp_layernorm(hidden)))

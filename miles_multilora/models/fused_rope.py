@@ -1,0 +1,104 @@
+"""Rotary position embedding in one Triton kernel each way (training and prefill on a GPU).
+
+Megatron's unfused RoPE (``t * cos + rotate_half(t) * sin``: a chunk, a negation, two
+concatenations, two products and a sum) is about a dozen elementwise passes over q and k per layer,
+forward and backward. Megatron calls a *fused* RoPE only through Transformer Engine; without TE that
+hook is empty, and :func:`miles_multilora.models.compat.install_fused_rope` fills it with
+:func:`apply_rope` on a GPU. Non-interleaved RoPE over the whole head with one position table for
+the batch (``freqs`` ``[s, 1, 1, d]``); anything else runs Megatron's unfused function. ``cos`` and
+``sin`` are rounded to the activation dtype first, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is absent
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rope_kernel(
+        x_ptr, cos_ptr, sin_ptr, out_ptr, stride_s, stride_b, stride_h, stride_c, BATCH,
+        HEADS: tl.constexpr, HALF: tl.constexpr, TRANSPOSE: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)  # s * BATCH + b
+        h = tl.program_id(1)
+        s = row // BATCH
+        b = row % BATCH
+        lo = tl.arange(0, HALF)
+        hi = lo + HALF
+        c_lo = tl.load(cos_ptr + s * stride_c + lo).to(tl.float32)
+        c_hi = tl.load(cos_ptr + s * stride_c + hi).to(tl.float32)
+        s_lo = tl.load(sin_ptr + s * stride_c + lo).to(tl.float32)
+        s_hi = tl.load(sin_ptr + s * stride_c + hi).to(tl.float32)
+        src = x_ptr + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b + h * stride_h
+        x_lo = tl.load(src + lo).to(tl.float32)
+        x_hi = tl.load(src + hi).to(tl.float32)
+        if TRANSPOSE:  # the backward: the transposed rotation
+            y_lo = x_lo * c_lo + x_hi * s_hi
+            y_hi = x_hi * c_hi - x_lo * s_lo
+        else:
+            y_lo = x_lo * c_lo - x_hi * s_lo
+            y_hi = x_hi * c_hi + x_lo * s_hi
+        dst = out_ptr + (row.to(tl.int64) * HEADS + h) * (2 * HALF)
+        tl.store(dst + lo, y_lo.to(out_ptr.dtype.element_ty))
+        tl.store(dst + hi, y_hi.to(out_ptr.dtype.element_ty))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+    seq, batch, heads, dim = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(seq, batch, heads, dim, dtype=x.dtype, device=x.device)
+    _rope_kernel[(seq * batch, heads)](
+        x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), batch,
+        HEADS=heads, HALF=dim // 2, TRANSPOSE=transpose,
+    )  # fmt: skip
+    return out
+
+
+class _FusedRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, cos, sin):  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return _rotate(t, cos, sin, transpose=False)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, transpose=True), None, None
+
+
+def applies(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> bool:
+    """Whether :func:`apply_rope`'s kernel handles ``t`` ``[s, b, h, d]`` with ``freqs``."""
+    dim = t.shape[-1]
+    return (
+        HAVE_TRITON
+        and t.is_cuda
+        and not interleaved
+        and t.dim() == 4
+        and freqs.dim() == 4
+        and freqs.shape[0] >= t.shape[0]
+        and freqs.shape[1] == 1
+        and freqs.shape[2] == 1
+        and freqs.shape[-1] == dim
+        and dim % 2 == 0
+        and (dim // 2) & (dim // 2 - 1) == 0  # a power of two: the kernel's lanes
+    )
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Megatron's fused-RoPE hook: ``t`` ``[s, b, h, d]`` rotated by ``freqs`` ``[s, 1, 1, d]``."""
+    if not applies(t, freqs, interleaved):
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    flat = freqs[: t.shape[0]].reshape(t.shape[0], -1)
+    return _FusedRoPE.apply(t, torch.cos(flat).to(t.dtype), torch.sin(flat).to(t.dtype))

@@ -1,0 +1,94 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+Megatron's local ``DotProductAttention`` materialises the scores and probabilities ``[B, heads, S, S]``
+(and keeps them for the backward); on a GPU that is most of a long micro-batch's activation memory
+and a slow unfused softmax. :class:`SDPAttention` is a drop-in subclass that, for the causal
+self-attention every model here runs (no mask tensor: causal by the layer's mask type; no dropout,
+no window, no softmax offset), calls PyTorch's fused attention instead: the flash kernel on a GPU in
+bf16/fp16 (no ``S x S`` tensor, forward or backward), the fused CPU kernel on the CPU. Anything else
+falls back to Megatron's implementation unchanged. :func:`causal_attention` is shared with the
+rollout engine's prefill.
+
+Right-padded rows need no mask beyond causality: a real token never attends to the padding after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+class SDPAttention(DotProductAttention):
+    """Megatron core attention with a fused causal path (see the module docstring)."""
+
+    fused = True  # tests and benchmarks switch it off to compare with Megatron's path
+
+    def _fused_applies(self, query: torch.Tensor, key: torch.Tensor, mask: Any, extra: tuple) -> bool:
+        cfg = self.config
+        return (
+            self.fused
+            and all(e is None for e in extra)  # attention bias, packed sequences
+            and self.attn_mask_type == AttnMaskType.causal
+            and mask is None  # causal by the mask type (Megatron builds the same mask itself)
+            and query.shape[0] == key.shape[0]
+            and self.softmax_offset is None
+            and self.scale_mask_softmax.window_size is None
+            and not cfg.apply_query_key_layer_scaling
+            and not (self.training and self.attention_dropout.p > 0)
+        )
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        """``query`` ``[sq, b, heads, d]``, ``key``/``value`` ``[sk, b, groups, d]`` -> ``[sq, b, heads*d]``."""
+        if not self._fused_applies(query, key, attention_mask, (attention_bias, packed_seq_params)):
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
+        seq, batch = query.shape[:2]
+        ctx = causal_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.softmax_scale
+        )
+        return ctx.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
+
+
+# cuDNN's fused attention compiles a kernel per shape (tens of ms, forward and backward); training
+# micro-batches and prefills change shape every step, so the shape-generic kernels are used.
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``q`` ``[b, heads, s, d]`` over ``k``/``v`` ``[b, groups, s, d]`` (grouped
+    query heads share a group), with PyTorch's fused kernels other than cuDNN's."""
+    with sdpa_kernel(_BACKENDS):
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+
+def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` (a GPT layer spec) with its core attention replaced by :class:`SDPAttention`."""
+    attention = spec.submodules.self_attention.submodules
+    if attention.core_attention is DotProductAttention:
+        attention.core_attention = SDPAttention
+    return spec
+
+
+def set_fused_attention(model: torch.nn.Module, enabled: bool) -> None:
+    """Switch every :class:`SDPAttention` of ``model`` between the fused path and Megatron's."""
+    for module in model.modules():
+        if isinstance(module, SDPAttention):
+            module.fused = enabled
