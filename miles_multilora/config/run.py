@@ -60,7 +60,7 @@ class RolloutConfig:
     engine: str = "embedded"  # embedded | sglang
     max_batch_size: int = 64  # rows the embedded engine decodes at once (continuous batching)
     page_size: int = 16  # tokens per KV-cache page (a power of 2 >= 8)
-    kv_cache_tokens: int = 0  # KV cache size; 0: a quarter of the GPU's memory / per call on CPU
+    kv_cache_tokens: int = 0  # KV cache size; 0: a full batch of the longest request (GPU: <= 1/4 of memory)
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
     sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
     sglang_url: str | None = None

@@ -102,8 +102,9 @@ class EmbeddedEngine(RolloutEngine):
         eos_token_ids: ids that end a sequence (finish reason ``"eos"``); defaults to the tokenizer's.
         max_batch_size: rows decoded at once (``rollout.max_batch_size``).
         page_size: tokens per KV page (``rollout.page_size``).
-        kv_cache_tokens: KV cache size in tokens (``rollout.kv_cache_tokens``); 0: on a GPU a quarter
-            of its memory (at most every row at full context), on CPU what each call needs.
+        kv_cache_tokens: KV cache size in tokens (``rollout.kv_cache_tokens``); 0: a full batch of
+            the call's longest request, grown by later calls that need more (on a GPU at most a
+            quarter of its memory).
         cuda_graphs: replay captured decode steps (``rollout.cuda_graphs``; None: on CUDA).
         sync_interval: device decode steps between host checks (``rollout.sync_interval``; default
             8 on CUDA, 1 on CPU where checking costs nothing).
@@ -208,7 +209,7 @@ class EmbeddedEngine(RolloutEngine):
 
     # ----------------------------------------------------------------- memory
     def _capacity_tokens(self) -> int | None:
-        """Fixed KV capacity in tokens, or None when it is sized per call (CPU default)."""
+        """The most KV tokens the cache may hold, or None when unbounded (CPU default)."""
         if self.kv_cache_tokens > 0:
             return self.kv_cache_tokens
         if self.device.type != "cuda":
@@ -218,14 +219,22 @@ class EmbeddedEngine(RolloutEngine):
         return min(tokens, self.max_batch_size * self.max_seq_len)
 
     def _ensure_state(self, requests: Sequence[GenerationRequest]) -> None:
-        """Allocate the KV cache and batch state (again only when a larger cache is needed)."""
+        """Allocate the KV cache and batch state (again only when a larger cache is needed).
+
+        Without ``rollout.kv_cache_tokens`` the cache holds a full batch of this call's longest
+        request (on a GPU: rows rounded up to a power of two, at most the GPU budget), so memory the
+        rollout never uses stays free for training; a later, larger call grows it."""
         capacity = self._capacity_tokens()
-        if capacity is None:  # CPU default: what this call's first batch needs
+        if self.kv_cache_tokens <= 0:
             rows = min(self.max_batch_size, len(requests))
+            if self.device.type == "cuda":
+                rows = min(self.max_batch_size, 1 << max(0, rows - 1).bit_length())
             longest = max(len(r.prompt_ids) + self._budget(r) for r in requests)
-            capacity = rows * (longest + self.page_size)
+            need = rows * (longest + self.page_size)
+            capacity = need if capacity is None else min(capacity, need)
         pages = -(-capacity // self.page_size) + 1  # + the null page
         if self._cache is None or self._cache.num_pages < pages:
+            self._cache = self._batch = self._graphs = None  # free the old cache before the new one
             self._cache = self.paged.new_cache(pages, self.page_size)
             self._batch = DecodeBatch(
                 self.paged,

@@ -134,6 +134,24 @@ def test_a_request_larger_than_the_kv_budget_is_refused_with_the_setting_to_chan
     assert all(len(r.output_ids) == 20 for r in results) and len({tuple(r.output_ids) for r in results}) == 1
 
 
+def test_the_default_kv_cache_fits_the_call_and_grows_only_when_a_larger_one_comes(model, tokenizer):
+    engine = _engine_for(model, tokenizer, max_batch_size=8, page_size=4)
+    small = [
+        GenerationRequest.for_base(tokenizer.encode("Hi"), SamplingSpec(max_new_tokens=5), seed=i)
+        for i in range(2)
+    ]
+    first = engine.generate(small)
+    pages = engine._cache.num_pages
+    assert (
+        pages * engine.page_size < engine.max_batch_size * engine.max_seq_len
+    )  # not every row at full context
+    engine.generate(small * 4)  # a larger call: the cache grows, and the small call's results stay the same
+    assert engine._cache.num_pages > pages
+    grown = engine._cache.num_pages
+    assert [r.output_ids for r in engine.generate(small)] == [r.output_ids for r in first]
+    assert engine._cache.num_pages == grown  # never shrinks (the CUDA graphs keep their buffers)
+
+
 @pytest.mark.gpu
 def test_graph_replay_equals_eager_decode_and_follows_weight_updates(tokenizer):
     from miles_multilora.models.compat import init_distributed
