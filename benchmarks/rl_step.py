@@ -141,6 +141,28 @@ def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) 
     return rows
 
 
+def profile_last_train(worker: TrainerWorker, calls: int) -> None:
+    """Wrap the worker's train phase: the ``calls``-th call runs under ``torch.profiler`` and prints
+    host and device time and the top device kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    train, count = worker._train, [0]
+
+    def profiled(groups):  # noqa: ANN001, ANN202
+        count[0] += 1
+        if count[0] != calls:
+            return train(groups)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            out = train(groups)
+        events = prof.key_averages()
+        sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(events.table(sort_by=sort, row_limit=30, max_name_column_width=60))
+        return out
+
+    worker._train = profiled
+
+
 def add_workload_args(
     parser: argparse.ArgumentParser, *, micro_batch: int, max_tokens: int, steps: int
 ) -> None:
@@ -187,6 +209,9 @@ def main() -> None:
     add_workload_args(parser, micro_batch=16, max_tokens=0, steps=2)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
     parser.add_argument("--schedules", default="a,b,c")
+    parser.add_argument(
+        "--profile", action="store_true", help="print a profile of the last step's train phase"
+    )
     args = finish_workload_args(parser.parse_args())
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
@@ -202,6 +227,8 @@ def main() -> None:
         "b": ("(b) 1 adapter, same work", [[spec("b0", total, args)]]),
         "c": ("(c) 1 adapter at a time", [[spec("c0", args.prompts, args)]]),
     }  # fmt: skip
+    if args.profile:
+        profile_last_train(worker, args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{base_params / 1e9:.2f} B base parameters on {device}; {args.adapters} x {args.prompts} prompts x "
           f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len}); "

@@ -1,0 +1,187 @@
+"""The RL step's train phase alone, several training settings side by side on one trainer rank
+built in-process (no Ray).
+
+A fixed RL-shaped row set (``--adapters`` x ``--prompts`` x ``--samples`` rows of a ``--prompt-len``
+prompt and a response whose length is geometric with mean ``--mean-len``, capped at
+``--new-tokens``: EOS at random points) goes through the trainer's own ``forward_backward`` with the
+GRPO loss and ``optim_step``, exactly as in :meth:`TrainerWorker._train`. Each setting
+``KERNELS:TOKENS:ROWS`` (``fused``: the fused attention, RoPE, SwiGLU and LM-head reductions;
+``megatron``: Megatron's attention, RoPE and MLP and PyTorch LM-head reductions, the path before them;
+``trainer.max_tokens_per_micro_batch``, 0 = none; ``trainer.micro_batch_size``) runs once per round, rounds interleaved; medians. The first
+setting is the control row of the ratios. Every round draws new lengths (as every RL step does), so
+per-shape costs (kernel selection, compilation) show up as they would in a run. Peak memory is the train phase's own (``torch.cuda``'s
+peak during the round, the weights and optimizer state included).
+
+    python benchmarks/train_phase.py --cpu
+    python benchmarks/train_phase.py --settings megatron:16384:64,fused:16384:64,fused:32768:128
+    python benchmarks/train_phase.py --settings fused:32768:128 --profile 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rl_step  # noqa: E402  (the shared model shape and workload flags)
+
+from miles_multilora.algo import chunked_logprobs  # noqa: E402
+from miles_multilora.algo.losses import adapter_normalizers  # noqa: E402
+from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
+from miles_multilora.lora import init_slot  # noqa: E402
+from miles_multilora.models import compat  # noqa: E402
+from miles_multilora.models.fused_mlp import FusedMLP  # noqa: E402
+from miles_multilora.models.sdpa_attention import set_fused_attention  # noqa: E402
+from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
+from miles_multilora.trainer.worker import TrainerWorker  # noqa: E402
+
+
+def parse_settings(text: str) -> list[tuple[str, int, int]]:
+    settings = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("fused", "megatron"):
+            raise SystemExit(f"--settings: {item!r} is not KERNELS:TOKENS:ROWS (kernels fused|megatron)")
+        settings.append((parts[0], int(parts[1]), int(parts[2])))
+    return settings
+
+
+def rl_rows(args: argparse.Namespace, vocab: int, seed: int = 0) -> list[ScoredRow]:
+    """The step's rows: per adapter, ``prompts`` prompts x ``samples`` responses of varying length."""
+    rng = random.Random(seed)
+    rows = []
+    for slot in range(args.adapters):
+        for _ in range(args.prompts):
+            prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+            for _ in range(args.samples):
+                n = 1
+                while n < args.new_tokens and rng.random() >= 1.0 / args.mean_len:
+                    n += 1
+                tokens = prompt + [rng.randrange(vocab) for _ in range(n)]
+                values = {"old_logprobs": [-rng.uniform(0.5, 12.0) for _ in range(n)],
+                          "advantages": [rng.choice((-1.0, 1.0))] * n}  # fmt: skip
+                rows.append(
+                    ScoredRow(slot, tokens, list(range(args.prompt_len - 1, len(tokens) - 1)), values=values)
+                )
+    return rows
+
+
+def step_rows(
+    args: argparse.Namespace, worker: TrainerWorker, seed: int
+) -> tuple[list[ScoredRow], dict, int]:
+    """One step's rows (lengths drawn with ``seed``), their per-adapter loss normalisers, their tokens."""
+    rows = rl_rows(args, worker.vocab_size, seed)
+    mask = torch.zeros(len(rows), max(r.width for r in rows))
+    for i, r in enumerate(rows):
+        mask[i, : r.width] = 1
+    normalizers = adapter_normalizers(mask, torch.tensor([r.slot for r in rows]), worker.algo.aggregation)
+    return rows, normalizers, sum(len(r.tokens) for r in rows)
+
+
+def train_once(worker: TrainerWorker, rows: list[ScoredRow], normalizers: dict[int, float]) -> float:
+    """One train phase (forward/backward of every row, then the optimizer step); seconds."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = worker.forward_backward(rows, worker._rl_loss(normalizers), return_logprobs=False)
+    worker.optim_step(sorted({r.slot for r in rows}), result.per_slot)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def apply_setting(worker: TrainerWorker, setting: tuple[str, int, int]) -> None:
+    kernels, tokens, micro_rows = setting
+    fused = kernels == "fused"
+    set_fused_attention(worker.model, fused)
+    worker.model.config.apply_rope_fusion = fused and compat.install_fused_rope()
+    for module in worker.model.modules():
+        if isinstance(module, FusedMLP):
+            module.fused = fused
+    chunked_logprobs.FUSED = fused
+    worker.cfg.trainer.max_tokens_per_micro_batch = tokens
+    worker.cfg.trainer.micro_batch_size = micro_rows
+
+
+def profile(worker: TrainerWorker, rows: list[ScoredRow], normalizers: dict[int, float]) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        seconds = train_once(worker, rows, normalizers)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    print(f"\nprofile of one train phase: {seconds:.2f} s wall, {device_us / 1e6:.2f} s of device kernels")
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=40, max_name_column_width=70))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    rl_step.add_workload_args(parser, micro_batch=64, max_tokens=16384, steps=3)
+    parser.add_argument("--settings", default="megatron:16384:64,fused:16384:64")
+    parser.add_argument("--profile", type=int, default=-1, help="profile one round of this setting index")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
+    args = rl_step.finish_workload_args(parser.parse_args())
+    if args.cpu and "--settings" not in sys.argv:
+        args.settings = "megatron:0:8,fused:0:8,fused:2048:32"
+    settings = parse_settings(args.settings)
+
+    worker = TrainerWorker(rl_step.run_config(Path(tempfile.mkdtemp(prefix="train_phase_")) / "out", args))
+    spec = parse_adapter_spec(rl_step.spec("a", args.prompts, args), max_rank=64)
+    for slot in range(args.adapters):
+        init_slot(worker.model, slot, spec.rank, spec.alpha, seed=slot, optimizer=worker.optimizer)
+        worker.optimizer.configure_slot(slot, spec.optimizer, total_steps=spec.num_steps)
+    rounds = [step_rows(args, worker, seed) for seed in range(args.warmup + args.steps)]
+    base_params = sum(p.numel() for n, p in worker.model.named_parameters() if "lora_" not in n)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    rows, tokens = len(rounds[0][0]), sum(r[2] for r in rounds[args.warmup :])
+    print(f"{base_params / 1e9:.2f} B base parameters on {device}; {rows} rows and ~{tokens // args.steps} tokens per round "
+          f"(prompt {args.prompt_len}, response lengths drawn afresh each round), {args.adapters} slots, recompute {args.recompute}; {args.warmup} warm-up + {args.steps} rounds")  # fmt: skip
+
+    times: dict[int, list[float]] = {i: [] for i in range(len(settings))}
+    peaks: dict[int, float] = {}
+    for round_index, (round_rows, normalizers, _) in enumerate(rounds):
+        for i, setting in enumerate(settings):
+            apply_setting(worker, setting)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            seconds = train_once(worker, round_rows, normalizers)
+            if round_index >= args.warmup:
+                times[i].append(seconds)
+                if torch.cuda.is_available():
+                    peaks[i] = max(peaks.get(i, 0.0), torch.cuda.max_memory_allocated() / 1e9)
+        print(f"  round {round_index + 1}: " + ", ".join(f"{times[i][-1]:.2f} s" if times[i] else "warm-up"
+                                                      for i in range(len(settings))))  # fmt: skip
+
+    header = f"{'kernels':>10} {'tokens':>7} {'rows':>5} {'train s':>8} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'speedup':>8}"
+    print(
+        f"\ntrain phase, {args.steps} interleaved rounds ({rows} rows, {tokens} tokens in all): median "
+        "seconds; tokens/s over all rounds"
+    )
+    print(header)
+    print("-" * len(header))
+    control = statistics.median(times[0])
+    for i, (kernels, budget, micro_rows) in enumerate(settings):
+        seconds, rate = statistics.median(times[i]), tokens / sum(times[i])
+        mfu = 4 * base_params * rate / (args.peak_tflops * 1e12)
+        peak = f"{peaks[i]:.1f}" if i in peaks else "-"
+        print(f"{kernels:>10} {budget or '-':>7} {micro_rows:>5} {seconds:>8.2f} {rate:>9.0f} "
+              f"{mfu:>6.1%} {peak:>8} {control / seconds:>7.2f}x")  # fmt: skip
+    if args.profile >= 0:
+        apply_setting(worker, settings[args.profile])
+        profile(worker, *step_rows(args, worker, seed=10_000)[:2])
+
+
+if __name__ == "__main__":
+    main()
