@@ -29,7 +29,7 @@ from miles_multilora.lora import apply_multi_lora
 from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.lora.slots import init_slot
 from miles_multilora.models import compat, provider
-from miles_multilora.rollout import AdapterVersion, EmbeddedEngine, GenerationRequest
+from miles_multilora.rollout import AdapterVersion, EmbeddedEngine, GenerationRequest, decode_batch
 
 SHAPE = dict(layers=24, hidden=2048, ffn=5632, heads=16, groups=4, vocab=151936)
 CPU_SHAPE = dict(layers=2, hidden=128, ffn=256, heads=4, groups=2, vocab=512)
@@ -255,11 +255,15 @@ def main() -> None:
         "--bandwidth", type=float, default=3.0e12, help="bytes/s (H100: 3.0 TB/s measured copy)"
     )
     parser.add_argument("--dtype", default=None)
+    parser.add_argument(
+        "--no-lora-overlap", action="store_true", help="run the decode LoRA shrinks on the main stream (A/B)"
+    )
     parser.add_argument("--parity-requests", type=int, default=64)
     parser.add_argument(
         "--skip", default="", help="comma list of sections to skip: decode,grpo,parity,profile"
     )
     args = parser.parse_args()
+    decode_batch.LORA_SIDE_STREAM = not args.no_lora_overlap
     preset = CPU_SHAPE if args.cpu else SHAPE
     for key, value in preset.items():
         if getattr(args, key) is None:

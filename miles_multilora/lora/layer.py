@@ -200,27 +200,12 @@ class MultiLoRALinear(nn.Module):
 
     def _add_lora_rows(self, x: torch.Tensor, out: torch.Tensor, plan: RowRouting) -> torch.Tensor:
         """One token per row, slots from a device tensor (decode steps; no host sync)."""
-        x2d = x.reshape(-1, x.shape[-1])
-        if x2d.shape[0] != plan.rows:
-            raise ConfigError(
-                "row_slots", f"routes {plan.rows} rows but layer {self.key or ''} got {x2d.shape[0]} tokens"
-            )
+        if self._use_triton(x):
+            return self._row_expand(out, self._row_shrink(x, plan), plan)
+        x2d = self._row_input(x, plan)
         if not (out._base is None and out.is_contiguous()):
             out = out.contiguous() if not out.is_contiguous() else out.clone()
         out2d = out.view(-1, out.shape[-1])
-        rank = self.max_rank
-        if self._use_triton(x):
-            shrink, expand = tk.DECODE_SHRINK_CONFIG, tk.DECODE_EXPAND_CONFIG
-            a, b = self.lora_A, self.lora_B
-            parts = tk.split_shrink(
-                x2d.contiguous(), plan.order, a, (a.stride(0), a.stride(1), a.stride(2)), rank,
-                plan.tiles[shrink["BLOCK_M"]], shrink, plan.rows, self.lora_scale,
-            )  # fmt: skip
-            tk.scatter_expand(
-                out2d, self._tp_h(parts), plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
-                plan.tiles[expand["BLOCK_M"]], expand, accumulate=True,
-            )  # fmt: skip
-            return out
         slots = plan.row_slots
         index = slots.clamp(min=0)
         h = self._tp_h(torch.bmm(self.lora_A.index_select(0, index), x2d.unsqueeze(-1)).squeeze(-1))
@@ -228,6 +213,52 @@ class MultiLoRALinear(nn.Module):
         h = (h.float() * scale.unsqueeze(1)).to(out.dtype)
         delta = torch.bmm(self.lora_B.index_select(0, index).to(out.dtype), h.unsqueeze(-1)).squeeze(-1)
         return out2d.add_(delta).view(out.shape)
+
+    def _row_input(self, x: torch.Tensor, plan: RowRouting) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.shape[0] != plan.rows:
+            raise ConfigError(
+                "row_slots", f"routes {plan.rows} rows but layer {self.key or ''} got {x2d.shape[0]} tokens"
+            )
+        return x2d
+
+    def _row_shrink(self, x: torch.Tensor, plan: RowRouting) -> torch.Tensor:
+        """Triton decode shrink: fp32 split-K partials ``scale * x @ A^T`` per row (its slot)."""
+        cfg, a = tk.DECODE_SHRINK_CONFIG, self.lora_A
+        return tk.split_shrink(
+            self._row_input(x, plan).contiguous(), plan.order, a, (a.stride(0), a.stride(1), a.stride(2)),
+            self.max_rank, plan.tiles[cfg["BLOCK_M"]], cfg, plan.rows, self.lora_scale,
+        )  # fmt: skip
+
+    def _row_expand(self, out: torch.Tensor, parts: torch.Tensor, plan: RowRouting) -> torch.Tensor:
+        """Triton decode expand: sums the partials (after the layer's TP collective) and adds
+        ``h @ B^T`` into the base output rows in place."""
+        if not (out._base is None and out.is_contiguous()):
+            out = out.contiguous() if not out.is_contiguous() else out.clone()
+        cfg, b = tk.DECODE_EXPAND_CONFIG, self.lora_B
+        tk.scatter_expand(
+            out.view(-1, out.shape[-1]), self._tp_h(parts), plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
+            plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=True,
+        )  # fmt: skip
+        return out
+
+    def _forward_rows_overlapped(self, x: torch.Tensor, plan: RowRouting, args: tuple, kwargs: dict):
+        """Decode on a GPU: the LoRA shrink runs on the plan's side stream while the base GEMM runs
+        (it needs only ``x``), then the expand adds into the base output. Both streams meet before
+        the expand, and every side-stream segment starts after the main stream's work so far, so
+        neither reuses memory the other still reads; the fork and join are captured in CUDA graphs."""
+        main = torch.cuda.current_stream(x.device)
+        side = plan.side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            parts = self._row_shrink(x, plan)
+        if self.kind == PLAIN:
+            out, bias = self.base(x), None
+        else:
+            out, bias = self.base(x, *args, **kwargs)
+        main.wait_stream(side)
+        out = self._row_expand(out, parts, plan)
+        return out if self.kind == PLAIN else (out, bias)
 
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         plan = self.routing
@@ -261,6 +292,9 @@ class MultiLoRALinear(nn.Module):
         return out.reshape(tokens, out.shape[-1]).index_add(0, index, delta).view(out.shape)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        plan = self.routing
+        if isinstance(plan, RowRouting) and plan.side_stream is not None and self._use_triton(x):
+            return self._forward_rows_overlapped(x, plan, args, kwargs)
         if self.kind == PLAIN:
             return self._add_lora(x, self.base(x))
         out, bias = self.base(x, *args, **kwargs)

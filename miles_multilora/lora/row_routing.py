@@ -26,6 +26,7 @@ class RowRouting:
     order: torch.Tensor  # [rows] long: row indices grouped by slot (base-only rows last)
     sorted_slots: torch.Tensor  # [rows] long: slot of each grouped row (num_slots for base rows)
     tiles: dict[int, torch.Tensor] = field(default_factory=dict)  # BLOCK_M -> [3, n] int32 slot/start/end
+    side_stream: torch.cuda.Stream | None = None  # CUDA: the LoRA shrink overlaps the base GEMM there
 
     @property
     def rows(self) -> int:

@@ -175,3 +175,21 @@ def test_graph_replay_equals_eager_decode_and_follows_weight_updates(tokenizer):
     again = graphs.generate(requests)
     assert [_key(r) for r in again] == [_key(r) for r in eager.generate(requests)]
     assert graphs._graphs.captures > captures
+
+
+@pytest.mark.gpu
+def test_lora_shrink_on_the_side_stream_gives_the_same_tokens(tokenizer, monkeypatch):
+    from miles_multilora.models.compat import init_distributed
+    from miles_multilora.rollout import decode_batch
+
+    init_distributed()
+    model = _lora_gpt(seed=2).cuda()
+    requests = _grpo_requests(tokenizer, temperature=1.0)
+    results = []
+    for overlap in (True, False):
+        monkeypatch.setattr(decode_batch, "LORA_SIDE_STREAM", overlap)
+        engine = _engine_for(model, tokenizer, cuda_graphs=True, sync_interval=4)
+        out = engine.generate(requests)
+        assert (engine._batch.side_stream is not None) == overlap
+        results.append(([_key(r) for r in out], [r.logprobs for r in out]))
+    assert results[0] == results[1]
