@@ -19,14 +19,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
-    triton = None
-    tl = None
+from miles_multilora._triton import HAVE_TRITON, tl, triton
 
-HAVE_TRITON = triton is not None
 BLOCK = 2048  # vocab columns per iteration
 
 

@@ -17,18 +17,12 @@ from typing import Any
 import torch
 from megatron.core.transformer.mlp import MLP
 
+from miles_multilora._triton import HAVE_TRITON, tl, triton
 from miles_multilora.rollout import decode_fusions
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
-    triton = None
-    tl = None
 
 BLOCK = 1024
 
-if triton is not None:
+if HAVE_TRITON:
 
     @triton.jit
     def _swiglu_backward_kernel(x_ptr, g_ptr, dx_ptr, F_DIM, stride_x, BLOCK: tl.constexpr):
@@ -73,7 +67,7 @@ class FusedMLP(MLP):
 
     @functools.cached_property
     def fusable(self) -> bool:
-        return triton is not None and decode_fusions.silu_gated_mlp(self)
+        return HAVE_TRITON and decode_fusions.silu_gated_mlp(self)
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: Any = None, **kwargs: Any):  # type: ignore[override]
         if not (self.fused and per_token_scale is None and self.fusable and hidden_states.is_cuda):

@@ -14,14 +14,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
-    triton = None
-    tl = None
-
-HAVE_TRITON = triton is not None
+from miles_multilora._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
 
