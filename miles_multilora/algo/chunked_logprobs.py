@@ -115,7 +115,7 @@ def _row_stats(
 ) -> tuple[Tensor, ...]:
     """PyTorch twin of :func:`logprob_kernels.row_stats` (max, sum of exp, target logit or 0)."""
     z = _logits(hidden, weight, temperature, valid)
-    m = z.max(-1).values
+    m = z.max(-1).values.clamp(min=-1.0e30)  # a shard of padding only: s = 0, not nan (as the kernel)
     s = torch.exp(z - m.unsqueeze(-1)).sum(-1)
     mine = (local_t >= 0) & (local_t < weight.shape[0])
     picked = z.gather(-1, local_t.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)

@@ -130,7 +130,7 @@ def build_tiny_gpt(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=fused_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm")),
+        transformer_layer_spec=with_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm")),
         vocab_size=vocab_size,
         max_sequence_length=max_seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -143,18 +143,12 @@ def build_tiny_gpt(
     return _finish(model, _dtype(dtype))
 
 
-def fused_layer_spec(spec: Any) -> Any:
-    """A local GPT layer spec with the fused core attention (:mod:`sdpa_attention`); it falls back
-    to Megatron's module where it does not apply. (The MLPs are made fused after the build,
-    :func:`~miles_multilora.models.fused_mlp.use_fused_mlp`.)"""
-    return with_sdpa_attention(spec)
-
-
 def _bridge_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
-    """megatron-bridge's local layer spec with the fused attention and MLP."""
+    """megatron-bridge's local layer spec with the fused core attention (the MLPs are made fused
+    after the build, :func:`~miles_multilora.models.fused_mlp.use_fused_mlp`)."""
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
-    return fused_layer_spec(local_layer_spec(config))
+    return with_sdpa_attention(local_layer_spec(config))
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
