@@ -36,9 +36,7 @@ from miles_multilora.algo import chunked_logprobs  # noqa: E402
 from miles_multilora.algo.losses import adapter_normalizers  # noqa: E402
 from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
 from miles_multilora.lora import init_slot  # noqa: E402
-from miles_multilora.models import compat  # noqa: E402
-from miles_multilora.models.fused_mlp import FusedMLP  # noqa: E402
-from miles_multilora.models.sdpa_attention import set_fused_attention  # noqa: E402
+from miles_multilora.models import provider  # noqa: E402
 from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
 from miles_multilora.trainer.worker import TrainerWorker  # noqa: E402
 
@@ -99,13 +97,8 @@ def train_once(worker: TrainerWorker, rows: list[ScoredRow], normalizers: dict[i
 
 def apply_setting(worker: TrainerWorker, setting: tuple[str, int, int]) -> None:
     kernels, tokens, micro_rows = setting
-    fused = kernels == "fused"
-    set_fused_attention(worker.model, fused)
-    worker.model.config.apply_rope_fusion = fused and compat.install_fused_rope()
-    for module in worker.model.modules():
-        if isinstance(module, FusedMLP):
-            module.fused = fused
-    chunked_logprobs.FUSED = fused
+    provider.set_fused_kernels(worker.model, kernels == "fused")
+    chunked_logprobs.FUSED = kernels == "fused"
     worker.cfg.trainer.max_tokens_per_micro_batch = tokens
     worker.cfg.trainer.micro_batch_size = micro_rows
 

@@ -27,13 +27,21 @@ BLOCK = 2048  # vocab columns per iteration
 if HAVE_TRITON:
 
     @triton.jit
+    def _row(logits_ptr, stride, targets_ptr, temp_ptr):
+        """This program's row: its logits, temperature and target column."""
+        row = tl.program_id(0)
+        return (
+            row,
+            logits_ptr + row.to(tl.int64) * stride,
+            tl.load(temp_ptr + row),
+            tl.load(targets_ptr + row),
+        )
+
+    @triton.jit
     def _row_stats_kernel(
         logits_ptr, stride, targets_ptr, temp_ptr, max_ptr, sum_ptr, pick_ptr, valid, BLOCK: tl.constexpr
     ):
-        row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * stride
-        t = tl.load(temp_ptr + row)
-        target = tl.load(targets_ptr + row)
+        row, base, t, target = _row(logits_ptr, stride, targets_ptr, temp_ptr)
         offs = tl.arange(0, BLOCK)
         m_vec = tl.full([BLOCK], -1.0e30, tl.float32)  # a lane that saw no column: exp(-1e30 - m) == 0
         s_vec = tl.zeros([BLOCK], tl.float32)
@@ -56,10 +64,7 @@ if HAVE_TRITON:
     def _softmax_grad_kernel(
         logits_ptr, stride, targets_ptr, temp_ptr, lse_ptr, grad_ptr, valid, n_cols, BLOCK: tl.constexpr
     ):
-        row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * stride
-        t = tl.load(temp_ptr + row)
-        target = tl.load(targets_ptr + row)
+        row, base, t, target = _row(logits_ptr, stride, targets_ptr, temp_ptr)
         lse = tl.load(lse_ptr + row)
         g = tl.load(grad_ptr + row)
         offs = tl.arange(0, BLOCK)

@@ -178,8 +178,7 @@ class MultiLoRALinear(nn.Module):
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
         h = self._tp_h(routed_ops.gather_shrink(x2d, self.lora_A, self.lora_scale, plan, rows))
-        if not (out._base is None and out.is_contiguous()):  # a view must not be modified in place
-            out = out.contiguous() if not out.is_contiguous() else out.clone()
+        out = _writable(out)
         return routed_ops.scatter_expand_add_(out, h, self.lora_B, plan, rows)
 
     def _add_lora_per_sequence(self, x: torch.Tensor, out: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -203,8 +202,7 @@ class MultiLoRALinear(nn.Module):
         if self._use_triton(x):
             return self._row_expand(out, self._row_shrink(x, plan), plan)
         x2d = self._row_input(x, plan)
-        if not (out._base is None and out.is_contiguous()):
-            out = out.contiguous() if not out.is_contiguous() else out.clone()
+        out = _writable(out)
         out2d = out.view(-1, out.shape[-1])
         slots = plan.row_slots
         index = slots.clamp(min=0)
@@ -233,8 +231,7 @@ class MultiLoRALinear(nn.Module):
     def _row_expand(self, out: torch.Tensor, parts: torch.Tensor, plan: RowRouting) -> torch.Tensor:
         """Triton decode expand: sums the partials (after the layer's TP collective) and adds
         ``h @ B^T`` into the base output rows in place."""
-        if not (out._base is None and out.is_contiguous()):
-            out = out.contiguous() if not out.is_contiguous() else out.clone()
+        out = _writable(out)
         cfg, b = tk.DECODE_EXPAND_CONFIG, self.lora_B
         tk.scatter_expand(
             out.view(-1, out.shape[-1]), self._tp_h(parts), plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
@@ -305,6 +302,14 @@ class MultiLoRALinear(nn.Module):
             f"key={self.key!r}, kind={self.kind}, slots={self.num_slots}, max_rank={self.max_rank}, "
             f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, kernels={self.kernels}"
         )
+
+
+def _writable(out: torch.Tensor) -> torch.Tensor:
+    """``out`` if the LoRA delta may be added into it in place (a fresh contiguous tensor), else a
+    contiguous copy: a view (e.g. returned as-is by a custom Function) must not be modified."""
+    if out._base is None and out.is_contiguous():
+        return out
+    return out.contiguous() if not out.is_contiguous() else out.clone()
 
 
 def check_kernels(kernels: str) -> str:

@@ -5,8 +5,9 @@ concatenations, two products and a sum) is about a dozen elementwise passes over
 forward and backward. Megatron calls a *fused* RoPE only through Transformer Engine; without TE that
 hook is empty, and :func:`miles_multilora.models.compat.install_fused_rope` fills it with
 :func:`apply_rope` on a GPU. Non-interleaved RoPE over the whole head with one position table for
-the batch (``freqs`` ``[s, 1, 1, d]``); anything else runs Megatron's unfused function. ``cos`` and
-``sin`` are rounded to the activation dtype first, as Megatron does.
+the batch (``freqs`` ``[s, 1, 1, d]``); anything else runs Megatron's unfused function. The kernel
+takes ``cos`` and ``sin`` of ``freqs`` itself (no per-call tables), rounded to the activation dtype
+first, as Megatron does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_kernel(
-        x_ptr, cos_ptr, sin_ptr, out_ptr, stride_s, stride_b, stride_h, stride_c, BATCH,
+        x_ptr, freqs_ptr, out_ptr, stride_s, stride_b, stride_h, stride_f, BATCH,
         HEADS: tl.constexpr, HALF: tl.constexpr, TRANSPOSE: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)  # s * BATCH + b
@@ -29,10 +30,11 @@ if HAVE_TRITON:
         b = row % BATCH
         lo = tl.arange(0, HALF)
         hi = lo + HALF
-        c_lo = tl.load(cos_ptr + s * stride_c + lo).to(tl.float32)
-        c_hi = tl.load(cos_ptr + s * stride_c + hi).to(tl.float32)
-        s_lo = tl.load(sin_ptr + s * stride_c + lo).to(tl.float32)
-        s_hi = tl.load(sin_ptr + s * stride_c + hi).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty  # cos and sin rounded to the activation dtype, as Megatron does
+        f_lo = tl.load(freqs_ptr + s * stride_f + lo).to(tl.float32)
+        f_hi = tl.load(freqs_ptr + s * stride_f + hi).to(tl.float32)
+        c_lo, c_hi = tl.cos(f_lo).to(dtype).to(tl.float32), tl.cos(f_hi).to(dtype).to(tl.float32)
+        s_lo, s_hi = tl.sin(f_lo).to(dtype).to(tl.float32), tl.sin(f_hi).to(dtype).to(tl.float32)
         src = x_ptr + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b + h * stride_h
         x_lo = tl.load(src + lo).to(tl.float32)
         x_hi = tl.load(src + hi).to(tl.float32)
@@ -43,17 +45,18 @@ if HAVE_TRITON:
             y_lo = x_lo * c_lo - x_hi * s_lo
             y_hi = x_hi * c_hi + x_lo * s_hi
         dst = out_ptr + (row.to(tl.int64) * HEADS + h) * (2 * HALF)
-        tl.store(dst + lo, y_lo.to(out_ptr.dtype.element_ty))
-        tl.store(dst + hi, y_hi.to(out_ptr.dtype.element_ty))
+        tl.store(dst + lo, y_lo.to(dtype))
+        tl.store(dst + hi, y_hi.to(dtype))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+def _rotate(x: torch.Tensor, freqs: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``x`` ``[s, b, h, d]`` rotated by ``freqs`` ``[s, d]`` (or by its transpose: the backward)."""
     seq, batch, heads, dim = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(seq, batch, heads, dim, dtype=x.dtype, device=x.device)
     _rope_kernel[(seq * batch, heads)](
-        x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), batch,
+        x, freqs, out, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0), batch,
         HEADS=heads, HALF=dim // 2, TRANSPOSE=transpose,
     )  # fmt: skip
     return out
@@ -61,14 +64,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bo
 
 class _FusedRoPE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, cos, sin):  # type: ignore[override]
-        ctx.save_for_backward(cos, sin)
-        return _rotate(t, cos, sin, transpose=False)
+    def forward(ctx, t, freqs):  # type: ignore[override]
+        ctx.save_for_backward(freqs)
+        return _rotate(t, freqs, transpose=False)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, transpose=True), None, None
+        (freqs,) = ctx.saved_tensors
+        return _rotate(grad, freqs, transpose=True), None
 
 
 def applies(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> bool:
@@ -93,5 +96,5 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
     """Megatron's fused-RoPE hook: ``t`` ``[s, b, h, d]`` rotated by ``freqs`` ``[s, 1, 1, d]``."""
     if not applies(t, freqs, interleaved):
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-    flat = freqs[: t.shape[0]].reshape(t.shape[0], -1)
-    return _FusedRoPE.apply(t, torch.cos(flat).to(t.dtype), torch.sin(flat).to(t.dtype))
+    flat = freqs[: t.shape[0]].reshape(t.shape[0], -1)  # cos and sin are taken in the kernel
+    return _FusedRoPE.apply(t, flat if flat.stride(-1) == 1 else flat.contiguous())

@@ -21,8 +21,8 @@ from megatron.core.transformer import TransformerConfig
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.models import compat
-from miles_multilora.models.fused_mlp import use_fused_mlp
-from miles_multilora.models.sdpa_attention import with_sdpa_attention
+from miles_multilora.models.fused_mlp import FusedMLP, use_fused_mlp
+from miles_multilora.models.sdpa_attention import set_fused_attention, with_sdpa_attention
 
 # Architectures whose dense decoder maps onto the local GPT spec (what megatron-bridge converts
 # and what our MultiLoRA layers target). Others are refused with a clear message.
@@ -141,6 +141,16 @@ def build_tiny_gpt(
         rotary_base=10000,
     )
     return _finish(model, _dtype(dtype))
+
+
+def set_fused_kernels(model: torch.nn.Module, enabled: bool) -> None:
+    """Switch ``model`` between the fused training kernels (attention, SwiGLU, RoPE where
+    available) and Megatron's own modules; for tests and benchmarks that compare the two."""
+    set_fused_attention(model, enabled)
+    for module in model.modules():
+        if isinstance(module, FusedMLP):
+            module.fused = enabled
+    model.config.apply_rope_fusion = enabled and compat.install_fused_rope()
 
 
 def _bridge_layer_spec(config: Any, vp_stage: int | None = None) -> Any:

@@ -66,8 +66,6 @@ def test_models_build_fused_mlps_that_fall_back_on_cpu_tensors():
 @pytest.mark.gpu
 def test_fused_model_matches_megatron_modules_in_bf16_on_gpu():
     assert compat.install_fused_rope()
-    from miles_multilora.models.sdpa_attention import set_fused_attention
-
     model = provider.build_tiny_gpt(
         num_layers=2, hidden_size=256, ffn_hidden_size=688, num_attention_heads=4, num_query_groups=2,
         vocab_size=512, max_seq_len=128, seed=2, dtype="bfloat16",
@@ -81,10 +79,7 @@ def test_fused_model_matches_megatron_modules_in_bf16_on_gpu():
     positions = torch.arange(50, device="cuda").expand(3, -1)
     results = []
     for fused in (True, False):
-        set_fused_attention(model, fused)
-        model.config.apply_rope_fusion = fused  # the fused RoPE kernel (compat.install_fused_rope)
-        for layer in model.decoder.layers:
-            layer.mlp.fused = fused
+        provider.set_fused_kernels(model, fused)  # attention, SwiGLU and RoPE
         model.zero_grad(set_to_none=True)
         with token_slots(model, torch.zeros_like(ids)):
             logits = model(input_ids=ids, position_ids=positions, attention_mask=None)

@@ -36,8 +36,7 @@ def test_fused_rope_equals_megatron_rope_with_gradients(device):
         x = qkv.clone().requires_grad_(True)
         t = x[..., 16:32]
         if fused:
-            cos, sin = torch.cos(freqs.reshape(7, -1)), torch.sin(freqs.reshape(7, -1))
-            y = _FusedRoPE.apply(t, cos, sin)
+            y = _FusedRoPE.apply(t, freqs.reshape(7, -1))
         else:
             y = rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
         y.backward(g)
