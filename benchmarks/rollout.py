@@ -256,7 +256,10 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default=None)
     parser.add_argument(
-        "--no-lora-overlap", action="store_true", help="run the decode LoRA shrinks on the main stream (A/B)"
+        "--no-lora-overlap", action="store_true", help="run the decode LoRA on the main stream (A/B)"
+    )
+    parser.add_argument(
+        "--no-dense-shrink", action="store_true", help="never take the dense decode LoRA shrink (A/B)"
     )
     parser.add_argument("--parity-requests", type=int, default=64)
     parser.add_argument(
@@ -264,6 +267,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     decode_batch.LORA_SIDE_STREAM = not args.no_lora_overlap
+    if args.no_dense_shrink:
+        decode_batch.LORA_DENSE_MIN_SLOTS = 1 << 30
     preset = CPU_SHAPE if args.cpu else SHAPE
     for key, value in preset.items():
         if getattr(args, key) is None:

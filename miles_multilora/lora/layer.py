@@ -21,6 +21,7 @@ from miles_multilora.lora import routed_ops, seq_kernels
 from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.kernels import add_rows_, gather_rows, segmented_matmul
 from miles_multilora.lora.routing import RoutingPlan
+from miles_multilora.lora.row_delta import RowDelta
 from miles_multilora.lora.row_routing import RowRouting
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
 
@@ -221,7 +222,11 @@ class MultiLoRALinear(nn.Module):
         return x2d
 
     def _row_shrink(self, x: torch.Tensor, plan: RowRouting) -> torch.Tensor:
-        """Triton decode shrink: fp32 split-K partials ``scale * x @ A^T`` per row (its slot)."""
+        """Triton decode shrink: fp32 split-K partials ``scale * x @ A^T`` per row (its slot); with
+        ``plan.dense_shrink``, ``x @ A^T`` of every slot ``[rows, slots * R]`` in one GEMM."""
+        if plan.dense_shrink:
+            a = self.lora_A.view(-1, self.lora_A.shape[-1])  # [slots * R, in]: a free view
+            return self._row_input(x, plan) @ a.t()
         cfg, a = tk.DECODE_SHRINK_CONFIG, self.lora_A
         return tk.split_shrink(
             self._row_input(x, plan).contiguous(), plan.order, a, (a.stride(0), a.stride(1), a.stride(2)),
@@ -231,13 +236,16 @@ class MultiLoRALinear(nn.Module):
     def _row_expand(self, out: torch.Tensor, parts: torch.Tensor, plan: RowRouting) -> torch.Tensor:
         """Triton decode expand: sums the partials (after the layer's TP collective) and adds
         ``h @ B^T`` into the base output rows in place."""
-        out = _writable(out)
+        out = _writable(out, no_grad_alias=not torch.is_grad_enabled())
         cfg, b = tk.DECODE_EXPAND_CONFIG, self.lora_B
         tk.scatter_expand(
             out.view(-1, out.shape[-1]), self._tp_h(parts), plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
-            plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=True,
+            plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=True, dense_scale=self._dense_scale(plan),
         )  # fmt: skip
         return out
+
+    def _dense_scale(self, plan: RowRouting) -> torch.Tensor | None:
+        return self.lora_scale if plan.dense_shrink else None
 
     def _forward_rows_overlapped(self, x: torch.Tensor, plan: RowRouting, args: tuple, kwargs: dict):
         """Decode on a GPU: the LoRA shrink runs on the plan's side stream while the base GEMM runs
@@ -256,6 +264,43 @@ class MultiLoRALinear(nn.Module):
         main.wait_stream(side)
         out = self._row_expand(out, parts, plan)
         return out if self.kind == PLAIN else (out, bias)
+
+    def forward_deferred(
+        self, x: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RowDelta | None]:
+        """``(out, bias, lora)``: a decode step's forward whose LoRA output is left to the consumer.
+
+        On a GPU with a side stream in the row routing (few rows) and one TP rank, the shrink and
+        the expand both run on the side stream while the base GEMM runs, the expand into a new fp32
+        buffer; the streams meet before returning, and ``lora`` (a :class:`RowDelta`) must be added
+        by whoever reads ``out``. Anywhere else this is :meth:`forward` with ``lora`` None.
+        """
+        plan = self.routing
+        if not (
+            isinstance(plan, RowRouting)
+            and plan.side_stream is not None
+            and self.tp_size == 1
+            and self._use_triton(x)
+        ):
+            result = self.forward(x, *args, **kwargs)
+            return (result, None, None) if self.kind == PLAIN else (*result, None)
+        main = torch.cuda.current_stream(x.device)
+        side = plan.side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            parts = self._row_shrink(x, plan)
+            delta = torch.empty(plan.rows, self.out_features, device=x.device, dtype=torch.float32)
+            cfg, b = tk.DECODE_EXPAND_CONFIG, self.lora_B
+            tk.scatter_expand(
+                delta, parts, plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
+                plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=False, dense_scale=self._dense_scale(plan),
+            )  # fmt: skip
+        if self.kind == PLAIN:
+            out, bias = self.base(x), None
+        else:
+            out, bias = self.base(x, *args, **kwargs)
+        main.wait_stream(side)
+        return out, bias, RowDelta(delta, plan.row_slots)
 
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         plan = self.routing
@@ -304,12 +349,21 @@ class MultiLoRALinear(nn.Module):
         )
 
 
-def _writable(out: torch.Tensor) -> torch.Tensor:
+def _writable(out: torch.Tensor, no_grad_alias: bool = False) -> torch.Tensor:
     """``out`` if the LoRA delta may be added into it in place (a fresh contiguous tensor), else a
-    contiguous copy: a view (e.g. returned as-is by a custom Function) must not be modified."""
-    if out._base is None and out.is_contiguous():
+    contiguous copy: a view (e.g. returned as-is by a custom Function) must not be modified.
+
+    ``no_grad_alias`` (decode steps, no autograd): a contiguous view of the whole of its base, as
+    Megatron's row-parallel layer returns at TP=1 (its identity all-reduce), is written in place.
+    """
+    if out.is_contiguous() and (out._base is None or (no_grad_alias and _whole_alias(out))):
         return out
     return out.contiguous() if not out.is_contiguous() else out.clone()
+
+
+def _whole_alias(view: torch.Tensor) -> bool:
+    base = view._base
+    return base is not None and base.data_ptr() == view.data_ptr() and base.numel() == view.numel()
 
 
 def check_kernels(kernels: str) -> str:

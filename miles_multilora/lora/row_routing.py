@@ -26,7 +26,10 @@ class RowRouting:
     order: torch.Tensor  # [rows] long: row indices grouped by slot (base-only rows last)
     sorted_slots: torch.Tensor  # [rows] long: slot of each grouped row (num_slots for base rows)
     tiles: dict[int, torch.Tensor] = field(default_factory=dict)  # BLOCK_M -> [3, n] int32 slot/start/end
-    side_stream: torch.cuda.Stream | None = None  # CUDA: the LoRA shrink overlaps the base GEMM there
+    side_stream: torch.cuda.Stream | None = None  # CUDA: the LoRA overlaps the base GEMM there
+    # the shrink is one dense GEMM of every slot for every row (the expand picks each row's slot),
+    # not the split-K kernel over slot tiles: cheaper for many rows per slot
+    dense_shrink: bool = False
 
     @property
     def rows(self) -> int:

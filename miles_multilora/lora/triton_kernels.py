@@ -131,11 +131,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _scatter_expand_kernel(
-        h_ptr, rows_ptr, w_ptr, out_ptr,
+        h_ptr, rows_ptr, w_ptr, out_ptr, scale_ptr,
         tile_slot_ptr, tile_start_ptr, tile_end_ptr,
         N_OUT, R,
         stride_hp, stride_hm, stride_ws, stride_wn, stride_wr, stride_om,
-        ACCUMULATE: tl.constexpr, SPLIT_N: tl.constexpr, NUM_PARTS: tl.constexpr,
+        ACCUMULATE: tl.constexpr, SPLIT_N: tl.constexpr, NUM_PARTS: tl.constexpr, DENSE_H: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, j) covers output column blocks j, j + SPLIT_N, ...: h is loaded once and the
@@ -148,11 +148,15 @@ if HAVE_TRITON:
         )
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :]
         h_mask = mask_m[:, None] & mask_r[None, :]
-        h = tl.load(h_ptrs, mask=h_mask, other=0.0)
-        for part in tl.static_range(1, NUM_PARTS):  # split-K partial sums of the decode shrink
-            h += tl.load(h_ptrs + part * stride_hp, mask=h_mask, other=0.0)
+        if DENSE_H:  # every slot's shrink of every row ([T, slots * R], by activation row): take its own
+            h_ptrs = h_ptr + rows[:, None] * stride_hm + slot * stride_hp + offs_r[None, :]
+            h = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32) * tl.load(scale_ptr + slot)
+        else:
+            h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :]
+            h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+            for part in tl.static_range(1, NUM_PARTS):  # split-K partial sums of the decode shrink
+                h += tl.load(h_ptrs + part * stride_hp, mask=h_mask, other=0.0)
         h = h.to(w_ptr.dtype.element_ty)
         w_base = w_ptr + slot * stride_ws + offs_r[:, None] * stride_wr
         o_base = out_ptr + rows[:, None] * stride_om
@@ -368,22 +372,30 @@ def scatter_expand(
     tiles: torch.Tensor,
     cfg: dict,
     accumulate: bool,
+    dense_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[rows[i]] (+)= h[i] @ W[s]`` with ``W[s][r, n]`` at ``s*ss + n*sn + r*sr``; ``out`` ``[T, N_OUT]``.
-    ``h`` is ``[T, R]``, or ``[parts, T, R]`` fp32 partial sums from :func:`split_shrink`."""
+    ``h`` is ``[T, R]``, or ``[parts, T, R]`` fp32 partial sums from :func:`split_shrink`, or with
+    ``dense_scale`` (per-slot scales) ``[T, slots * R]``: every slot's unscaled shrink of every
+    activation row (one dense GEMM), of which row ``rows[i]`` takes its slot's ``R`` columns."""
     if tiles.shape[1] == 0:
         return out
-    parts = h.unsqueeze(0) if h.dim() == 2 else h
-    n_out, rank = out.shape[1], parts.shape[2]
+    if dense_scale is not None:
+        parts, rank = h, h.shape[1] // weight.shape[0]
+        stride_part, stride_row = rank, h.stride(0)
+    else:
+        parts = h.unsqueeze(0) if h.dim() == 2 else h
+        rank, stride_part, stride_row = parts.shape[2], parts.stride(0), parts.stride(1)
+    n_out = out.shape[1]
     split_n = min(cfg["SPLIT_N"], triton.cdiv(n_out, cfg["BLOCK_N"]))
     grid = (tiles.shape[1], split_n)
     _scatter_expand_kernel[grid](
-        parts, rows, weight, out,
+        parts, rows, weight, out, dense_scale if dense_scale is not None else out,
         tiles[0], tiles[1], tiles[2],
         n_out, rank,
-        parts.stride(0), parts.stride(1), weight_strides[0], weight_strides[1], weight_strides[2], out.stride(0),
-        ACCUMULATE=accumulate, SPLIT_N=split_n, NUM_PARTS=parts.shape[0], BLOCK_R=_pad_rank(rank),
-        PRECISION=_precision(weight.dtype),
+        stride_part, stride_row, weight_strides[0], weight_strides[1], weight_strides[2], out.stride(0),
+        ACCUMULATE=accumulate, SPLIT_N=split_n, NUM_PARTS=1 if dense_scale is not None else parts.shape[0],
+        DENSE_H=dense_scale is not None, BLOCK_R=_pad_rank(rank), PRECISION=_precision(weight.dtype),
         **_meta(cfg),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

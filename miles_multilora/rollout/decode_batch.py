@@ -13,7 +13,7 @@ sampling) and replays it; graphs are dropped when any tensor they read was reall
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,6 +41,12 @@ LORA_SIDE_STREAM = True  # benchmarks switch it off to measure the decode step w
 # Above this many rows the base GEMMs fill the GPU and the overlap measured 1% slower (H100, 512 rows);
 # at 32 and 128 rows it saved 2-8% of a step (docs/benchmarks.md).
 LORA_OVERLAP_MAX_ROWS = 256
+# A step on the side stream whose rows span at least this many adapter slots runs the LoRA shrink as
+# one dense GEMM over every slot (RowRouting.dense_shrink): fewer, larger kernels than split-K over
+# tiles of a few rows. H100, 16 mixed slots: 2.42 vs 2.50 ms at 32 rows, equal at 128, 3.96 vs 4.00
+# at 256; one slot: 2.33 vs 2.21 (split-K reads one slot's weights); at 512 rows, off the side
+# stream, the skinny GEMM is slower (6.22 vs 6.05 ms).
+LORA_DENSE_MIN_SLOTS = 8
 
 
 class DecodeBatch:
@@ -83,21 +89,33 @@ class DecodeBatch:
         self.eos = torch.tensor(ids, **long)
 
     # ------------------------------------------------------------------ the step
-    def route(self, slots: Tensor) -> None:
+    def side_stream_for(self, n: int) -> torch.cuda.Stream | None:
+        """The stream the LoRA of a step of ``n`` rows overlaps the base GEMMs on (None: no overlap)."""
+        return self.side_stream if n <= LORA_OVERLAP_MAX_ROWS else None
+
+    def dense_shrink_for(self, n: int, row_slots: Iterable[int]) -> bool:
+        """Whether a step of ``n`` rows whose slots (host view) are ``row_slots`` takes the dense
+        LoRA shrink (see ``LORA_DENSE_MIN_SLOTS``)."""
+        if not self.layers or self.side_stream_for(n) is None:
+            return False
+        return len({s for s in row_slots if s >= 0}) >= LORA_DENSE_MIN_SLOTS
+
+    def route(self, slots: Tensor, dense: bool = False) -> None:
         """Point every MultiLoRA layer at ``slots`` (one per row), from the device tensor itself."""
         if not self.layers:
             return
         routing = build_row_routing(slots, self.num_slots, self.block_ms)
-        if slots.numel() <= LORA_OVERLAP_MAX_ROWS:
-            routing.side_stream = self.side_stream
+        routing.side_stream = self.side_stream_for(slots.numel())
+        routing.dense_shrink = dense
         for layer in self.layers:
             layer.routing = routing
 
-    def step(self, n: int, filtered: bool, block_pages: int | None = None) -> None:
+    def step(self, n: int, filtered: bool, dense: bool = False, block_pages: int | None = None) -> None:
         """One decode step of rows ``[0, n)``: no host sync, every update in place.
 
-        ``block_pages`` narrows the block table (eager runs, where the host knows how long rows
-        are; a captured graph reads the whole table and the kernel bounds each row itself).
+        ``dense``: the LoRA shrink schedule (:meth:`dense_shrink_for`). ``block_pages`` narrows the
+        block table (eager runs, where the host knows how long rows are; a captured graph reads the
+        whole table and the kernel bounds each row itself).
         """
         table = self.block_table[:n] if block_pages is None else self.block_table[:n, :block_pages]
         tokens, positions, count, active = (
@@ -106,7 +124,7 @@ class DecodeBatch:
             self.count[:n],
             self.active[:n],
         )
-        self.route(self.slots[:n])
+        self.route(self.slots[:n], dense)
         logits = self.paged.decode(self.cache, tokens, positions, table)
         token, logprob = sample_tokens(
             logits, self.vocab_size, self.temperature[:n], self.seeds[:n], count,
@@ -151,7 +169,7 @@ def tensors_fingerprint(tensors: list[Tensor]) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
-    """CUDA graphs of :meth:`DecodeBatch.step`, one per (rows bucket, filtered sampling).
+    """CUDA graphs of :meth:`DecodeBatch.step`, one per (rows bucket, filtered sampling, dense shrink).
 
     A graph bakes in the addresses of every tensor it reads: the model's parameters and buffers,
     the KV cache and the batch state. Optimizer steps and slot loads write weights in place, so
@@ -161,7 +179,7 @@ class DecodeGraphs:
 
     def __init__(self, batch: DecodeBatch, model: torch.nn.Module) -> None:
         self.batch, self.model = batch, model
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._fingerprint: tuple[int, ...] | None = None
         self.captures = 0
@@ -178,14 +196,15 @@ class DecodeGraphs:
             self._pool = None
             self._fingerprint = current
 
-    def prepare(self, n: int, filtered: bool) -> None:
-        """Capture the graph of ``(n, filtered)`` unless it exists."""
-        if (n, filtered) not in self._graphs:
-            self._graphs[(n, filtered)] = self._capture(lambda: self.batch.step(n, filtered))
+    def prepare(self, n: int, filtered: bool, dense: bool = False) -> None:
+        """Capture the graph of ``(n, filtered, dense)`` unless it exists."""
+        key = (n, filtered, dense)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(lambda: self.batch.step(n, filtered, dense))
 
-    def replay(self, n: int, filtered: bool) -> None:
-        self.prepare(n, filtered)
-        self._graphs[(n, filtered)].replay()
+    def replay(self, n: int, filtered: bool, dense: bool = False) -> None:
+        self.prepare(n, filtered, dense)
+        self._graphs[(n, filtered, dense)].replay()
 
     def _capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Warm up (compiles kernels) on a copy of the state, restore it, then capture ``step``."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from miles_multilora.lora.row_delta import RowDelta
+
 try:
     import triton
     import triton.language as tl
@@ -27,15 +29,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rmsnorm_kernel(
-        res_ptr, delta_ptr, weight_ptr, res_out_ptr, norm_out_ptr, H, eps,
-        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+        res_ptr, delta_ptr, weight_ptr, res_out_ptr, norm_out_ptr, lora_ptr, slots_ptr, H, eps,
+        HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         x = tl.load(res_ptr + row * H + offs, mask=mask, other=0.0)
         if HAS_DELTA:
-            x = x.to(tl.float32) + tl.load(delta_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(delta_ptr + row * H + offs, mask=mask, other=0.0)
+            if HAS_LORA:  # the linear's output plus its row's LoRA term, rounded as the in-place expand
+                routed = tl.load(slots_ptr + row) >= 0
+                lora = tl.load(lora_ptr + row * H + offs, mask=mask & routed, other=0.0)
+                d = (d.to(tl.float32) + lora).to(delta_ptr.dtype.element_ty)
+            x = x.to(tl.float32) + d.to(tl.float32)
             x = x.to(res_out_ptr.dtype.element_ty)  # the residual stream is kept in the model dtype
             tl.store(res_out_ptr + row * H + offs, x, mask=mask)
         xf = x.to(tl.float32)
@@ -44,13 +51,24 @@ if HAVE_TRITON:
         tl.store(norm_out_ptr + row * H + offs, (xf * rstd * w).to(norm_out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_kernel(x_ptr, out_ptr, F_DIM, stride_x, BLOCK: tl.constexpr):
+    def _swiglu_kernel(
+        x_ptr, out_ptr, lora_ptr, slots_ptr, F_DIM, stride_x, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < F_DIM
-        a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(x_ptr + row * stride_x + F_DIM + offs, mask=mask, other=0.0).to(tl.float32)
-        y = a / (1.0 + tl.exp(-a)) * b
+        a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        b = tl.load(x_ptr + row * stride_x + F_DIM + offs, mask=mask, other=0.0)
+        if HAS_LORA:  # fc1's output plus its row's LoRA term, rounded as the in-place expand
+            lmask = mask & (tl.load(slots_ptr + row) >= 0)
+            a = (a.to(tl.float32) + tl.load(lora_ptr + row * 2 * F_DIM + offs, mask=lmask, other=0.0)).to(
+                a.dtype
+            )
+            b = (
+                b.to(tl.float32) + tl.load(lora_ptr + row * 2 * F_DIM + F_DIM + offs, mask=lmask, other=0.0)
+            ).to(b.dtype)
+        a = a.to(tl.float32)
+        y = a / (1.0 + tl.exp(-a)) * b.to(tl.float32)
         tl.store(out_ptr + row * F_DIM + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,10 +99,13 @@ def silu_gated_mlp(mlp: torch.nn.Module) -> bool:
 
 
 def add_rmsnorm(
-    residual: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.RMSNorm
+    residual: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.RMSNorm, lora: RowDelta | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(residual + delta, rmsnorm(residual + delta))``, the sum rounded to the model dtype first
-    (``delta`` None: just the norm). Shapes ``[..., H]``; one pass, one kernel."""
+    (``delta`` None: just the norm). ``lora``: ``delta``'s deferred LoRA term, added to it first.
+    Shapes ``[..., H]``; one pass, one kernel."""
+    if lora is not None and delta is None:
+        raise ValueError("a LoRA term needs the output it belongs to (delta)")
     hidden = residual.shape[-1]
     x = residual.reshape(-1, hidden)
     rows = x.shape[0]
@@ -92,14 +113,16 @@ def add_rmsnorm(
     norm_out = torch.empty_like(x)
     _add_rmsnorm_kernel[(rows,)](
         x, delta.reshape(-1, hidden) if delta is not None else x, norm.weight, res_out, norm_out,
-        hidden, float(norm.eps), HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(hidden),
-        num_warps=4 if hidden <= 4096 else 8,
+        lora.delta if lora is not None else x, lora.row_slots if lora is not None else x,
+        hidden, float(norm.eps), HAS_DELTA=delta is not None, HAS_LORA=lora is not None,
+        BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 4096 else 8,
     )  # fmt: skip
     return res_out.view(residual.shape), norm_out.view(residual.shape)
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :F]) * x[..., F:]`` for ``x`` ``[..., 2F]`` (Megatron's gated linear unit)."""
+def swiglu(x: torch.Tensor, lora: RowDelta | None = None) -> torch.Tensor:
+    """``silu(x[..., :F]) * x[..., F:]`` for ``x`` ``[..., 2F]`` (Megatron's gated linear unit);
+    ``lora``: ``x``'s deferred LoRA term, added to it first."""
     two_f = x.shape[-1]
     rows = x.reshape(-1, two_f)
     if rows.stride(-1) != 1:
@@ -107,5 +130,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     f_dim = two_f // 2
     out = torch.empty(rows.shape[0], f_dim, dtype=x.dtype, device=x.device)
     block = 1024
-    _swiglu_kernel[(rows.shape[0], triton.cdiv(f_dim, block))](rows, out, f_dim, rows.stride(0), BLOCK=block)
+    _swiglu_kernel[(rows.shape[0], triton.cdiv(f_dim, block))](
+        rows, out, lora.delta if lora is not None else rows, lora.row_slots if lora is not None else rows,
+        f_dim, rows.stride(0), HAS_LORA=lora is not None, BLOCK=block,
+    )  # fmt: skip
     return out.view(*x.shape[:-1], f_dim)

@@ -460,15 +460,16 @@ class _Run:
         n = len(self.rows)
         rows = bucket_for(n, batch.max_rows) if engine._graphs is not None else n
         filtered = self.filtered_rows > 0
+        dense = batch.dense_shrink_for(rows, (self.requests[r.request].slot for r in self.rows))
         if engine._graphs is not None:
-            engine._graphs.prepare(rows, filtered)  # a first use captures outside the timed steps
+            engine._graphs.prepare(rows, filtered, dense)  # a first use captures outside the timed steps
         timer = _StepTimer(engine.device)
         for _ in range(steps):
             if engine._graphs is not None:
-                engine._graphs.replay(rows, filtered)
+                engine._graphs.replay(rows, filtered, dense)
             else:
                 longest = max(r.prompt_len + r.budget for r in self.rows)
-                batch.step(rows, filtered, block_pages=self.cache.pages_for(longest))
+                batch.step(rows, filtered, dense, block_pages=self.cache.pages_for(longest))
         self.timers.append(timer.stop())
         engine.stats["decode_steps"] += steps
 

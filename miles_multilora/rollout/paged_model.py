@@ -20,6 +20,8 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from torch import Tensor
 
+from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.lora.row_delta import RowDelta
 from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
@@ -71,7 +73,10 @@ class PagedModel:
             self.cos = (torch.cos(flat) * mscale).to(self.dtype)
             self.sin = (torch.sin(flat) * mscale).to(self.dtype)
         interleaved = bool(getattr(cfg, "rotary_interleaved", False))
-        self.fused_rope = fused_rope_kv_supported(
+        # the fused kernel reads the QKV linear's output in Megatron's grouped layout, which a rank
+        # holds whole unless TP splits the kv groups (then Megatron regathers it)
+        whole_groups = cfg.num_query_groups is None or cfg.num_query_groups >= attn.world_size
+        self.fused_rope = whole_groups and fused_rope_kv_supported(
             self.device, self.head_dim, self.freqs.shape[-1], interleaved
         )
         self.fused: dict[int, bool] = {}  # id(module) -> its fused decode kernel applies
@@ -115,23 +120,55 @@ class PagedModel:
         logits, _ = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
         return logits[0]
 
-    def _norm(self, hidden: Tensor, delta: Tensor | None, norm: torch.nn.Module) -> tuple[Tensor, Tensor]:
-        """``(hidden + delta, norm(hidden + delta))``: one fused kernel when the norm allows it."""
+    def _norm(
+        self, hidden: Tensor, norm: torch.nn.Module, delta: Tensor | None, lora: RowDelta | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(hidden + delta, norm(hidden + delta))``, ``delta``'s deferred LoRA term added to it
+        first: one fused kernel when the norm allows it."""
         if self.fused[id(norm)]:
-            return add_rmsnorm(hidden, delta, norm)
+            return add_rmsnorm(hidden, delta, norm, lora)
         if delta is not None:
-            hidden = hidden + delta
+            hidden = hidden + (lora.add_to(delta) if lora is not None else delta)
         return hidden, norm(hidden)
 
-    def _mlp(self, layer: Any, x: Tensor) -> Tensor:
-        """The layer's MLP output (bias added), its SwiGLU fused when the config allows it."""
+    @staticmethod
+    def _linear(module: torch.nn.Module, x: Tensor) -> tuple[Tensor, RowDelta | None]:
+        """A decode step's linear: its output (bias added) and the LoRA term it left to the consumer
+        (:meth:`MultiLoRALinear.forward_deferred`; None when it added it itself)."""
+        if isinstance(module, MultiLoRALinear):
+            out, bias, lora = module.forward_deferred(x)
+        else:
+            (out, bias), lora = module(x), None
+        if bias is not None:  # the LoRA term goes on the output before the bias, as in the layer
+            out, lora = (lora.add_to(out) if lora is not None else out) + bias, None
+        return out, lora
+
+    def _mlp(self, layer: Any, x: Tensor) -> tuple[Tensor, RowDelta | None]:
+        """The layer's MLP output (bias added) and fc2's deferred LoRA term; the SwiGLU is fused
+        (fc1's LoRA term added in it) when the config allows it."""
         mlp = layer.mlp
         if self.fused[id(mlp)]:
-            out, _ = mlp.linear_fc1(x)
-            out, bias = mlp.linear_fc2(swiglu(out))
-        else:
-            out, bias = mlp(x)
-        return out + bias if bias is not None else out
+            out, lora = self._linear(mlp.linear_fc1, x)
+            return self._linear(mlp.linear_fc2, swiglu(out, lora))
+        out, bias = mlp(x)
+        return (out + bias if bias is not None else out), None
+
+    def _qkv(
+        self, i: int, attn: Any, x: Tensor, cache: PagedKVCache, positions: Tensor, table: Tensor
+    ) -> Tensor:
+        """Layer ``i``'s queries ``[B, H, D]`` (RoPE applied); its k and v stored in the cache."""
+        batch = x.shape[1]
+        if self.fused_rope:  # one kernel on the fused QKV output: RoPE on q and k, and the KV write
+            mixed, lora = self._linear(attn.linear_qkv, x)
+            mixed = mixed.view(batch, self.kv_heads, -1, self.head_dim)
+            return rope_and_write_kv(
+                mixed, self.cos, self.sin, positions, table, cache.k[i], cache.v[i], lora
+            )
+        q, k, v = attn.get_query_key_value_tensors(x, None)
+        freqs = self.freqs[positions.long()].transpose(0, 1)  # [1, B, 1, rot_dim]
+        q, k = self._rope(q, freqs)[0], self._rope(k, freqs)
+        write_decode_kv(cache.k[i], cache.v[i], k[0], v[0], table, positions)
+        return q
 
     @staticmethod
     def _add(residual: Tensor, out_with_bias: tuple[Tensor, Tensor | None]) -> Tensor:
@@ -171,23 +208,16 @@ class PagedModel:
         No host sync: capturable. Slot routing must be set by the caller."""
         batch = tokens.shape[0]
         hidden = self.model.embedding(input_ids=tokens.view(batch, 1), position_ids=positions.view(batch, 1))
-        freqs = self.freqs[positions.long()].transpose(0, 1)  # [1, B, 1, rot_dim]
         lens = (positions + 1).to(torch.int32)
-        pending: Tensor | None = None  # the previous block's output, added before the next norm
+        # the previous block's output and its deferred LoRA term, added before the next norm
+        pending: tuple[Tensor | None, RowDelta | None] = (None, None)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attention
-            hidden, x = self._norm(hidden, pending, layer.input_layernorm)
-            q, k, v = attn.get_query_key_value_tensors(x, None)
-            if self.fused_rope:  # one kernel: RoPE on q and k, and the KV write
-                q = rope_and_write_kv(
-                    q[0], k[0], v[0], self.cos, self.sin, positions, block_table, cache.k[i], cache.v[i]
-                )
-            else:
-                q, k = self._rope(q, freqs)[0], self._rope(k, freqs)
-                write_decode_kv(cache.k[i], cache.v[i], k[0], v[0], block_table, positions)
+            hidden, x = self._norm(hidden, layer.input_layernorm, *pending)
+            q = self._qkv(i, attn, x, cache, positions, block_table)
             ctx = paged_decode_attention(q, cache.k[i], cache.v[i], block_table, lens, self.scales[i])
-            out, bias = attn.linear_proj(ctx.reshape(1, batch, self.heads * self.head_dim))
-            hidden, x = self._norm(hidden, out + bias if bias is not None else out, layer.pre_mlp_layernorm)
+            out, lora = self._linear(attn.linear_proj, ctx.reshape(1, batch, self.heads * self.head_dim))
+            hidden, x = self._norm(hidden, layer.pre_mlp_layernorm, out, lora)
             pending = self._mlp(layer, x)
-        _, x = self._norm(hidden, pending, self.model.decoder.final_layernorm)
+        _, x = self._norm(hidden, self.model.decoder.final_layernorm, *pending)
         return self._logits(x, normed=True)

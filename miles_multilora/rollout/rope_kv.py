@@ -3,15 +3,18 @@
 The unfused path (Megatron's ``apply_rotary_pos_emb`` on q and k, then
 :func:`~miles_multilora.rollout.paged_attention.write_decode_kv`) is about twenty small kernels
 per layer; at decode batch sizes each costs more in launch latency than in work. Here program
-``(row, head)`` rotates one query head (written to a new ``q``) or one kv head (k rotated and v
-copied straight into the row's page). ``cos``/``sin`` come from per-position tables computed once
-exactly as Megatron does (``(cos(freqs) * mscale).to(dtype)``). Non-interleaved RoPE over the whole
+``(row, kv group)`` reads the group's slice of Megatron's fused QKV output in place (no split
+copies), rotates its query heads into a new ``q`` and stores its k (rotated) and v straight into the
+row's page; a deferred LoRA term of the QKV linear is added as the values are loaded.
+``cos``/``sin`` come from per-position tables computed once exactly as Megatron does (``(cos(freqs) * mscale).to(dtype)``). Non-interleaved RoPE over the whole
 head only; :func:`fused_rope_kv_supported` says when this applies.
 """
 
 from __future__ import annotations
 
 import torch
+
+from miles_multilora.lora.row_delta import RowDelta
 
 try:
     import triton
@@ -25,39 +28,61 @@ HAVE_TRITON = triton is not None
 if HAVE_TRITON:
 
     @triton.jit
+    def _load_head(ptr, lora_ptr, offs, mask, routed, HAS_LORA: tl.constexpr):
+        """Values of a head in fp32; with the row's deferred LoRA term added and rounded to the
+        model dtype first (as the in-place expand would have stored it)."""
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+        if HAS_LORA:
+            lora = tl.load(lora_ptr + offs, mask=mask & routed, other=0.0)
+            x = (x.to(tl.float32) + lora).to(ptr.dtype.element_ty)
+        return x.to(tl.float32)
+
+    @triton.jit
     def _rope_kv_kernel(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, qo_ptr,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_tab, stride_tb,
-        stride_cp, stride_cs, stride_ch, stride_ob, stride_oh,
-        HEADS: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+        qkv_ptr, lora_ptr, slots_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, qo_ptr,
+        stride_b, stride_g, stride_lb, stride_tab, stride_tb, stride_cp, stride_cs, stride_ch, stride_ob,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HAS_LORA: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        half: tl.constexpr = D // 2
         pos = tl.load(pos_ptr + b).to(tl.int64)
-        lo = tl.arange(0, HALF)
-        hi = lo + HALF
+        lo = tl.arange(0, half)
+        hi = lo + half
         cos_lo = tl.load(cos_ptr + pos * stride_tab + lo).to(tl.float32)
         cos_hi = tl.load(cos_ptr + pos * stride_tab + hi).to(tl.float32)
         sin_lo = tl.load(sin_ptr + pos * stride_tab + lo).to(tl.float32)
         sin_hi = tl.load(sin_ptr + pos * stride_tab + hi).to(tl.float32)
-        if h < HEADS:
-            src = q_ptr + b * stride_qb + h * stride_qh
-            dst = qo_ptr + b * stride_ob + h * stride_oh
-        else:
-            j = h - HEADS
-            page = tl.load(table_ptr + b * stride_tb + pos // PAGE).to(tl.int64)
-            dst = kc_ptr + page * stride_cp + (pos % PAGE) * stride_cs + j * stride_ch
-            src = k_ptr + b * stride_kb + j * stride_kh
-            v_src = v_ptr + b * stride_vb + j * stride_vh
-            v_dst = vc_ptr + page * stride_cp + (pos % PAGE) * stride_cs + j * stride_ch
-            tl.store(v_dst + lo, tl.load(v_src + lo))
-            tl.store(v_dst + hi, tl.load(v_src + hi))
-        x_lo = tl.load(src + lo).to(tl.float32)
-        x_hi = tl.load(src + hi).to(tl.float32)
-        y_lo = x_lo * cos_lo - x_hi * sin_lo
-        y_hi = x_hi * cos_hi + x_lo * sin_hi
-        tl.store(dst + lo, y_lo.to(dst.dtype.element_ty))
-        tl.store(dst + hi, y_hi.to(dst.dtype.element_ty))
+        routed = tl.load(slots_ptr + b) >= 0  # unused without a LoRA term (slots_ptr is then positions)
+        src = qkv_ptr + b * stride_b + g * stride_g  # the group's G query heads, then k, then v
+        lsrc = lora_ptr + b * stride_lb + g * stride_g
+        # the group's query heads, rotated into q [B, H, D]
+        heads = tl.arange(0, BLOCK_G)
+        hmask = heads[:, None] < G
+        q_lo = _load_head(src, lsrc, heads[:, None] * D + lo[None, :], hmask, routed, HAS_LORA)
+        q_hi = _load_head(src, lsrc, heads[:, None] * D + hi[None, :], hmask, routed, HAS_LORA)
+        dst = qo_ptr + b * stride_ob + (g * G + heads[:, None]) * D
+        tl.store(
+            dst + lo[None, :],
+            (q_lo * cos_lo[None, :] - q_hi * sin_lo[None, :]).to(qo_ptr.dtype.element_ty),
+            mask=hmask,
+        )
+        tl.store(
+            dst + hi[None, :],
+            (q_hi * cos_hi[None, :] + q_lo * sin_hi[None, :]).to(qo_ptr.dtype.element_ty),
+            mask=hmask,
+        )
+        # its kv head: k rotated and v copied into the row's page
+        page = tl.load(table_ptr + b * stride_tb + pos // PAGE).to(tl.int64)
+        slot = page * stride_cp + (pos % PAGE) * stride_cs + g * stride_ch
+        full = lo < half
+        k_lo = _load_head(src + G * D, lsrc + G * D, lo, full, routed, HAS_LORA)
+        k_hi = _load_head(src + G * D, lsrc + G * D, hi, full, routed, HAS_LORA)
+        tl.store(kc_ptr + slot + lo, (k_lo * cos_lo - k_hi * sin_lo).to(kc_ptr.dtype.element_ty))
+        tl.store(kc_ptr + slot + hi, (k_hi * cos_hi + k_lo * sin_hi).to(kc_ptr.dtype.element_ty))
+        offs_d = tl.arange(0, D)
+        v = _load_head(src + (G + 1) * D, lsrc + (G + 1) * D, offs_d, offs_d < D, routed, HAS_LORA)
+        tl.store(vc_ptr + slot + offs_d, v.to(vc_ptr.dtype.element_ty))
 
 
 def fused_rope_kv_supported(device: torch.device, head_dim: int, rot_dim: int, interleaved: bool) -> bool:
@@ -73,28 +98,33 @@ def fused_rope_kv_supported(device: torch.device, head_dim: int, rot_dim: int, i
 
 
 def rope_and_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
     block_table: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    lora: RowDelta | None = None,
 ) -> torch.Tensor:
-    """Rotated ``q`` ``[B, H, D]`` (a new tensor); rotated ``k`` and ``v`` (``[B, H_kv, D]``) stored at
-    ``positions`` in the pages of ``block_table``. ``cos``/``sin``: ``[max_len, D]`` tables in the
-    model dtype. No host sync (CUDA-graph safe)."""
-    batch, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k_cache.stride(-1) == 1
-    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
-    _rope_kv_kernel[(batch, heads + kv_heads)](
-        q, k, v, cos, sin, positions, block_table, k_cache, v_cache, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    """Rotated queries ``[B, H, D]`` (a new tensor) from Megatron's fused QKV output ``qkv``
+    ``[B, groups, G + 2, D]`` (per kv group: its G query heads, then k, then v); the group's k
+    (rotated) and v stored at ``positions`` in the pages of ``block_table``. ``lora``: the QKV
+    linear's deferred LoRA term (``[B, groups * (G + 2) * D]`` fp32), added first. ``cos``/``sin``:
+    ``[max_len, D]`` tables in the model dtype. No host sync (CUDA-graph safe)."""
+    batch, groups, width, dim = qkv.shape
+    per_group = width - 2
+    assert qkv.stride(-1) == 1 and qkv.stride(-2) == dim and k_cache.stride(-1) == 1
+    out = torch.empty(batch, groups * per_group, dim, dtype=qkv.dtype, device=qkv.device)
+    if lora is not None:
+        assert lora.delta.shape == (batch, groups * width * dim) and lora.delta.stride(-1) == 1
+    _rope_kv_kernel[(batch, groups)](
+        qkv, lora.delta if lora is not None else qkv, lora.row_slots if lora is not None else positions,
+        cos, sin, positions, block_table, k_cache, v_cache, out,
+        qkv.stride(0), qkv.stride(1), lora.delta.stride(0) if lora is not None else 0,
         cos.stride(0), block_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        HEADS=heads, HALF=dim // 2, PAGE=k_cache.shape[1], num_warps=1,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+        G=per_group, BLOCK_G=triton.next_power_of_2(per_group), D=dim, PAGE=k_cache.shape[1],
+        HAS_LORA=lora is not None, num_warps=2,
     )  # fmt: skip
     return out

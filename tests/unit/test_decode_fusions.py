@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from miles_multilora.lora.row_delta import RowDelta
 from miles_multilora.rollout.decode_fusions import HAVE_TRITON, add_rmsnorm, swiglu
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,3 +47,36 @@ def test_swiglu_equals_megatrons_gated_linear_unit(device):
     a, b = torch.chunk(x, 2, dim=-1)
     torch.testing.assert_close(swiglu(x), F.silu(a) * b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(swiglu(x.view(1, 5, -1)), (F.silu(a) * b).view(1, 5, -1), rtol=1e-5, atol=1e-5)
+
+
+def _lora_term(rows: int, width: int, device: str, gen: torch.Generator) -> RowDelta:
+    """A deferred LoRA term: rows of slot -1 hold NaN (never written by the expand, never to be read)."""
+    slots = torch.tensor([(-1 if r % 3 == 1 else r % 4) for r in range(rows)], device=device)
+    delta = torch.randn(rows, width, generator=gen).to(device)
+    delta[slots < 0] = float("nan")
+    return RowDelta(delta, slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_deferred_lora_term_is_added_as_the_in_place_expand_would(device, dtype):
+    """add_rmsnorm and swiglu with a LoRA term equal adding it to their input (one rounding to the
+    model dtype, rows of slot -1 untouched) and then the plain kernel, bit for bit."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("bf16 under the interpreter is slow; covered on GPU")
+    gen = torch.Generator().manual_seed(2)
+    rows, hidden = 7, 96
+    norm = torch.nn.RMSNorm(hidden, eps=1e-6).to(device, dtype)
+    residual = torch.randn(1, rows, hidden, generator=gen).to(device, dtype)
+    out = torch.randn(1, rows, hidden, generator=gen).to(device, dtype)
+    lora = _lora_term(rows, hidden, device, gen)
+    with torch.no_grad():
+        got = add_rmsnorm(residual, out, norm, lora)
+        want = add_rmsnorm(residual, lora.add_to(out), norm)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    fc1 = torch.randn(rows, 2 * 1500, generator=gen).to(device, dtype)
+    lora = _lora_term(rows, 2 * 1500, device, gen)
+    assert torch.equal(swiglu(fc1, lora), swiglu(lora.add_to(fc1)))
+    assert not torch.isnan(swiglu(fc1, lora)).any()
+    with pytest.raises(ValueError, match="needs the output"):
+        add_rmsnorm(residual, None, norm, lora)

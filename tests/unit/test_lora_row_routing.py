@@ -50,7 +50,10 @@ def test_tiles_cover_every_routed_row_once_in_slot_order(mix, block_m):
 )
 @pytest.mark.parametrize("kind", ["plain", "column", "row"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_row_routed_layer_equals_the_routing_plan(kind, mix, kernels):
+@pytest.mark.parametrize("dense", [False, True], ids=["split-k", "dense-shrink"])
+def test_row_routed_layer_equals_the_routing_plan(kind, mix, kernels, dense):
+    if dense and kernels == "torch":
+        pytest.skip("the dense shrink is a Triton-path schedule")
     layer = _make_layer(kind)
     randomize_slots(layer, RANKS, ALPHAS, seed=3)
     slots = torch.tensor(MIXES[mix])
@@ -60,6 +63,7 @@ def test_row_routed_layer_equals_the_routing_plan(kind, mix, kernels):
         expected, _ = _run(layer, x)
         layer.kernels = kernels
         layer.routing = build_row_routing(slots, N, tile_sizes())
+        layer.routing.dense_shrink = dense
         got, _ = _run(layer, x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -111,3 +115,27 @@ def test_the_split_k_decode_kernels_sum_their_partials(device):
         layer.routing = build_row_routing(slots, N, tile_sizes())
         got = layer(x)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense", [False, True], ids=["split-k", "dense-shrink"])
+def test_a_deferred_lora_term_completes_the_base_output(dense):
+    """forward_deferred on a side stream: the base output plus its LoRA term (rows of slot -1
+    skipped) equals the layer's own forward; without a side stream nothing is deferred."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    layer = _make_layer("column").cuda()
+    randomize_slots(layer, RANKS, ALPHAS, seed=5)
+    slots = torch.tensor(MIXES["mixed"], device="cuda")
+    x = torch.randn(1, len(slots), 12, device="cuda")
+    with torch.no_grad():
+        layer.routing = build_row_routing(slots, N, tile_sizes())
+        layer.routing.dense_shrink = dense
+        expected, _ = layer(x)
+        out, bias, lora = layer.forward_deferred(x)
+        assert lora is None and torch.equal(out, expected)  # no side stream: the usual forward
+        layer.routing.side_stream = torch.cuda.Stream()
+        out, bias, lora = layer.forward_deferred(x)
+    assert lora is not None and bias is None
+    assert not torch.allclose(out, expected)  # the base output alone
+    torch.testing.assert_close(lora.add_to(out), expected, rtol=1e-5, atol=1e-5)

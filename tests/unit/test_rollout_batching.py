@@ -178,18 +178,34 @@ def test_graph_replay_equals_eager_decode_and_follows_weight_updates(tokenizer):
 
 
 @pytest.mark.gpu
-def test_lora_shrink_on_the_side_stream_gives_the_same_tokens(tokenizer, monkeypatch):
+def test_the_decode_lora_schedules_give_the_same_samples(tokenizer, monkeypatch):
+    """The LoRA on the side stream (its term added by the consumer kernels) and the dense shrink
+    give the tokens of the plain schedule, and logprobs within fp32 rounding (the sums are ordered
+    differently), on a model whose adapters change the samples."""
     from miles_multilora.models.compat import init_distributed
     from miles_multilora.rollout import decode_batch
 
     init_distributed()
     model = _lora_gpt(seed=2).cuda()
     requests = _grpo_requests(tokenizer, temperature=1.0)
-    results = []
-    for overlap in (True, False):
+    results = {}
+    for name, overlap, dense_min_slots in (
+        ("plain", False, 1 << 30),
+        ("side", True, 1 << 30),
+        ("dense", True, 1),
+    ):
         monkeypatch.setattr(decode_batch, "LORA_SIDE_STREAM", overlap)
+        monkeypatch.setattr(decode_batch, "LORA_DENSE_MIN_SLOTS", dense_min_slots)
         engine = _engine_for(model, tokenizer, cuda_graphs=True, sync_interval=4)
-        out = engine.generate(requests)
+        results[name] = engine.generate(requests)
         assert (engine._batch.side_stream is not None) == overlap
-        results.append(([_key(r) for r in out], [r.logprobs for r in out]))
-    assert results[0] == results[1]
+        assert any(dense for _, _, dense in engine._graphs._graphs) == (name == "dense")
+    for name in ("side", "dense"):
+        assert [_key(r) for r in results[name]] == [_key(r) for r in results["plain"]]
+        got = [lp for r in results[name] for lp in r.logprobs]
+        want = [lp for r in results["plain"] for lp in r.logprobs]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        for layer in multi_lora_layers(model):
+            layer.lora_B.zero_()
+    assert [_key(r) for r in engine.generate(requests)] != [_key(r) for r in results["plain"]]
