@@ -6,7 +6,8 @@ a full pass over the activations. Here ``add_rmsnorm`` writes the new residual (
 model dtype, as the unfused add is) and its normalised copy in one pass, and ``swiglu`` computes
 ``silu(a) * b`` of the two halves of ``linear_fc1``'s output in one. :func:`fusable` says which
 modules they may stand in for (torch RMSNorm, SiLU-gated MLP without clamping, offsets or bias);
-anything else runs the module itself.
+anything else runs the module itself. Both take the deferred LoRA term of the linear whose output
+they read (:class:`~miles_multilora.lora.row_delta.RowDelta`) and add it as they load.
 """
 
 from __future__ import annotations

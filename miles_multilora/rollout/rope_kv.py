@@ -6,8 +6,9 @@ per layer; at decode batch sizes each costs more in launch latency than in work.
 ``(row, kv group)`` reads the group's slice of Megatron's fused QKV output in place (no split
 copies), rotates its query heads into a new ``q`` and stores its k (rotated) and v straight into the
 row's page; a deferred LoRA term of the QKV linear is added as the values are loaded.
-``cos``/``sin`` come from per-position tables computed once exactly as Megatron does (``(cos(freqs) * mscale).to(dtype)``). Non-interleaved RoPE over the whole
-head only; :func:`fused_rope_kv_supported` says when this applies.
+``cos``/``sin`` come from per-position tables computed once exactly as Megatron does
+(``(cos(freqs) * mscale).to(dtype)``). Non-interleaved RoPE over the whole head only;
+:func:`fused_rope_kv_supported` says when this applies.
 """
 
 from __future__ import annotations
