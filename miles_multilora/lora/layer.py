@@ -233,35 +233,45 @@ class MultiLoRALinear(nn.Module):
             self.max_rank, plan.tiles[cfg["BLOCK_M"]], cfg, plan.rows, self.lora_scale,
         )  # fmt: skip
 
-    def _row_expand(self, out: torch.Tensor, parts: torch.Tensor, plan: RowRouting) -> torch.Tensor:
+    def _row_expand(
+        self, out: torch.Tensor, parts: torch.Tensor, plan: RowRouting, accumulate: bool = True
+    ) -> torch.Tensor:
         """Triton decode expand: sums the partials (after the layer's TP collective) and adds
-        ``h @ B^T`` into the base output rows in place."""
+        ``h @ B^T`` into the base output rows in place (``accumulate=False``: writes it there)."""
         out = _writable(out, no_grad_alias=not torch.is_grad_enabled())
         cfg, b = tk.DECODE_EXPAND_CONFIG, self.lora_B
         tk.scatter_expand(
             out.view(-1, out.shape[-1]), self._tp_h(parts), plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
-            plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=True, dense_scale=self._dense_scale(plan),
+            plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=accumulate,
+            dense_scale=self.lora_scale if plan.dense_shrink else None,
         )  # fmt: skip
         return out
 
-    def _dense_scale(self, plan: RowRouting) -> torch.Tensor | None:
-        return self.lora_scale if plan.dense_shrink else None
+    def _base_forward(
+        self, x: torch.Tensor, args: tuple, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.kind == PLAIN:
+            return self.base(x), None
+        return self.base(x, *args, **kwargs)
 
-    def _forward_rows_overlapped(self, x: torch.Tensor, plan: RowRouting, args: tuple, kwargs: dict):
-        """Decode on a GPU: the LoRA shrink runs on the plan's side stream while the base GEMM runs
-        (it needs only ``x``), then the expand adds into the base output. Both streams meet before
-        the expand, and every side-stream segment starts after the main stream's work so far, so
-        neither reuses memory the other still reads; the fork and join are captured in CUDA graphs."""
+    def _beside_base(self, x: torch.Tensor, plan: RowRouting, args: tuple, kwargs: dict, lora_work):
+        """``(out, bias, lora_work())``: the LoRA work on the plan's side stream while the base GEMM
+        runs on the main stream (both need only ``x``). The streams meet before returning, and every
+        side-stream segment starts after the main stream's work so far, so neither reuses memory the
+        other still reads; the fork and join are captured in CUDA graphs."""
         main = torch.cuda.current_stream(x.device)
         side = plan.side_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            parts = self._row_shrink(x, plan)
-        if self.kind == PLAIN:
-            out, bias = self.base(x), None
-        else:
-            out, bias = self.base(x, *args, **kwargs)
+            result = lora_work()
+        out, bias = self._base_forward(x, args, kwargs)
         main.wait_stream(side)
+        return out, bias, result
+
+    def _forward_rows_overlapped(self, x: torch.Tensor, plan: RowRouting, args: tuple, kwargs: dict):
+        """Decode on a GPU: the LoRA shrink runs beside the base GEMM, then the expand adds into the
+        base output (the path of a caller that does not take a deferred term, and of TP > 1)."""
+        out, bias, parts = self._beside_base(x, plan, args, kwargs, lambda: self._row_shrink(x, plan))
         out = self._row_expand(out, parts, plan)
         return out if self.kind == PLAIN else (out, bias)
 
@@ -284,22 +294,12 @@ class MultiLoRALinear(nn.Module):
         ):
             result = self.forward(x, *args, **kwargs)
             return (result, None, None) if self.kind == PLAIN else (*result, None)
-        main = torch.cuda.current_stream(x.device)
-        side = plan.side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            parts = self._row_shrink(x, plan)
+
+        def lora_term() -> torch.Tensor:
             delta = torch.empty(plan.rows, self.out_features, device=x.device, dtype=torch.float32)
-            cfg, b = tk.DECODE_EXPAND_CONFIG, self.lora_B
-            tk.scatter_expand(
-                delta, parts, plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
-                plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=False, dense_scale=self._dense_scale(plan),
-            )  # fmt: skip
-        if self.kind == PLAIN:
-            out, bias = self.base(x), None
-        else:
-            out, bias = self.base(x, *args, **kwargs)
-        main.wait_stream(side)
+            return self._row_expand(delta, self._row_shrink(x, plan), plan, accumulate=False)
+
+        out, bias, delta = self._beside_base(x, plan, args, kwargs, lora_term)
         return out, bias, RowDelta(delta, plan.row_slots)
 
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -22,16 +22,8 @@ from pathlib import Path
 
 import torch
 
+from miles_multilora._triton import HAVE_TRITON, tl, triton
 from miles_multilora.errors import ConfigError
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
-    triton = None
-    tl = None
-
-HAVE_TRITON = triton is not None
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -44,7 +44,7 @@ class FusedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        x = x if x.stride(-1) == 1 and x.is_contiguous() else x.contiguous()
+        x = x.contiguous()  # a no-op for linear_fc1's output
         ctx.save_for_backward(x)
         return decode_fusions.swiglu(x)
 
@@ -72,7 +72,7 @@ class FusedMLP(MLP):
     def forward(self, hidden_states: torch.Tensor, per_token_scale: Any = None, **kwargs: Any):  # type: ignore[override]
         if not (self.fused and per_token_scale is None and self.fusable and hidden_states.is_cuda):
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
-        intermediate, bias = self.linear_fc1(hidden_states)
+        intermediate, _ = self.linear_fc1(hidden_states)  # no bias: silu_gated_mlp checked it
         return self.linear_fc2(FusedSwiGLU.apply(intermediate))
 
 

@@ -38,8 +38,9 @@ def bucket_for(n: int, max_rows: int) -> int:
 
 
 LORA_SIDE_STREAM = True  # benchmarks switch it off to measure the decode step without the overlap
-# Above this many rows the base GEMMs fill the GPU and the overlap measured 1% slower (H100, 512 rows);
-# at 32 and 128 rows it saved 2-8% of a step (docs/benchmarks.md).
+# Above this many rows the base GEMMs fill the GPU and the LoRA on the side stream measured slower
+# (H100, 512 rows, 16 mixed slots: 6.22 vs 6.05 ms); at 32-256 rows it takes every LoRA kernel off
+# the main stream (docs/benchmarks.md, "LoRA term in the consumer kernels").
 LORA_OVERLAP_MAX_ROWS = 256
 # A step on the side stream whose rows span at least this many adapter slots runs the LoRA shrink as
 # one dense GEMM over every slot (RowRouting.dense_shrink): fewer, larger kernels than split-K over
@@ -65,7 +66,7 @@ class DecodeBatch:
         self.layers = layers
         self.num_slots = layers[0].num_slots if layers else 0
         self.block_ms = tile_sizes() if layers else ()
-        # the LoRA shrinks run beside the base GEMMs on a GPU (MultiLoRALinear._forward_rows_overlapped)
+        # the LoRA runs beside the base GEMMs on a GPU (MultiLoRALinear.forward_deferred)
         overlap = LORA_SIDE_STREAM and paged.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(paged.device) if overlap else None
         device, rows = paged.device, max_rows

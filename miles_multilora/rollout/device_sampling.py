@@ -40,16 +40,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from miles_multilora._triton import HAVE_TRITON, tl, triton
 from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
-    triton = None
-    tl = None
-
-HAVE_TRITON = triton is not None
 
 MASK32 = 0xFFFF_FFFF
 MIX_MUL1, MIX_MUL2 = 0x21F0AAAD, 0x735A2D97

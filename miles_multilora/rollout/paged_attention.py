@@ -16,14 +16,8 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
-    triton = None
-    tl = None
+from miles_multilora._triton import HAVE_TRITON, tl, triton
 
-HAVE_TRITON = triton is not None
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 PROGRAMS_PER_SM = 3

@@ -15,16 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from miles_multilora._triton import HAVE_TRITON, tl, triton
 from miles_multilora.lora.row_delta import RowDelta
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
-    triton = None
-    tl = None
-
-HAVE_TRITON = triton is not None
 
 if HAVE_TRITON:
 
