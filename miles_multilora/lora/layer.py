@@ -21,7 +21,7 @@ from miles_multilora.lora import routed_ops, seq_kernels
 from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.kernels import add_rows_, gather_rows, segmented_matmul
 from miles_multilora.lora.routing import RoutingPlan
-from miles_multilora.lora.row_delta import RowDelta
+from miles_multilora.lora.row_delta import RowDelta, RowShrink
 from miles_multilora.lora.row_routing import RowRouting
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
 
@@ -276,22 +276,32 @@ class MultiLoRALinear(nn.Module):
         return out if self.kind == PLAIN else (out, bias)
 
     def forward_deferred(
-        self, x: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor | None, RowDelta | None]:
+        self, x: torch.Tensor, *args, consumer_expands: bool = False, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RowDelta | RowShrink | None]:
         """``(out, bias, lora)``: a decode step's forward whose LoRA output is left to the consumer.
 
-        On a GPU with a side stream in the row routing (few rows) and one TP rank, the shrink and
-        the expand both run on the side stream while the base GEMM runs, the expand into a new fp32
-        buffer; the streams meet before returning, and ``lora`` (a :class:`RowDelta`) must be added
-        by whoever reads ``out``. Anywhere else this is :meth:`forward` with ``lora`` None.
+        On a GPU with one TP rank and row routing (a decode step):
+
+        * ``consumer_expands`` (the consumer can run the expand itself) and the routing's
+          ``expand_in_consumer``: the shrink runs on the side stream while the base GEMM runs (or
+          after it, without a side stream), and ``lora`` is a :class:`RowShrink`;
+        * otherwise, with a side stream (few rows), the shrink and the expand both run there, the
+          expand into a new fp32 buffer, and ``lora`` is a :class:`RowDelta`.
+
+        The streams meet before returning, and ``lora`` must be added by whoever reads ``out``.
+        Anywhere else this is :meth:`forward` with ``lora`` None.
         """
         plan = self.routing
-        if not (
-            isinstance(plan, RowRouting)
-            and plan.side_stream is not None
-            and self.tp_size == 1
-            and self._use_triton(x)
-        ):
+        rows = isinstance(plan, RowRouting) and self.tp_size == 1 and self._use_triton(x)
+        if rows and consumer_expands and plan.expand_in_consumer:
+            if plan.side_stream is not None:
+                out, bias, h = self._beside_base(x, plan, args, kwargs, lambda: self._row_shrink(x, plan))
+            else:
+                out, bias = self._base_forward(x, args, kwargs)
+                h = self._row_shrink(x, plan)
+            dense_scale = self.lora_scale if plan.dense_shrink else None
+            return out, bias, RowShrink(h, self.lora_B, plan, dense_scale)
+        if not (rows and plan.side_stream is not None):
             result = self.forward(x, *args, **kwargs)
             return (result, None, None) if self.kind == PLAIN else (*result, None)
 

@@ -26,10 +26,17 @@ class RowRouting:
     order: torch.Tensor  # [rows] long: row indices grouped by slot (base-only rows last)
     sorted_slots: torch.Tensor  # [rows] long: slot of each grouped row (num_slots for base rows)
     tiles: dict[int, torch.Tensor] = field(default_factory=dict)  # BLOCK_M -> [3, n] int32 slot/start/end
+    # the same over every row: base-only rows form one more segment, of slot ``num_slots``; its
+    # non-empty tiles come first, and ``all_tile_counts`` ([1] int32) says how many there are
+    all_tiles: dict[int, torch.Tensor] = field(default_factory=dict)
+    all_tile_counts: dict[int, torch.Tensor] = field(default_factory=dict)
     side_stream: torch.cuda.Stream | None = None  # CUDA: the LoRA overlaps the base GEMM there
     # the shrink is one dense GEMM of every slot for every row (the expand picks each row's slot),
     # not the split-K kernel over slot tiles: cheaper for many rows per slot
     dense_shrink: bool = False
+    # a consumer kernel that can run the expand itself (the SwiGLU after fc1) gets the shrink only
+    # (MultiLoRALinear.forward_deferred's RowShrink)
+    expand_in_consumer: bool = False
 
     @property
     def rows(self) -> int:
@@ -51,8 +58,12 @@ def _tiles(counts: torch.Tensor, seg_start: torch.Tensor, rows: int, block_m: in
     return torch.stack([slot, torch.where(valid, start, zero), torch.where(valid, end, zero)]).to(torch.int32)
 
 
-def build_row_routing(row_slots: torch.Tensor, num_slots: int, block_ms: Iterable[int] = ()) -> RowRouting:
-    """Group ``row_slots`` ``[rows]`` by slot on the device; tiles for each ``BLOCK_M`` in ``block_ms``.
+def build_row_routing(
+    row_slots: torch.Tensor, num_slots: int, block_ms: Iterable[int] = (), all_rows: bool = False
+) -> RowRouting:
+    """Group ``row_slots`` ``[rows]`` by slot on the device; tiles for each ``BLOCK_M`` in ``block_ms``
+    (``tiles``: the routed rows; with ``all_rows`` also ``all_tiles``: every row, for a kernel that
+    passes base rows on too).
 
     No host sync and no data-dependent shapes (capturable in a CUDA graph). Slots outside
     ``[-1, num_slots)`` are not checked here: the caller owns the row tensor.
@@ -62,11 +73,14 @@ def build_row_routing(row_slots: torch.Tensor, num_slots: int, block_ms: Iterabl
     sorted_slots, order = torch.sort(key, stable=True)
     counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
     counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync for its output size
-    counts = counts[:num_slots]
     seg_start = counts.cumsum(0) - counts
     routing = RowRouting(num_slots, slots, order, sorted_slots)
     for block_m in sorted(set(block_ms)):
-        routing.tiles[block_m] = _tiles(counts, seg_start, slots.numel(), block_m)
+        routing.tiles[block_m] = _tiles(counts[:num_slots], seg_start[:num_slots], slots.numel(), block_m)
+        if all_rows:
+            routing.all_tiles[block_m] = _tiles(counts, seg_start, slots.numel(), block_m)
+            per_segment = (counts + block_m - 1) // block_m
+            routing.all_tile_counts[block_m] = per_segment.sum().to(torch.int32).view(1)
     return routing
 
 

@@ -37,7 +37,7 @@ def _pad_rank(r: int) -> int:
 if HAVE_TRITON:
 
     @triton.jit
-    def _tile_rows(tile, tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M: tl.constexpr):
+    def tile_rows(tile, tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M: tl.constexpr):
         """A tile's slot, its grouped-token offsets and mask, and their activation rows."""
         slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
         start = tl.load(tile_start_ptr + tile)
@@ -46,6 +46,26 @@ if HAVE_TRITON:
         mask_m = offs_m < end
         rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
         return slot, offs_m, mask_m, rows
+
+    @triton.jit
+    def tile_h(
+        h_ptr, scale_ptr, slot, offs_m, mask_m, rows, R, stride_hp, stride_hm,
+        NUM_PARTS: tl.constexpr, DENSE_H: tl.constexpr, BLOCK_R: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    ):  # fmt: skip
+        """A tile's rows of the decode shrink, ready for the expand: the sum of the split-K partials
+        (``[parts, T, R]`` by grouped row), or with ``DENSE_H`` the tile's slot's columns of the
+        dense shrink (``[T, slots * R]`` by activation row) times its scale."""
+        offs_r = tl.arange(0, BLOCK_R)
+        h_mask = mask_m[:, None] & (offs_r < R)[None, :]
+        if DENSE_H:
+            h_ptrs = h_ptr + rows[:, None] * stride_hm + slot * stride_hp + offs_r[None, :]
+            h = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32) * tl.load(scale_ptr + slot)
+        else:
+            h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :]
+            h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+            for part in tl.static_range(1, NUM_PARTS):
+                h += tl.load(h_ptrs + part * stride_hp, mask=h_mask, other=0.0)
+        return h.to(OUT_DTYPE)
 
     @triton.jit
     def _gather_shrink_kernel(
@@ -58,7 +78,7 @@ if HAVE_TRITON:
     ):  # fmt: skip
         if tl.load(tile_end_ptr + tl.program_id(0)) <= tl.load(tile_start_ptr + tl.program_id(0)):
             return  # an empty tile of a fixed-length (device-built) schedule
-        slot, offs_m, mask_m, rows = _tile_rows(
+        slot, offs_m, mask_m, rows = tile_rows(
             tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
         )
         offs_r = tl.arange(0, BLOCK_R)
@@ -96,7 +116,7 @@ if HAVE_TRITON:
         if tl.load(tile_end_ptr + tl.program_id(0)) <= tl.load(tile_start_ptr + tl.program_id(0)):
             return
         part = tl.program_id(1)
-        slot, offs_m, mask_m, rows = _tile_rows(
+        slot, offs_m, mask_m, rows = tile_rows(
             tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
         )
         offs_r = tl.arange(0, BLOCK_R)
@@ -135,7 +155,7 @@ if HAVE_TRITON:
         if tl.load(tile_end_ptr + tl.program_id(0)) <= tl.load(tile_start_ptr + tl.program_id(0)):
             return  # an empty tile of a fixed-length (device-built) schedule
         pid_n = tl.program_id(1)
-        slot, offs_m, mask_m, rows = _tile_rows(
+        slot, offs_m, mask_m, rows = tile_rows(
             tl.program_id(0), tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
         )
         offs_r = tl.arange(0, BLOCK_R)
@@ -355,6 +375,17 @@ def split_shrink(
     return y
 
 
+def expand_input(
+    h: torch.Tensor, weight: torch.Tensor, dense: bool
+) -> tuple[torch.Tensor, int, int, int, int]:
+    """How an expand reads the shrink ``h`` (see :func:`scatter_expand`): ``(h, rank, stride between
+    parts or slots, stride between rows, number of partial sums)``."""
+    if dense:
+        return h, h.shape[1] // weight.shape[0], h.shape[1] // weight.shape[0], h.stride(0), 1
+    parts = h.unsqueeze(0) if h.dim() == 2 else h
+    return parts, parts.shape[2], parts.stride(0), parts.stride(1), parts.shape[0]
+
+
 def scatter_expand(
     out: torch.Tensor,
     h: torch.Tensor,
@@ -372,12 +403,7 @@ def scatter_expand(
     activation row (one dense GEMM), of which row ``rows[i]`` takes its slot's ``R`` columns."""
     if tiles.shape[1] == 0:
         return out
-    if dense_scale is not None:
-        parts, rank = h, h.shape[1] // weight.shape[0]
-        stride_part, stride_row = rank, h.stride(0)
-    else:
-        parts = h.unsqueeze(0) if h.dim() == 2 else h
-        rank, stride_part, stride_row = parts.shape[2], parts.stride(0), parts.stride(1)
+    parts, rank, stride_part, stride_row, num_parts = expand_input(h, weight, dense_scale is not None)
     n_out = out.shape[1]
     split_n = min(cfg["SPLIT_N"], triton.cdiv(n_out, cfg["BLOCK_N"]))
     grid = (tiles.shape[1], split_n)
@@ -386,7 +412,7 @@ def scatter_expand(
         tiles[0], tiles[1], tiles[2],
         n_out, rank,
         stride_part, stride_row, weight_strides[0], weight_strides[1], weight_strides[2], out.stride(0),
-        ACCUMULATE=accumulate, SPLIT_N=split_n, NUM_PARTS=1 if dense_scale is not None else parts.shape[0],
+        ACCUMULATE=accumulate, SPLIT_N=split_n, NUM_PARTS=num_parts,
         DENSE_H=dense_scale is not None, BLOCK_R=_pad_rank(rank), PRECISION=_precision(weight.dtype),
         **_meta(cfg),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

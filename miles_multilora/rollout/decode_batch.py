@@ -48,6 +48,10 @@ LORA_OVERLAP_MAX_ROWS = 256
 # at 256; one slot: 2.33 vs 2.21 (split-K reads one slot's weights); at 512 rows, off the side
 # stream, the skinny GEMM is slower (6.22 vs 6.05 ms).
 LORA_DENSE_MIN_SLOTS = 8
+# From this many rows the SwiGLU runs fc1's LoRA expand itself (RowRouting.expand_in_consumer):
+# H100, 512 rows: 5.97 vs 6.02 ms (16 mixed slots); at 32-256 rows, where the expand otherwise runs
+# on the side stream, it measured 1-3% slower.
+LORA_EXPAND_IN_SWIGLU_MIN_ROWS = LORA_OVERLAP_MAX_ROWS + 1
 
 
 class DecodeBatch:
@@ -105,9 +109,11 @@ class DecodeBatch:
         """Point every MultiLoRA layer at ``slots`` (one per row), from the device tensor itself."""
         if not self.layers:
             return
-        routing = build_row_routing(slots, self.num_slots, self.block_ms)
+        in_consumer = slots.numel() >= LORA_EXPAND_IN_SWIGLU_MIN_ROWS
+        routing = build_row_routing(slots, self.num_slots, self.block_ms, all_rows=in_consumer)
         routing.side_stream = self.side_stream_for(slots.numel())
         routing.dense_shrink = dense
+        routing.expand_in_consumer = in_consumer
         for layer in self.layers:
             layer.routing = routing
 

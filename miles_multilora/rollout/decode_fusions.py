@@ -15,10 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miles_multilora._triton import HAVE_TRITON, tl, triton
-from miles_multilora.lora.row_delta import RowDelta
+from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
+from miles_multilora.lora import triton_kernels as tk
+from miles_multilora.lora.row_delta import RowDelta, RowShrink
+
+# the SwiGLU that runs fc1's LoRA expand: output columns per work item, programs per SM, warps
+SWIGLU_EXPAND_CONFIG = dict(BLOCK_N=128, PROGRAMS_PER_SM=8, num_warps=4)
 
 if HAVE_TRITON:
+    from miles_multilora.lora.triton_kernels import tile_h, tile_rows
 
     @triton.jit
     def _add_rmsnorm_kernel(
@@ -63,6 +68,55 @@ if HAVE_TRITON:
         a = a.to(tl.float32)
         y = a / (1.0 + tl.exp(-a)) * b.to(tl.float32)
         tl.store(out_ptr + row * F_DIM + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_expand_kernel(
+        x_ptr, out_ptr, h_ptr, w_ptr, scale_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
+        num_tiles_ptr, F_DIM, R, NUM_SLOTS, stride_x, stride_hp, stride_hm, stride_ws, stride_wn, stride_wr,
+        NUM_PARTS: tl.constexpr, DENSE_H: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """The work items (non-empty tile of rows of one slot, column block), tile-major, are split
+        evenly over the programs, whatever the slot mix. Per item: fc1's LoRA expand for the tile's
+        rows (tiles of slot ``NUM_SLOTS``, the base-only rows, have none) added to both halves as the
+        in-place expand rounds it, then ``silu(a) * b``. A program reads a tile's shrink once."""
+        n_blocks = tl.cdiv(F_DIM, BLOCK_N)
+        total = tl.load(num_tiles_ptr) * n_blocks
+        per = tl.cdiv(total, tl.num_programs(0))
+        first = tl.program_id(0) * per
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=w_ptr.dtype.element_ty)
+        h_tile = -1
+        for item in range(first, tl.minimum(first + per, total)):
+            tile = item // n_blocks
+            slot, offs_m, mask_m, rows = tile_rows(
+                tile, tile_slot_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, BLOCK_M
+            )
+            offs_n = (item % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < F_DIM
+            mask = mask_m[:, None] & mask_n[None, :]
+            a_ptrs = x_ptr + rows[:, None] * stride_x + offs_n[None, :]
+            a = tl.load(a_ptrs, mask=mask, other=0.0)
+            b = tl.load(a_ptrs + F_DIM, mask=mask, other=0.0)
+            if slot < NUM_SLOTS:
+                if tile != h_tile:
+                    h = tile_h(
+                        h_ptr, scale_ptr, slot, offs_m, mask_m, rows, R, stride_hp, stride_hm,
+                        NUM_PARTS, DENSE_H, BLOCK_R, w_ptr.dtype.element_ty,
+                    )  # fmt: skip
+                    h_tile = tile
+                w_ptrs = w_ptr + slot * stride_ws + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn
+                w_mask = mask_r[:, None] & mask_n[None, :]
+                w_a = tl.load(w_ptrs, mask=w_mask, other=0.0)
+                w_b = tl.load(w_ptrs + F_DIM * stride_wn, mask=w_mask, other=0.0)
+                a = (tl.dot(h, w_a, input_precision=PRECISION) + a.to(tl.float32)).to(a.dtype)
+                b = (tl.dot(h, w_b, input_precision=PRECISION) + b.to(tl.float32)).to(b.dtype)
+            af = a.to(tl.float32)
+            y = af / (1.0 + tl.exp(-af)) * b.to(tl.float32)
+            tl.store(
+                out_ptr + rows[:, None] * F_DIM + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
+            )
 
 
 def fusable(norm: torch.nn.Module, mlp: torch.nn.Module, device: torch.device) -> tuple[bool, bool]:
@@ -113,18 +167,41 @@ def add_rmsnorm(
     return res_out.view(residual.shape), norm_out.view(residual.shape)
 
 
-def swiglu(x: torch.Tensor, lora: RowDelta | None = None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, lora: RowDelta | RowShrink | None = None) -> torch.Tensor:
     """``silu(x[..., :F]) * x[..., F:]`` for ``x`` ``[..., 2F]`` (Megatron's gated linear unit);
-    ``lora``: ``x``'s deferred LoRA term, added to it first."""
+    ``lora``: ``x``'s deferred LoRA term, added to it first (a :class:`RowShrink`: its expand runs
+    here, per tile of rows of one slot)."""
     two_f = x.shape[-1]
     rows = x.reshape(-1, two_f)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     f_dim = two_f // 2
     out = torch.empty(rows.shape[0], f_dim, dtype=x.dtype, device=x.device)
+    if isinstance(lora, RowShrink):
+        _swiglu_expand(rows, out, lora)
+        return out.view(*x.shape[:-1], f_dim)
     block = 1024
     _swiglu_kernel[(rows.shape[0], triton.cdiv(f_dim, block))](
         rows, out, lora.delta if lora is not None else rows, lora.row_slots if lora is not None else rows,
         f_dim, rows.stride(0), HAS_LORA=lora is not None, BLOCK=block,
     )  # fmt: skip
     return out.view(*x.shape[:-1], f_dim)
+
+
+def _swiglu_expand(x: torch.Tensor, out: torch.Tensor, lora: RowShrink) -> None:
+    block_m = tk.DECODE_EXPAND_CONFIG["BLOCK_M"]
+    tiles, w = lora.plan.all_tiles[block_m], lora.weight
+    h, rank, stride_part, stride_row, num_parts = tk.expand_input(lora.h, w, lora.dense_scale is not None)
+    f_dim = out.shape[1]
+    cfg = SWIGLU_EXPAND_CONFIG
+    items = tiles.shape[1] * triton.cdiv(f_dim, cfg["BLOCK_N"])  # at most
+    programs = min(items, cfg["PROGRAMS_PER_SM"] * num_sms(x.device))
+    _swiglu_expand_kernel[(programs,)](
+        x, out, h, w, lora.dense_scale if lora.dense_scale is not None else out, lora.plan.order,
+        tiles[0], tiles[1], tiles[2], lora.plan.all_tile_counts[block_m],
+        f_dim, rank, lora.plan.num_slots, x.stride(0), stride_part, stride_row,
+        w.stride(0), w.stride(1), w.stride(2),
+        NUM_PARTS=num_parts, DENSE_H=lora.dense_scale is not None, BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        PRECISION="ieee" if w.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+    )  # fmt: skip

@@ -109,7 +109,10 @@ if HAVE_TRITON:
             offs = off + tl.arange(0, BLOCK)
             mask = offs < end
             x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            z = tl.math.div_rn(x, t_eff)
+            if t_eff == 1.0:  # x / 1 is x: skip the IEEE division (RL samples at T = 1)
+                z = x
+            else:
+                z = tl.math.div_rn(x, t_eff)
             m_new = tl.maximum(m, tl.max(z, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)

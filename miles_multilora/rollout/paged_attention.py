@@ -12,11 +12,9 @@ syncs with the host and allocates by shape only, so it can be captured in a CUDA
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from miles_multilora._triton import HAVE_TRITON, tl, triton
+from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -161,11 +159,6 @@ def write_prefill_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, flat, v[rows, pos].to(v_cache.dtype))
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int = 132) -> int:
     """Splits per (row, kv head) so the grid has ~PROGRAMS_PER_SM programs per SM; 1 for large batches,
     at most MAX_SPLITS, and no more than the key blocks of the longest possible row."""
@@ -190,8 +183,7 @@ def _attention_triton(
     group = heads // kv_heads
     max_len = block_table.shape[1] * page_size
     if num_splits is None:
-        sms = _num_sms(q.device.index if q.device.index is not None else 0) if q.is_cuda else 132
-        num_splits = default_num_splits(batch, kv_heads, max_len, sms)
+        num_splits = default_num_splits(batch, kv_heads, max_len, num_sms(q.device))
     out = torch.empty_like(q)
     if batch == 0:
         return out

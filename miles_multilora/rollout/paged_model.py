@@ -21,7 +21,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from torch import Tensor
 
 from miles_multilora.lora.layer import MultiLoRALinear
-from miles_multilora.lora.row_delta import RowDelta
+from miles_multilora.lora.row_delta import RowDelta, RowShrink
 from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
@@ -132,23 +132,25 @@ class PagedModel:
         return hidden, norm(hidden)
 
     @staticmethod
-    def _linear(module: torch.nn.Module, x: Tensor) -> tuple[Tensor, RowDelta | None]:
+    def _linear(
+        module: torch.nn.Module, x: Tensor, consumer_expands: bool = False
+    ) -> tuple[Tensor, RowDelta | RowShrink | None]:
         """A decode step's linear: its output (bias added) and the LoRA term it left to the consumer
         (:meth:`MultiLoRALinear.forward_deferred`; None when it added it itself)."""
         if isinstance(module, MultiLoRALinear):
-            out, bias, lora = module.forward_deferred(x)
+            out, bias, lora = module.forward_deferred(x, consumer_expands=consumer_expands)
         else:
             (out, bias), lora = module(x), None
         if bias is not None:  # the LoRA term goes on the output before the bias, as in the layer
             out, lora = (lora.add_to(out) if lora is not None else out) + bias, None
         return out, lora
 
-    def _mlp(self, layer: Any, x: Tensor) -> tuple[Tensor, RowDelta | None]:
+    def _mlp(self, layer: Any, x: Tensor) -> tuple[Tensor, RowDelta | RowShrink | None]:
         """The layer's MLP output (bias added) and fc2's deferred LoRA term; the SwiGLU is fused
-        (fc1's LoRA term added in it) when the config allows it."""
+        (and runs fc1's LoRA expand) when the config allows it."""
         mlp = layer.mlp
         if self.fused[id(mlp)]:
-            out, lora = self._linear(mlp.linear_fc1, x)
+            out, lora = self._linear(mlp.linear_fc1, x, consumer_expands=True)
             return self._linear(mlp.linear_fc2, swiglu(out, lora))
         out, bias = mlp(x)
         return (out + bias if bias is not None else out), None

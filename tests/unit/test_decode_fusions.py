@@ -80,3 +80,50 @@ def test_a_deferred_lora_term_is_added_as_the_in_place_expand_would(device, dtyp
     assert not torch.isnan(swiglu(fc1, lora)).any()
     with pytest.raises(ValueError, match="needs the output"):
         add_rmsnorm(residual, None, norm, lora)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dense", [False, True], ids=["split-k", "dense-shrink"])
+@pytest.mark.parametrize("mix", ["mixed", "base-only"])
+@pytest.mark.parametrize("programs", ["one-item-each", "few"])
+def test_swiglu_runs_fc1s_lora_expand_as_the_in_place_expand_would(device, dense, mix, programs, monkeypatch):
+    """fc1 leaves its shrink to the SwiGLU (a RowShrink): the result equals the layer's own forward
+    (in-place expand) and then the plain SwiGLU, bit for bit, for any slot mix; more rows than one
+    tile per slot, and the base-only rows (a segment of their own) pass through unchanged. With few
+    programs, each walks several work items across tiles (reading each tile's shrink once)."""
+    from torch import nn
+
+    from miles_multilora.rollout import decode_fusions
+
+    if programs == "few":
+        monkeypatch.setattr(decode_fusions, "num_sms", lambda device: 1)  # 3 programs, 21 items
+        monkeypatch.setattr(
+            decode_fusions, "SWIGLU_EXPAND_CONFIG", dict(BLOCK_N=32, PROGRAMS_PER_SM=3, num_warps=4)
+        )
+
+    from miles_multilora.lora import MultiLoRALinear
+    from miles_multilora.lora.row_delta import RowShrink
+    from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
+    from miles_multilora.lora.testing import randomize_slots
+
+    ranks, alphas = [4, 2, 0, 3], [8.0, 3.0, 1.0, 7.0]
+    torch.manual_seed(3)
+    fc1 = MultiLoRALinear(nn.Linear(24, 2 * 80, bias=False), 4, 4, key="fc1", kernels="triton").to(device)
+    randomize_slots(fc1, ranks, alphas, seed=6)
+    pattern = [0, -1, 3, 0, 1, 0, 2, 0, -1] if mix == "mixed" else [-1]
+    slots = torch.tensor((pattern * 3)[:21], device=device)  # slot 0 spans two tiles of 16
+    x = torch.randn(len(slots), 24, device=device)
+    with torch.no_grad():
+        fc1.routing = build_row_routing(slots, 4, tile_sizes(), all_rows=True)
+        fc1.routing.dense_shrink = dense
+        expected = swiglu(fc1(x))
+        assert fc1.forward_deferred(x, consumer_expands=True)[2] is None  # the routing did not ask
+        fc1.routing.expand_in_consumer = True
+        out, bias, lora = fc1.forward_deferred(x, consumer_expands=True)
+        assert isinstance(lora, RowShrink) and bias is None
+        torch.testing.assert_close(out, fc1.base(x), rtol=0, atol=0)  # the base output alone
+        got = swiglu(out, lora)
+        assert torch.equal(lora.add_to(out), fc1(x))
+    assert torch.equal(got, expected)
+    if mix == "mixed":
+        assert not torch.equal(got, swiglu(fc1.base(x)))

@@ -179,28 +179,40 @@ def test_graph_replay_equals_eager_decode_and_follows_weight_updates(tokenizer):
 
 @pytest.mark.gpu
 def test_the_decode_lora_schedules_give_the_same_samples(tokenizer, monkeypatch):
-    """The LoRA on the side stream (its term added by the consumer kernels) and the dense shrink
-    give the tokens of the plain schedule, and logprobs within fp32 rounding (the sums are ordered
-    differently), on a model whose adapters change the samples."""
+    """The LoRA on the side stream (its term added by the consumer kernels), the dense shrink, and
+    fc1's expand run by the SwiGLU (with and without the side stream) give the tokens of the plain
+    schedule, and logprobs within fp32 rounding (the sums are ordered differently), on a model whose
+    adapters change the samples."""
     from miles_multilora.models.compat import init_distributed
-    from miles_multilora.rollout import decode_batch
+    from miles_multilora.rollout import decode_batch, decode_fusions
 
     init_distributed()
     model = _lora_gpt(seed=2).cuda()
     requests = _grpo_requests(tokenizer, temperature=1.0)
     results = {}
-    for name, overlap, dense_min_slots in (
-        ("plain", False, 1 << 30),
-        ("side", True, 1 << 30),
-        ("dense", True, 1),
+    expands_in_swiglu = []
+    run_expand = decode_fusions._swiglu_expand
+    monkeypatch.setattr(
+        decode_fusions, "_swiglu_expand", lambda *args: expands_in_swiglu.append(1) or run_expand(*args)
+    )
+    never = 1 << 30
+    for name, overlap, dense_min_slots, swiglu_min_rows in (
+        ("plain", False, never, never),
+        ("side", True, never, never),
+        ("dense", True, 1, never),
+        ("swiglu", False, never, 0),
+        ("side+swiglu", True, never, 0),
     ):
         monkeypatch.setattr(decode_batch, "LORA_SIDE_STREAM", overlap)
         monkeypatch.setattr(decode_batch, "LORA_DENSE_MIN_SLOTS", dense_min_slots)
+        monkeypatch.setattr(decode_batch, "LORA_EXPAND_IN_SWIGLU_MIN_ROWS", swiglu_min_rows)
         engine = _engine_for(model, tokenizer, cuda_graphs=True, sync_interval=4)
+        expands_in_swiglu.clear()
         results[name] = engine.generate(requests)
+        assert bool(expands_in_swiglu) == (swiglu_min_rows == 0)  # captured with the path asked for
         assert (engine._batch.side_stream is not None) == overlap
         assert any(dense for _, _, dense in engine._graphs._graphs) == (name == "dense")
-    for name in ("side", "dense"):
+    for name in ("side", "dense", "swiglu", "side+swiglu"):
         assert [_key(r) for r in results[name]] == [_key(r) for r in results["plain"]]
         got = [lp for r in results[name] for lp in r.logprobs]
         want = [lp for r in results["plain"] for lp in r.logprobs]
