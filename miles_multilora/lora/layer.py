@@ -239,10 +239,8 @@ class MultiLoRALinear(nn.Module):
         """Triton decode expand: sums the partials (after the layer's TP collective) and adds
         ``h @ B^T`` into the base output rows in place (``accumulate=False``: writes it there)."""
         out = _writable(out, no_grad_alias=not torch.is_grad_enabled())
-        cfg, b = tk.DECODE_EXPAND_CONFIG, self.lora_B
-        tk.scatter_expand(
-            out.view(-1, out.shape[-1]), self._tp_h(parts), plan.order, b, (b.stride(0), b.stride(1), b.stride(2)),
-            plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=accumulate,
+        tk.decode_expand(
+            out.view(-1, out.shape[-1]), self._tp_h(parts), plan.order, plan.tiles, self.lora_B, accumulate,
             dense_scale=self.lora_scale if plan.dense_shrink else None,
         )  # fmt: skip
         return out

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.row_routing import RowRouting
 
 
@@ -60,12 +61,9 @@ class RowShrink:
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         """A copy of ``out`` with the term added to its routed rows (the separate in-place expand)."""
-        from miles_multilora.lora import triton_kernels as tk
-
-        cfg, w = tk.DECODE_EXPAND_CONFIG, self.weight
         result = out.contiguous().clone()
-        tk.scatter_expand(
-            result.view(-1, result.shape[-1]), self.h, self.plan.order, w, (w.stride(0), w.stride(1), w.stride(2)),
-            self.plan.tiles[cfg["BLOCK_M"]], cfg, accumulate=True, dense_scale=self.dense_scale,
+        tk.decode_expand(
+            result.view(-1, result.shape[-1]), self.h, self.plan.order, self.plan.tiles, self.weight,
+            accumulate=True, dense_scale=self.dense_scale,
         )  # fmt: skip
         return result

@@ -43,8 +43,11 @@ class RowRouting:
         return int(self.row_slots.numel())
 
 
-def _tiles(counts: torch.Tensor, seg_start: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
-    """``[3, cdiv(rows, block_m) + num_slots]`` int32 (slot, start, end) tiles of every segment."""
+def _tiles(
+    counts: torch.Tensor, seg_start: torch.Tensor, rows: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[3, cdiv(rows, block_m) + num_slots]`` int32 (slot, start, end) tiles of every segment, the
+    non-empty ones first, and how many those are (``[1]`` int32)."""
     num_slots = counts.numel()
     per_slot = (counts + block_m - 1) // block_m
     cum = per_slot.cumsum(0)
@@ -55,7 +58,8 @@ def _tiles(counts: torch.Tensor, seg_start: torch.Tensor, rows: int, block_m: in
     start = seg_start[slot] + (t - (cum[slot] - per_slot[slot])) * block_m
     end = torch.minimum(start + block_m, seg_start[slot] + counts[slot])
     zero = torch.zeros_like(start)
-    return torch.stack([slot, torch.where(valid, start, zero), torch.where(valid, end, zero)]).to(torch.int32)
+    tiles = torch.stack([slot, torch.where(valid, start, zero), torch.where(valid, end, zero)])
+    return tiles.to(torch.int32), cum[-1:].to(torch.int32)
 
 
 def build_row_routing(
@@ -76,11 +80,11 @@ def build_row_routing(
     seg_start = counts.cumsum(0) - counts
     routing = RowRouting(num_slots, slots, order, sorted_slots)
     for block_m in sorted(set(block_ms)):
-        routing.tiles[block_m] = _tiles(counts[:num_slots], seg_start[:num_slots], slots.numel(), block_m)
+        routing.tiles[block_m] = _tiles(counts[:num_slots], seg_start[:num_slots], slots.numel(), block_m)[0]
         if all_rows:
-            routing.all_tiles[block_m] = _tiles(counts, seg_start, slots.numel(), block_m)
-            per_segment = (counts + block_m - 1) // block_m
-            routing.all_tile_counts[block_m] = per_segment.sum().to(torch.int32).view(1)
+            routing.all_tiles[block_m], routing.all_tile_counts[block_m] = _tiles(
+                counts, seg_start, slots.numel(), block_m
+            )
     return routing
 
 

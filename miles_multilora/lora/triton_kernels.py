@@ -160,16 +160,10 @@ if HAVE_TRITON:
         )
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        h_mask = mask_m[:, None] & mask_r[None, :]
-        if DENSE_H:  # every slot's shrink of every row ([T, slots * R], by activation row): take its own
-            h_ptrs = h_ptr + rows[:, None] * stride_hm + slot * stride_hp + offs_r[None, :]
-            h = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32) * tl.load(scale_ptr + slot)
-        else:
-            h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :]
-            h = tl.load(h_ptrs, mask=h_mask, other=0.0)
-            for part in tl.static_range(1, NUM_PARTS):  # split-K partial sums of the decode shrink
-                h += tl.load(h_ptrs + part * stride_hp, mask=h_mask, other=0.0)
-        h = h.to(w_ptr.dtype.element_ty)
+        h = tile_h(
+            h_ptr, scale_ptr, slot, offs_m, mask_m, rows, R, stride_hp, stride_hm,
+            NUM_PARTS, DENSE_H, BLOCK_R, w_ptr.dtype.element_ty,
+        )  # fmt: skip
         w_base = w_ptr + slot * stride_ws + offs_r[:, None] * stride_wr
         o_base = out_ptr + rows[:, None] * stride_om
         for n0 in range(pid_n * BLOCK_N, N_OUT, SPLIT_N * BLOCK_N):
@@ -418,6 +412,24 @@ def scatter_expand(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
+
+
+def decode_expand(
+    out: torch.Tensor,
+    h: torch.Tensor,
+    order: torch.Tensor,
+    tiles: dict[int, torch.Tensor],
+    weight: torch.Tensor,
+    accumulate: bool,
+    dense_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`scatter_expand` of a decode step: ``weight`` is ``lora_B`` ``[slots, out, R]``, the
+    launch is ``DECODE_EXPAND_CONFIG`` and ``tiles`` the row routing's tile lists by ``BLOCK_M``."""
+    cfg = DECODE_EXPAND_CONFIG
+    return scatter_expand(
+        out, h, order, weight, (weight.stride(0), weight.stride(1), weight.stride(2)),
+        tiles[cfg["BLOCK_M"]], cfg, accumulate=accumulate, dense_scale=dense_scale,
+    )  # fmt: skip
 
 
 def segment_weight_grad(
