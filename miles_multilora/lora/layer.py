@@ -105,6 +105,9 @@ class MultiLoRALinear(nn.Module):
             "lora_scale", torch.zeros(num_slots, dtype=torch.float32, device=dev), persistent=False
         )
         self.routing: RoutingPlan | RowRouting | None = None
+        # the base weight with every slot's lora_A rows under it, the base weight a view of its top
+        # rows (decode steps on a GPU; miles_multilora.lora.stacked_shrink)
+        self.stacked_weight: torch.Tensor | None = None
 
     def _init_tp(self, base: nn.Module) -> None:
         if getattr(base.config, "sequence_parallel", False) and getattr(base, "sequence_parallel", False):
@@ -144,6 +147,9 @@ class MultiLoRALinear(nn.Module):
     def _apply(self, fn, recurse=True):  # keep the scales fp32 whatever dtype the model is cast to
         super()._apply(fn, recurse)
         self.lora_scale = torch.tensor(self.slot_scale, dtype=torch.float32, device=self.lora_A.device)
+        stacked = self.stacked_weight
+        if stacked is not None and self.base.weight.data_ptr() != stacked.data_ptr():
+            self.stacked_weight = None  # the base weight moved: free the stale stack
         return self
 
     # ----- forward -----
@@ -245,6 +251,12 @@ class MultiLoRALinear(nn.Module):
         )  # fmt: skip
         return out
 
+    def _stacked_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, h)`` from one GEMM with the stacked weight: the base output (a view of the first
+        ``out`` columns, rows strided) and every slot's unscaled shrink ``[rows, slots * R]``."""
+        y = torch.nn.functional.linear(x, self.stacked_weight)
+        return y[..., : self.out_features], y.view(-1, y.shape[-1])[:, self.out_features :]
+
     def _base_forward(
         self, x: torch.Tensor, args: tuple, kwargs: dict
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -280,6 +292,10 @@ class MultiLoRALinear(nn.Module):
 
         On a GPU with one TP rank and row routing (a decode step):
 
+        * with the routing's ``stacked_shrink`` and a stacked weight (many rows), one GEMM gives the
+          base output and the shrink (:mod:`~miles_multilora.lora.stacked_shrink`); the output is a
+          row-strided view, and the expand runs into it in place, or is left to a consumer that
+          takes it (``consumer_expands``) as a :class:`RowShrink`;
         * ``consumer_expands`` (the consumer can run the expand itself) and the routing's
           ``expand_in_consumer``: the shrink runs on the side stream while the base GEMM runs (or
           after it, without a side stream), and ``lora`` is a :class:`RowShrink`;
@@ -291,6 +307,16 @@ class MultiLoRALinear(nn.Module):
         """
         plan = self.routing
         rows = isinstance(plan, RowRouting) and self.tp_size == 1 and self._use_triton(x)
+        if rows and plan.stacked_shrink and self.stacked_weight is not None:
+            self._row_input(x, plan)  # the row count must match the routing
+            out, h = self._stacked_forward(x)
+            if consumer_expands and plan.expand_in_consumer:
+                return out, None, RowShrink(h, self.lora_B, plan, self.lora_scale)
+            tk.decode_expand(
+                out.view(-1, out.shape[-1]), h, plan.order, plan.tiles, self.lora_B, True,
+                dense_scale=self.lora_scale,
+            )  # fmt: skip
+            return out, None, None  # the expand wrote into the strided view in place
         if rows and consumer_expands and plan.expand_in_consumer:
             if plan.side_stream is not None:
                 out, bias, h = self._beside_base(x, plan, args, kwargs, lambda: self._row_shrink(x, plan))

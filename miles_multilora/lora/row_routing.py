@@ -37,6 +37,9 @@ class RowRouting:
     # a consumer kernel that can run the expand itself (the SwiGLU after fc1) gets the shrink only
     # (MultiLoRALinear.forward_deferred's RowShrink)
     expand_in_consumer: bool = False
+    # layers with a stacked weight (every slot's lora_A under the base weight) take the shrink from
+    # the base GEMM's extra columns (MultiLoRALinear.forward_deferred; many rows per step)
+    stacked_shrink: bool = False
 
     @property
     def rows(self) -> int:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
+from miles_multilora.lora.stacked_shrink import sync_stacked
 from miles_multilora.rollout.device_sampling import sample_tokens
 from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.paged_model import PagedModel
@@ -52,6 +53,13 @@ LORA_DENSE_MIN_SLOTS = 8
 # H100, 512 rows: 5.97 vs 6.02 ms (16 mixed slots); at 32-256 rows, where the expand otherwise runs
 # on the side stream, it measured 1-3% slower.
 LORA_EXPAND_IN_SWIGLU_MIN_ROWS = LORA_OVERLAP_MAX_ROWS + 1
+# From this many rows a layer with a stacked weight (miles_multilora.lora.stacked_shrink) takes its
+# LoRA shrink from the base GEMM's extra columns (the expand follows on the main stream) instead of
+# a shrink kernel, beside the GEMM or after it. H100, 16 mixed slots / base only, ms per step:
+# 2.50 / 2.30 against 2.44 / 2.12 at 32 rows, 2.62 / 2.42 against 2.63 / 2.30 at 64, 2.90 / 2.71
+# against 3.02 / 2.58 at 128, 3.66 / 3.49 against 3.95 / 3.49 at 256, 5.48 / 5.25 against 5.95 /
+# 5.37 at 512 (docs/benchmarks.md, "The shrink in the base GEMM").
+LORA_STACKED_MIN_ROWS = 128
 
 
 class DecodeBatch:
@@ -114,8 +122,17 @@ class DecodeBatch:
         routing.side_stream = self.side_stream_for(slots.numel())
         routing.dense_shrink = dense
         routing.expand_in_consumer = in_consumer
+        routing.stacked_shrink = slots.numel() >= LORA_STACKED_MIN_ROWS
         for layer in self.layers:
             layer.routing = routing
+
+    def sync_lora(self) -> int:
+        """Before a generation: the stacked weights carry the current ``lora_A`` of every layer
+        that has one (they are created at the first call; optimizer steps and slot loads write
+        ``lora_A`` in place). Returns how many layers are stacked."""
+        if self.paged.device.type != "cuda":
+            return 0
+        return sync_stacked(self.layers)
 
     def step(self, n: int, filtered: bool, dense: bool = False, block_pages: int | None = None) -> None:
         """One decode step of rows ``[0, n)``: no host sync, every update in place.

@@ -27,7 +27,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rmsnorm_kernel(
-        res_ptr, delta_ptr, weight_ptr, res_out_ptr, norm_out_ptr, lora_ptr, slots_ptr, H, eps,
+        res_ptr, delta_ptr, weight_ptr, res_out_ptr, norm_out_ptr, lora_ptr, slots_ptr, H, stride_d, eps,
         HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
@@ -35,7 +35,7 @@ if HAVE_TRITON:
         mask = offs < H
         x = tl.load(res_ptr + row * H + offs, mask=mask, other=0.0)
         if HAS_DELTA:
-            d = tl.load(delta_ptr + row * H + offs, mask=mask, other=0.0)
+            d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
             if HAS_LORA:  # the linear's output plus its row's LoRA term, rounded as the in-place expand
                 routed = tl.load(slots_ptr + row) >= 0
                 lora = tl.load(lora_ptr + row * H + offs, mask=mask & routed, other=0.0)
@@ -154,14 +154,17 @@ def add_rmsnorm(
     if lora is not None and delta is None:
         raise ValueError("a LoRA term needs the output it belongs to (delta)")
     hidden = residual.shape[-1]
-    x = residual.reshape(-1, hidden)
+    x = residual.reshape(-1, hidden).contiguous()
     rows = x.shape[0]
     res_out = torch.empty_like(x) if delta is not None else x
     norm_out = torch.empty_like(x)
+    d = delta.reshape(-1, hidden) if delta is not None else x  # rows may be strided (a stacked GEMM's)
+    if d.stride(-1) != 1:
+        d = d.contiguous()
     _add_rmsnorm_kernel[(rows,)](
-        x, delta.reshape(-1, hidden) if delta is not None else x, norm.weight, res_out, norm_out,
+        x, d, norm.weight, res_out, norm_out,
         lora.delta if lora is not None else x, lora.row_slots if lora is not None else x,
-        hidden, float(norm.eps), HAS_DELTA=delta is not None, HAS_LORA=lora is not None,
+        hidden, d.stride(0), float(norm.eps), HAS_DELTA=delta is not None, HAS_LORA=lora is not None,
         BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 4096 else 8,
     )  # fmt: skip
     return res_out.view(residual.shape), norm_out.view(residual.shape)

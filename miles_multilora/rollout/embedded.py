@@ -255,6 +255,7 @@ class EmbeddedEngine(RolloutEngine):
         assert self._batch is not None and self._cache is not None
         results: list[GenerationResult | None] = [None] * len(requests)
         with generation_mode(self.model):
+            self._batch.sync_lora()  # before the graph check: a first stacking moves base weights
             if self._graphs is not None:
                 self._graphs.check()
             _Run(self, requests, results).run()

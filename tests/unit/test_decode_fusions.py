@@ -36,6 +36,9 @@ def test_add_rmsnorm_equals_add_then_the_norm_module(device, dtype):
         new_residual, normed = add_rmsnorm(residual, delta, norm)
         torch.testing.assert_close(new_residual, residual + delta, rtol=0, atol=0)  # same rounding as the add
         torch.testing.assert_close(normed, norm(residual + delta), **tol)
+        wide = torch.cat([delta, torch.randn(1, 7, 5, generator=gen).to(device, dtype)], dim=-1)
+        strided = add_rmsnorm(residual, wide[..., :hidden], norm)  # a stacked GEMM's output columns
+        assert all(torch.equal(a, b) for a, b in zip(strided, (new_residual, normed), strict=True))
         same, only_norm = add_rmsnorm(residual, None, norm)
         assert same is residual or torch.equal(same, residual)
         torch.testing.assert_close(only_norm, norm(residual), **tol)

@@ -179,10 +179,12 @@ def test_graph_replay_equals_eager_decode_and_follows_weight_updates(tokenizer):
 
 @pytest.mark.gpu
 def test_the_decode_lora_schedules_give_the_same_samples(tokenizer, monkeypatch):
-    """The LoRA on the side stream (its term added by the consumer kernels), the dense shrink, and
-    fc1's expand run by the SwiGLU (with and without the side stream) give the tokens of the plain
-    schedule, and logprobs within fp32 rounding (the sums are ordered differently), on a model whose
-    adapters change the samples."""
+    """The LoRA on the side stream (its term added by the consumer kernels), the dense shrink, fc1's
+    expand run by the SwiGLU (with and without the side stream), and the shrink taken from the
+    stacked base GEMM (expand in place, or by the SwiGLU) give the tokens of the plain schedule, and
+    logprobs within fp32 rounding (the sums are ordered differently), on a model whose adapters
+    change the samples."""
+    from miles_multilora.lora import MultiLoRALinear, stacked_shrink
     from miles_multilora.models.compat import init_distributed
     from miles_multilora.rollout import decode_batch, decode_fusions
 
@@ -190,33 +192,51 @@ def test_the_decode_lora_schedules_give_the_same_samples(tokenizer, monkeypatch)
     model = _lora_gpt(seed=2).cuda()
     requests = _grpo_requests(tokenizer, temperature=1.0)
     results = {}
-    expands_in_swiglu = []
+    expands_in_swiglu, stacked_gemms = [], []
     run_expand = decode_fusions._swiglu_expand
     monkeypatch.setattr(
         decode_fusions, "_swiglu_expand", lambda *args: expands_in_swiglu.append(1) or run_expand(*args)
     )
+    run_stacked = MultiLoRALinear._stacked_forward
+    monkeypatch.setattr(
+        MultiLoRALinear, "_stacked_forward", lambda *args: stacked_gemms.append(1) or run_stacked(*args)
+    )
+    monkeypatch.setattr(stacked_shrink, "MAX_EXTRA_FRACTION", 1.0)  # the tiny model's every linear
     never = 1 << 30
-    for name, overlap, dense_min_slots, swiglu_min_rows in (
-        ("plain", False, never, never),
-        ("side", True, never, never),
-        ("dense", True, 1, never),
-        ("swiglu", False, never, 0),
-        ("side+swiglu", True, never, 0),
+    for name, overlap, dense_min_slots, swiglu_min_rows, stacked_min_rows in (
+        ("plain", False, never, never, never),
+        ("side", True, never, never, never),
+        ("dense", True, 1, never, never),
+        ("swiglu", False, never, 0, never),
+        ("side+swiglu", True, never, 0, never),
+        ("stacked", False, never, never, 0),
+        ("stacked+swiglu", False, never, 0, 0),
     ):
         monkeypatch.setattr(decode_batch, "LORA_SIDE_STREAM", overlap)
         monkeypatch.setattr(decode_batch, "LORA_DENSE_MIN_SLOTS", dense_min_slots)
         monkeypatch.setattr(decode_batch, "LORA_EXPAND_IN_SWIGLU_MIN_ROWS", swiglu_min_rows)
+        monkeypatch.setattr(decode_batch, "LORA_STACKED_MIN_ROWS", stacked_min_rows)
         engine = _engine_for(model, tokenizer, cuda_graphs=True, sync_interval=4)
         expands_in_swiglu.clear()
+        stacked_gemms.clear()
         results[name] = engine.generate(requests)
         assert bool(expands_in_swiglu) == (swiglu_min_rows == 0)  # captured with the path asked for
+        assert bool(stacked_gemms) == (stacked_min_rows == 0)
         assert (engine._batch.side_stream is not None) == overlap
         assert any(dense for _, _, dense in engine._graphs._graphs) == (name == "dense")
-    for name in ("side", "dense", "swiglu", "side+swiglu"):
+    for name in ("side", "dense", "swiglu", "side+swiglu", "stacked", "stacked+swiglu"):
         assert [_key(r) for r in results[name]] == [_key(r) for r in results["plain"]]
         got = [lp for r in results[name] for lp in r.logprobs]
         want = [lp for r in results["plain"] for lp in r.logprobs]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the stacked schedule's graphs read lora_A's copy: an in-place write shows
+        for layer in multi_lora_layers(model):
+            layer.lora_A.mul_(-1.0)
+    flipped = engine.generate(requests)
+    assert [_key(r) for r in flipped] != [_key(r) for r in results["plain"]]
+    monkeypatch.setattr(decode_batch, "LORA_STACKED_MIN_ROWS", never)
+    plain = _engine_for(model, tokenizer, cuda_graphs=True, sync_interval=4).generate(requests)
+    assert [_key(r) for r in flipped] == [_key(r) for r in plain]
     with torch.no_grad():
         for layer in multi_lora_layers(model):
             layer.lora_B.zero_()
