@@ -261,6 +261,13 @@ def main() -> None:
     parser.add_argument(
         "--no-dense-shrink", action="store_true", help="never take the dense decode LoRA shrink (A/B)"
     )
+    parser.add_argument(
+        "--stacked-min-rows",
+        type=int,
+        default=None,
+        help="rows from which the LoRA shrink comes from the stacked base GEMM (A/B; default "
+        f"{decode_batch.LORA_STACKED_MIN_ROWS}, a huge value never)",
+    )
     parser.add_argument("--parity-requests", type=int, default=64)
     parser.add_argument(
         "--skip", default="", help="comma list of sections to skip: decode,grpo,parity,profile"
@@ -269,6 +276,8 @@ def main() -> None:
     decode_batch.LORA_SIDE_STREAM = not args.no_lora_overlap
     if args.no_dense_shrink:
         decode_batch.LORA_DENSE_MIN_SLOTS = 1 << 30
+    if args.stacked_min_rows is not None:
+        decode_batch.LORA_STACKED_MIN_ROWS = args.stacked_min_rows
     preset = CPU_SHAPE if args.cpu else SHAPE
     for key, value in preset.items():
         if getattr(args, key) is None:

@@ -41,7 +41,8 @@ def bucket_for(n: int, max_rows: int) -> int:
 LORA_SIDE_STREAM = True  # benchmarks switch it off to measure the decode step without the overlap
 # Above this many rows the base GEMMs fill the GPU and the LoRA on the side stream measured slower
 # (H100, 512 rows, 16 mixed slots: 6.22 vs 6.05 ms); at 32-256 rows it takes every LoRA kernel off
-# the main stream (docs/benchmarks.md, "LoRA term in the consumer kernels").
+# the main stream (docs/benchmarks.md, "LoRA term in the consumer kernels"), for layers that do not
+# take the stacked shrink (LORA_STACKED_MIN_ROWS).
 LORA_OVERLAP_MAX_ROWS = 256
 # A step on the side stream whose rows span at least this many adapter slots runs the LoRA shrink as
 # one dense GEMM over every slot (RowRouting.dense_shrink): fewer, larger kernels than split-K over
@@ -51,7 +52,7 @@ LORA_OVERLAP_MAX_ROWS = 256
 LORA_DENSE_MIN_SLOTS = 8
 # From this many rows the SwiGLU runs fc1's LoRA expand itself (RowRouting.expand_in_consumer):
 # H100, 512 rows: 5.97 vs 6.02 ms (16 mixed slots); at 32-256 rows, where the expand otherwise runs
-# on the side stream, it measured 1-3% slower.
+# on the side stream, it measured 1-3% slower, and after the stacked GEMM at 128 rows equal.
 LORA_EXPAND_IN_SWIGLU_MIN_ROWS = LORA_OVERLAP_MAX_ROWS + 1
 # From this many rows a layer with a stacked weight (miles_multilora.lora.stacked_shrink) takes its
 # LoRA shrink from the base GEMM's extra columns (the expand follows on the main stream) instead of
@@ -197,7 +198,8 @@ class DecodeGraphs:
 
     A graph bakes in the addresses of every tensor it reads: the model's parameters and buffers,
     the KV cache and the batch state. Optimizer steps and slot loads write weights in place, so
-    replays see them; anything that reallocates (``model.to``, a new cache) changes the
+    replays see them (the stacked copy of ``lora_A`` is refreshed by :meth:`DecodeBatch.sync_lora`
+    before each generation); anything that reallocates (``model.to``, a new cache) changes the
     fingerprint checked by :meth:`check`, and the graphs are dropped and captured again.
     """
 
