@@ -7,6 +7,8 @@ prompt and a response whose length is geometric with mean ``--mean-len``, capped
 GRPO loss and ``optim_step``, exactly as in :meth:`TrainerWorker._train`. Each setting
 ``KERNELS:TOKENS:ROWS`` (``fused``: the fused attention, RoPE, SwiGLU and LM-head reductions;
 ``megatron``: Megatron's attention, RoPE and MLP and PyTorch LM-head reductions, the path before them;
+a ``+stacked`` suffix: the base weights are views of the embedded engine's stacked buffers, as after
+a generation on a GPU, ``lora/stacked_shrink.py``;
 ``trainer.max_tokens_per_micro_batch``, 0 = none; ``trainer.micro_batch_size``) runs once per round, rounds interleaved; medians. The first
 setting is the control row of the ratios. Every round draws new lengths (as every RL step does), so
 per-shape costs (kernel selection, compilation) show up as they would in a run. Peak memory is the train phase's own (``torch.cuda``'s
@@ -35,18 +37,21 @@ import rl_step  # noqa: E402  (the shared model shape and workload flags)
 from miles_multilora.algo import chunked_logprobs  # noqa: E402
 from miles_multilora.algo.losses import adapter_normalizers  # noqa: E402
 from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
-from miles_multilora.lora import init_slot  # noqa: E402
+from miles_multilora.lora import init_slot, stacked_shrink  # noqa: E402
+from miles_multilora.lora.inject import multi_lora_layers  # noqa: E402
 from miles_multilora.models import provider  # noqa: E402
 from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
 from miles_multilora.trainer.worker import TrainerWorker  # noqa: E402
+
+KERNELS = ("fused", "megatron", "fused+stacked", "megatron+stacked")
 
 
 def parse_settings(text: str) -> list[tuple[str, int, int]]:
     settings = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in ("fused", "megatron"):
-            raise SystemExit(f"--settings: {item!r} is not KERNELS:TOKENS:ROWS (kernels fused|megatron)")
+        if len(parts) != 3 or parts[0] not in KERNELS:
+            raise SystemExit(f"--settings: {item!r} is not KERNELS:TOKENS:ROWS (kernels {'|'.join(KERNELS)})")
         settings.append((parts[0], int(parts[1]), int(parts[2])))
     return settings
 
@@ -97,6 +102,12 @@ def train_once(worker: TrainerWorker, rows: list[ScoredRow], normalizers: dict[i
 
 def apply_setting(worker: TrainerWorker, setting: tuple[str, int, int]) -> None:
     kernels, tokens, micro_rows = setting
+    kernels, stacked = kernels.removesuffix("+stacked"), kernels.endswith("+stacked")
+    layers = multi_lora_layers(worker.model)
+    if stacked:  # the base weights as views of the rollout's stacked buffers (lora/stacked_shrink.py)
+        stacked_shrink.sync_stacked(layers)
+    else:
+        stacked_shrink.unstack(layers)
     provider.set_fused_kernels(worker.model, kernels == "fused")
     chunked_logprobs.FUSED = kernels == "fused"
     worker.cfg.trainer.max_tokens_per_micro_batch = tokens

@@ -67,3 +67,19 @@ def sync_stacked(layers: Iterable[MultiLoRALinear]) -> int:
             stacked[layer.out_features :].copy_(layer.lora_A.detach().reshape(-1, layer.in_features))
             count += 1
     return count
+
+
+def unstack(layers: Iterable[MultiLoRALinear]) -> int:
+    """Give every stacked layer a base weight of its own again and drop its stack (A/B runs, or to
+    free the copy of ``lora_A``; the next :func:`sync_stacked` stacks again). Returns how many."""
+    count = 0
+    with torch.no_grad():
+        for layer in layers:
+            stacked = layer.stacked_weight
+            if stacked is None:
+                continue
+            if layer.base.weight.data_ptr() == stacked.data_ptr():
+                layer.base.weight.data = stacked[: layer.out_features].clone()
+            layer.stacked_weight = None
+            count += 1
+    return count

@@ -12,7 +12,7 @@ from torch import nn
 from miles_multilora.lora import MultiLoRALinear
 from miles_multilora.lora.row_delta import RowShrink
 from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
-from miles_multilora.lora.stacked_shrink import stackable, sync_stacked
+from miles_multilora.lora.stacked_shrink import stackable, sync_stacked, unstack
 from miles_multilora.lora.testing import randomize_slots
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
 from miles_multilora.rollout.decode_fusions import swiglu
@@ -64,6 +64,10 @@ def test_the_stack_keeps_the_base_weight_and_follows_lora_a(device):
     assert layer.stacked_weight is not stacked
     assert layer.base.weight.data_ptr() == layer.stacked_weight.data_ptr()
     assert torch.equal(layer.base.weight, weight)
+    stacked = layer.stacked_weight
+    assert unstack([layer]) == 1 and layer.stacked_weight is None
+    assert layer.base.weight.data_ptr() != stacked.data_ptr() and torch.equal(layer.base.weight, weight)
+    assert unstack([layer]) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
