@@ -251,6 +251,12 @@ class MultiLoRALinear(nn.Module):
         )  # fmt: skip
         return out
 
+    def _stack_current(self) -> bool:
+        """Whether the stacked weight exists and still holds the base weight (a direct ``.data``
+        assignment since the last ``sync_stacked`` would leave it stale: the split-K path runs)."""
+        stacked = self.stacked_weight
+        return stacked is not None and self.base.weight.data_ptr() == stacked.data_ptr()
+
     def _stacked_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, h)`` from one GEMM with the stacked weight: the base output (a view of the first
         ``out`` columns, rows strided) and every slot's unscaled shrink ``[rows, slots * R]``."""
@@ -307,7 +313,7 @@ class MultiLoRALinear(nn.Module):
         """
         plan = self.routing
         rows = isinstance(plan, RowRouting) and self.tp_size == 1 and self._use_triton(x)
-        if rows and plan.stacked_shrink and self.stacked_weight is not None:
+        if rows and plan.stacked_shrink and self._stack_current():
             self._row_input(x, plan)  # the row count must match the routing
             out, h = self._stacked_forward(x)
             if consumer_expands and plan.expand_in_consumer:

@@ -92,6 +92,10 @@ def test_a_stacked_decode_step_equals_the_split_k_one(device, mix):
         assert isinstance(lora, RowShrink) and lora.dense_scale is layer.lora_scale
         # the same GEMM and the expand's rounding: equal up to the GEMM's run-to-run determinism
         torch.testing.assert_close(swiglu(out, lora), swiglu(in_place), rtol=1e-6, atol=1e-6)
+        layer.routing.expand_in_consumer = False
+        layer.base.weight.data = layer.base.weight.data.clone()  # the stack no longer holds it
+        stale, _, _ = layer.forward_deferred(x)
+        assert stale.is_contiguous() and torch.equal(stale, expected)  # the split-K path ran
     if mix == "mixed":
         assert not torch.allclose(expected, layer.base(x), rtol=1e-3, atol=1e-3)
 
