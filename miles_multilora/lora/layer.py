@@ -147,8 +147,7 @@ class MultiLoRALinear(nn.Module):
     def _apply(self, fn, recurse=True):  # keep the scales fp32 whatever dtype the model is cast to
         super()._apply(fn, recurse)
         self.lora_scale = torch.tensor(self.slot_scale, dtype=torch.float32, device=self.lora_A.device)
-        stacked = self.stacked_weight
-        if stacked is not None and self.base.weight.data_ptr() != stacked.data_ptr():
+        if self.current_stack() is None:
             self.stacked_weight = None  # the base weight moved: free the stale stack
         return self
 
@@ -251,16 +250,18 @@ class MultiLoRALinear(nn.Module):
         )  # fmt: skip
         return out
 
-    def _stack_current(self) -> bool:
-        """Whether the stacked weight exists and still holds the base weight (a direct ``.data``
-        assignment since the last ``sync_stacked`` would leave it stale: the split-K path runs)."""
+    def current_stack(self) -> torch.Tensor | None:
+        """The stacked weight if it still holds the base weight, else None (none made yet, or the
+        base weight was moved or reassigned since: the stack is stale and must not be read)."""
         stacked = self.stacked_weight
-        return stacked is not None and self.base.weight.data_ptr() == stacked.data_ptr()
+        if stacked is None or self.base.weight.data_ptr() != stacked.data_ptr():
+            return None
+        return stacked
 
-    def _stacked_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stacked_forward(self, x: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, h)`` from one GEMM with the stacked weight: the base output (a view of the first
         ``out`` columns, rows strided) and every slot's unscaled shrink ``[rows, slots * R]``."""
-        y = torch.nn.functional.linear(x, self.stacked_weight)
+        y = torch.nn.functional.linear(x, stacked)
         return y[..., : self.out_features], y.view(-1, y.shape[-1])[:, self.out_features :]
 
     def _base_forward(
@@ -313,9 +314,10 @@ class MultiLoRALinear(nn.Module):
         """
         plan = self.routing
         rows = isinstance(plan, RowRouting) and self.tp_size == 1 and self._use_triton(x)
-        if rows and plan.stacked_shrink and self._stack_current():
+        stacked = self.current_stack() if rows and plan.stacked_shrink else None
+        if stacked is not None:
             self._row_input(x, plan)  # the row count must match the routing
-            out, h = self._stacked_forward(x)
+            out, h = self._stacked_forward(x, stacked)
             if consumer_expands and plan.expand_in_consumer:
                 return out, None, RowShrink(h, self.lora_B, plan, self.lora_scale)
             tk.decode_expand(

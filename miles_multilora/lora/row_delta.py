@@ -6,8 +6,8 @@ On a GPU, a decode step's LoRA can leave the critical path in two forms
 * :class:`RowDelta`: few rows; the whole LoRA (shrink and expand) ran on a side stream while the
   base GEMM ran, into a separate fp32 buffer. The kernel that reads the linear's output next (RoPE
   + KV write, residual add + RMSNorm) adds it as it loads.
-* :class:`RowShrink`: only the shrink ran (on the side stream, or after the base GEMM for many
-  rows); the consumer (SwiGLU) runs the expand itself, per tile of rows of one slot, so the output
+* :class:`RowShrink`: only the shrink ran (on the side stream, after the base GEMM, or inside it
+  with a stacked weight, for many rows); the consumer (SwiGLU) runs the expand itself, per tile of rows of one slot, so the output
   is never read and written back by a separate expand and no fp32 buffer of the output's width
   exists.
 

@@ -9,8 +9,8 @@ rest), the dense shrink the expand kernels already read (``dense_scale``).
 The base weight becomes a view of the top rows, so its memory is not doubled and the trainer keeps
 using it as before; the buffer's ``lora_A`` rows are a copy that :func:`sync_stacked` refreshes
 before every generation (optimizer steps and slot loads write ``lora_A`` in place, which the copy
-does not see by itself). Only for single-rank layers without a bias, on CUDA, and while the extra
-columns stay a small part of the GEMM (``MAX_EXTRA_FRACTION``); the engine stacks on CUDA only.
+does not see by itself). Only for single-rank layers without a bias, while the extra columns stay
+a small part of the GEMM (``MAX_EXTRA_FRACTION``); the engine stacks on CUDA only.
 """
 
 from __future__ import annotations
@@ -57,10 +57,9 @@ def sync_stacked(layers: Iterable[MultiLoRALinear]) -> int:
     count = 0
     with torch.no_grad():
         for layer in layers:
-            stacked = layer.stacked_weight
-            if stacked is not None and layer.base.weight.data_ptr() != stacked.data_ptr():
-                stacked = layer.stacked_weight = None  # the base weight was reallocated
-            if stacked is None:
+            stacked = layer.current_stack()
+            if stacked is None:  # none yet, or the base weight was reallocated since
+                layer.stacked_weight = None
                 if not stackable(layer):
                     continue
                 stacked = layer.stacked_weight = _stack(layer)
@@ -75,10 +74,10 @@ def unstack(layers: Iterable[MultiLoRALinear]) -> int:
     count = 0
     with torch.no_grad():
         for layer in layers:
-            stacked = layer.stacked_weight
-            if stacked is None:
+            if layer.stacked_weight is None:
                 continue
-            if layer.base.weight.data_ptr() == stacked.data_ptr():
+            stacked = layer.current_stack()
+            if stacked is not None:  # a stale stack no longer holds the base weight
                 layer.base.weight.data = stacked[: layer.out_features].clone()
             layer.stacked_weight = None
             count += 1
