@@ -6,7 +6,7 @@ import torch
 
 from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs
 from miles_multilora.rollout.sampling import token_logprobs
-from tests.helpers import run_distributed
+from tests.helpers import assert_close_at_scale, run_distributed
 from tests.unit.test_chunked_logprobs import _inputs
 
 
@@ -22,8 +22,9 @@ def _tp2(rank: int, world_size: int) -> None:
     h2 = h.detach().clone().requires_grad_(True)
     got = chunked_token_logprobs(h2, shard, targets, temps, vocab, chunk=4)
     (grad_got,) = torch.autograd.grad(got.sum(), h2)
-    torch.testing.assert_close(got, full, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grad_got, grad_full, rtol=1e-5, atol=1e-6)
+    # fp32: vocab shards reduced across ranks instead of one logsumexp
+    assert_close_at_scale(got, full, 1e-6, "logprobs")
+    assert_close_at_scale(grad_got, grad_full, 1e-5, "grad")
     compat.destroy_distributed()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import tiny_hf_model
+from tests.helpers import assert_close_at_scale, tiny_hf_model
 
 VOCAB, BATCH, SEQ = 64, 4, 6
 SLOT_ROWS = [0, 1, -1, 1]
@@ -96,21 +96,25 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def _compare(one: dict, two: dict, dir_one, dir_two, tol: dict) -> None:
+def _compare(one: dict, two: dict, dir_one, dir_two, rel: float) -> None:
+    """TP shards (or other kernels) add the same terms in another order: fp32 rounding at each
+    tensor's scale."""
     from safetensors.torch import load_file
 
-    torch.testing.assert_close(two["logits"], one["logits"], **tol)
+    assert_close_at_scale(two["logits"], one["logits"], rel, "logits")
     assert one["grads"].keys() == two["grads"].keys()
     for key, g in one["grads"].items():
-        torch.testing.assert_close(two["grads"][key], g, **tol, msg=key)
+        assert_close_at_scale(two["grads"][key], g, rel, key)
     assert any(g.abs().sum() > 0 for k, g in one["grads"].items() if k.endswith(".A.1"))
     for s in (0, 1):
-        assert two["norms"][s] == pytest.approx(one["norms"][s], rel=tol["rtol"])
+        assert two["norms"][s] == pytest.approx(one["norms"][s], rel=rel)
         w1 = load_file(str(dir_one / f"slot{s}" / "adapter_model.safetensors"))
         w2 = load_file(str(dir_two / f"slot{s}" / "adapter_model.safetensors"))
         assert w1.keys() == w2.keys()
         for key in w1:
-            torch.testing.assert_close(w2[key], w1[key], **tol, msg=key)
+            # after one Adam step: m / sqrt(v) turns a gradient's rounding into a ~lr-sized step where
+            # |grad| is near eps (3e-7 seen on weights of scale 1e-2); a leak moves them by ~lr
+            assert_close_at_scale(w2[key], w1[key], 100 * rel, key)
 
 
 def test_tp2_equals_tp1(checkpoints):
@@ -119,7 +123,7 @@ def test_tp2_equals_tp1(checkpoints):
         out = checkpoints / f"out{world}"
         out.mkdir()
         results[world] = _run(world, checkpoints / "hf", checkpoints / "adapter", out)
-    _compare(results[1], results[2], checkpoints / "out1", checkpoints / "out2", dict(rtol=1e-5, atol=1e-5))
+    _compare(results[1], results[2], checkpoints / "out1", checkpoints / "out2", 1e-5)
 
 
 @pytest.mark.skipif(
@@ -132,4 +136,4 @@ def test_tp2_triton_kernels_equal_tp1_torch_kernels(checkpoints):
     triton_out.mkdir()
     one = _run(1, checkpoints / "hf", checkpoints / "adapter", torch_out, "torch")
     two = _run(2, checkpoints / "hf", checkpoints / "adapter", triton_out, "triton")
-    _compare(one, two, torch_out, triton_out, dict(rtol=1e-5, atol=1e-5))
+    _compare(one, two, torch_out, triton_out, 1e-5)

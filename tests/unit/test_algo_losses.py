@@ -7,6 +7,7 @@ import torch
 
 from miles_multilora.algo import AlgoConfig, adapter_normalizers, kl_penalty, policy_loss
 from miles_multilora.errors import ConfigError
+from tests.helpers import assert_close_at_scale
 
 LOG = math.log
 
@@ -146,7 +147,7 @@ def test_adapter_gradient_independent_of_other_adapters():
         config=cfg,
     )
     (grad_mixed,) = torch.autograd.grad(mixed.loss, lp_a)
-    torch.testing.assert_close(grad_mixed, grad_alone, atol=1e-7, rtol=1e-6)
+    assert_close_at_scale(grad_mixed, grad_alone, 1e-6, "grad")  # fp32: the same terms, other sum order
     assert mixed.per_adapter[0]["loss"] == pytest.approx(alone.per_adapter[0]["loss"], rel=1e-6)
 
 

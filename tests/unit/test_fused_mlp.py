@@ -13,6 +13,7 @@ from miles_multilora.lora import apply_multi_lora, init_slot, token_slots
 from miles_multilora.models import compat, provider
 from miles_multilora.models.fused_mlp import FusedMLP, FusedSwiGLU
 from miles_multilora.rollout.decode_fusions import HAVE_TRITON
+from tests.helpers import assert_close_at_scale
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -41,7 +42,7 @@ def test_fused_swiglu_equals_silu_times_gate_with_gradients(device):
     y2 = F.silu(a) * b
     y2.backward(g)
     torch.testing.assert_close(y1, y2, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    assert_close_at_scale(x1.grad, x2.grad, 1e-5, "dx")  # fp32: fused vs PyTorch's elementwise ops
 
 
 @pytest.mark.skipif(

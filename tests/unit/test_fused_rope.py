@@ -10,6 +10,7 @@ from megatron.core.models.common.embeddings import rope_utils
 
 from miles_multilora.models import compat
 from miles_multilora.models.fused_rope import HAVE_TRITON, _FusedRoPE, applies
+from tests.helpers import assert_close_at_scale
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -43,7 +44,7 @@ def test_fused_rope_equals_megatron_rope_with_gradients(device):
         results.append((y.detach(), x.grad))
     (y_f, grad_f), (y_m, grad_m) = results
     torch.testing.assert_close(y_f, y_m, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_f, grad_m, rtol=1e-5, atol=1e-5)
+    assert_close_at_scale(grad_f, grad_m, 1e-5, "grad")  # fp32: kernel vs Megatron's rotation
     assert grad_f[..., :16].abs().max() == 0 and grad_f[..., 32:].abs().max() == 0
 
 

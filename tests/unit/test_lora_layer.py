@@ -9,6 +9,7 @@ from torch import nn
 from miles_multilora.errors import ConfigError
 from miles_multilora.lora import MultiLoRALinear, build_routing_plan
 from miles_multilora.lora.testing import megatron_tp1, peft_reference, randomize_slots, tiny_config
+from tests.helpers import assert_close_at_scale
 
 N, R = 6, 4
 RANKS = [4, 2, 0, 3, 1, 4]  # slot 2 is empty (rank 0)
@@ -71,19 +72,20 @@ def test_forward_and_grads_match_independent_references(kind):
         return out
 
     y_ref, x_ref, params = peft_reference(layer, base, x, ids, RANKS, ALPHAS)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    # fp32: routed kernels vs PEFT's per-slot modules, other summation order
+    assert_close_at_scale(y, y_ref, 1e-5, "y")
     grad_out = torch.randn_like(y)
     (y * grad_out).sum().backward()
     (y_ref * grad_out).sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    assert_close_at_scale(x.grad, x_ref.grad, 1e-5, "dx")
     routed = set(ids.flatten().tolist()) - {-1}
     for s in range(N):
         r = RANKS[s]
         ga, gb = layer.lora_A.grad[s], layer.lora_B.grad[s]
         assert torch.count_nonzero(ga[r:]) == 0 and torch.count_nonzero(gb[:, r:]) == 0  # masked beyond rank
         if r and s in routed:
-            torch.testing.assert_close(ga[:r], params[s][0].grad, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(gb[:, :r], params[s][1].grad, rtol=1e-5, atol=1e-5)
+            assert_close_at_scale(ga[:r], params[s][0].grad, 1e-5, f"dA[{s}]")
+            assert_close_at_scale(gb[:, :r], params[s][1].grad, 1e-5, f"dB[{s}]")
         else:
             assert torch.count_nonzero(ga) == 0 and torch.count_nonzero(gb) == 0
     assert saved is layer.routing

@@ -8,6 +8,7 @@ from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora import clear_slot, init_slot, multi_lora_layers
 from miles_multilora.lora.testing import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
 from miles_multilora.optim import SlotAdamW
+from tests.helpers import assert_close_at_scale
 
 VOCAB, SEQ = 64, 8
 
@@ -154,4 +155,4 @@ def test_cleared_and_reused_slot_equals_a_fresh_slot():
         _train_step(used, opt_u, {1: _data(5, step)})
         _train_step(fresh, opt_f, {1: _data(5, step)})
     for a, b in zip(_slot_weights(used, 1), _slot_weights(fresh, 1), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert_close_at_scale(a, b, 1e-6, "weights")  # fp32 BLAS rounding only; a leak moves them ~1e-2

@@ -19,6 +19,7 @@ from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.layer import check_kernels
 from miles_multilora.lora.testing import randomize_slots
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
+from tests.helpers import assert_close_at_scale
 from tests.unit.test_lora_layer import ALPHAS, RANKS, N, R, _make_layer, _run, _slot_ids
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -73,7 +74,8 @@ def test_triton_layer_equals_torch_kernels(device, kind, routing):
     got, grad_out = _fwd_bwd(fast, x, ids)
     want, _ = _fwd_bwd(ref, x, ids, grad_out)
     for name, a, b in zip(("y", "dx", "dA", "dB"), got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        # fp32 on CPU: the same terms, other sum order; the GPU's tl.dot rounds its inputs to tf32
+        assert_close_at_scale(a, b, 1e-5 if device == "cpu" else 1e-3, name)
     unused = set(range(N)) - set(ids.flatten().tolist())
     for s in unused:  # slots without tokens get an exact zero gradient
         assert torch.count_nonzero(got[2][s]) == 0 and torch.count_nonzero(got[3][s]) == 0

@@ -23,6 +23,7 @@ from miles_multilora.tinker.backend import (
 )
 from miles_multilora.trainer.worker import TrainerWorker
 from tests.e2e.conftest import tiny_run_config
+from tests.helpers import assert_close_at_scale
 
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]
 
@@ -94,7 +95,9 @@ def test_a_mixed_batch_gives_each_model_its_gradient_alone(backend: TinkerBacken
     assert any(g.abs().max() > 0 for g in grads_a) and any(g.abs().max() > 0 for g in grads_b)
     for alone, mixed in ((grads_a, slot_grads(backend, slot_a)), (grads_b, slot_grads(backend, slot_b))):
         for x, y in zip(alone, mixed, strict=True):
-            assert torch.allclose(x, y, rtol=1e-5, atol=1e-7)
+            # fp32: the mixed batch adds each slot's rows in other GEMM shapes (rounding ~1e-7 of the
+            # largest element); a leak of the other model's rows moves it by far more
+            assert_close_at_scale(y, x, 1e-5, "mixed vs alone")
     assert mixed_a.metrics == pytest.approx(alone_a.metrics) and mixed_b.metrics == pytest.approx(
         alone_b.metrics
     )
@@ -131,7 +134,8 @@ def test_rl_losses_on_own_samples_give_the_policy_gradient(backend: TinkerBacken
     assert any(g.abs().max() > 0 for g in grads["cross_entropy"])
     for name in ("importance_sampling", "ppo"):
         for x, y in zip(grads["cross_entropy"], grads[name], strict=True):
-            assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), name
+            # the ratio is 1 only up to the rollout/trainer logprob difference (<= 1e-5)
+            assert_close_at_scale(y, x, 1e-4, name)
 
 
 def test_clients_batch_together_and_a_bad_request_fails_alone(backend: TinkerBackend) -> None:
