@@ -21,6 +21,7 @@ import yaml
 
 from miles_multilora.controller.client import ControllerClient
 from miles_multilora.controller.errors import ControllerUnavailableError
+from miles_multilora.controller.persistence import load_state
 from miles_multilora.models.compat import free_port
 from miles_multilora.trainer import checkpoint as ckpt
 from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, adapter_checkpoints, toy_adapter
@@ -124,6 +125,34 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _freeze(proc: subprocess.Popen, ray_tmp: str) -> list[int]:
+    """SIGSTOP the service's process group and every process of its Ray: from here on no step,
+    checkpoint or state write happens, so what is on disk is what a restart will find. Returns the
+    Ray processes stopped one by one (some live outside the group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        pass
+    pids = _ray_pids(ray_tmp)
+    _signal_all(pids, signal.SIGSTOP)
+    return pids
+
+
+def _persisted_runs(out: Path) -> dict[str, dict[str, Any]]:
+    """The controller's live runs as its state file holds them (what a restart resumes from)."""
+    state = load_state(out / "controller")
+    assert state is not None, "the controller wrote no state"
+    return {run["name"]: run for run in state["runs"]}
+
+
 def stop_service(service: subprocess.Popen, ray_tmp: str) -> list[int]:
     """Kill the service's process group if it still runs, then any process of this test's own Ray
     (by its temp dir); returns the Ray processes that had to be killed."""
@@ -207,12 +236,18 @@ def test_service_schedule_kill_and_resume(tmp_path: Path, dp: int) -> None:
             log,
         )
         assert seen_pending
-        before = _wait_for("c to checkpoint step 2", c_checkpointed, 240, service, log)
-        _kill_group(service)  # crash: the whole process group, mid-run
-        assert before["b"]["state"] == "CANCELLED" and before["b"]["step"] >= 2
-        assert before["a"]["state"] == "RUNNING", "a must still be training when the service is killed"
-        assert _ray_gone(ray_tmp), f"Ray outlived the killed service: {_ray_pids(ray_tmp)}"
+        seen = _wait_for("c to checkpoint step 2", c_checkpointed, 240, service, log)
+        # Hold the state the assertions read: the service may step or checkpoint again between the
+        # look above and the kill, so freeze it, read what is on disk, then kill (a crash mid-run).
+        frozen = _freeze(service, ray_tmp)
+        before = _persisted_runs(out)
         logged_before_restart = len(_metric_lines(out))
+        _kill_group(service)
+        _signal_all(frozen, signal.SIGCONT)  # Ray's processes outside the group end as after any crash
+        assert seen["b"]["state"] == "CANCELLED" and seen["b"]["step"] >= 2  # final: cannot change
+        assert "b" not in before, "a cancelled run leaves the live state"
+        assert before["a"]["state"] == before["c"]["state"] == "RUNNING", "a and c train when killed"
+        assert _ray_gone(ray_tmp), f"Ray outlived the killed service: {_ray_pids(ray_tmp)}"
         resume_from = {n: before[n]["checkpoint_step"] for n in ("a", "c")}
         assert all(step >= 2 for step in resume_from.values()), resume_from
         for name in ("a", "c"):  # the last complete checkpoint on disk is the controller's resume point
@@ -230,8 +265,11 @@ def test_service_schedule_kill_and_resume(tmp_path: Path, dp: int) -> None:
         )
         final = _records(client)
         assert {n: r["state"] for n, r in final.items()} == {"a": "DONE", "b": "CANCELLED", "c": "DONE"}
-        for name in ("a", "b", "c"):
-            assert final[name]["run_id"] == before[name]["run_id"], "no adapter was registered again"
+        for name, run_id in {
+            "b": seen["b"]["run_id"],
+            **{n: before[n]["run_id"] for n in ("a", "c")},
+        }.items():
+            assert final[name]["run_id"] == run_id, "no adapter was registered again"
         for name in ("a", "c"):
             assert final[name]["step"] == STEPS[name]
             after = _metric_lines(out)[logged_before_restart:]
