@@ -12,10 +12,12 @@ miles-multilora prepare-model [--cache-dir DIR]               convert the demo m
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
 
+from miles_multilora import third_party_noise
 from miles_multilora.errors import ConfigError
 
 CLIENT_COMMANDS = ("submit", "status", "cancel", "list")
@@ -38,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
             "overrides", nargs="*", help="hydra overrides, e.g. trainer.output_dir=runs/x algo=dapo"
         )
         p.add_argument("--config-name", default=defaults[name])
+        p.add_argument(
+            "--show-warnings",
+            action="store_true",
+            help="also show the known third-party notices hidden by default (TE/Apex absent, deprecations)",
+        )
     show = sub.add_parser("show-config", help="print the composed and validated config")
     show.add_argument("config_name", nargs="?", default="train")
     show.add_argument("overrides", nargs="*")
@@ -71,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
+    if getattr(args, "show_warnings", False):
+        os.environ[third_party_noise.SHOW_ENV] = "1"  # inherited by Ray's workers
+    third_party_noise.install()
     try:
         if args.command in (*CLIENT_COMMANDS, "schedule"):
             from miles_multilora.controller.token import read_token
@@ -105,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(to_yaml(load_run_config(args.config_name, args.overrides)), markup=False)
             return 0
         cfg = load_run_config(args.config_name, args.overrides)
+        if not third_party_noise.showing_everything():
+            console.print(f"[dim]{third_party_noise.NOTE}[/dim]", highlight=False, soft_wrap=True)
         if args.command == "train":
             from miles_multilora.trainer.run import run_training
 

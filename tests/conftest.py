@@ -25,6 +25,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_triton_interpreter()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    from miles_multilora.third_party_noise import KNOWN_WARNINGS, install
+
+    for known in KNOWN_WARNINGS:  # the CLI's list, as pytest filters (pytest resets filters per test)
+        config.addinivalue_line("filterwarnings", known.ini_line())
+    install()  # and the known log records
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

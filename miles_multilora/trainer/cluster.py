@@ -44,8 +44,10 @@ def start_ray(address: str | None = None, namespace: str = "miles_multilora") ->
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         pin_ray_auth_token()
+    # every worker hides the known third-party notices, as the driver does (third_party_noise)
+    runtime_env = {"worker_process_setup_hook": "miles_multilora.third_party_noise.install"}
     if address:
-        ray.init(address=address, namespace=namespace, log_to_driver=True)
+        ray.init(address=address, namespace=namespace, log_to_driver=True, runtime_env=runtime_env)
         return
     temp_dir = os.environ.get("MILES_RAY_TMPDIR") or tempfile.mkdtemp(prefix="ray_mm_", dir="/tmp")
     ray.init(
@@ -56,6 +58,7 @@ def start_ray(address: str | None = None, namespace: str = "miles_multilora") ->
         _temp_dir=temp_dir,
         log_to_driver=True,
         configure_logging=False,
+        runtime_env=runtime_env,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from miles_multilora import third_party_noise
 from miles_multilora.controller.client import ControllerClient
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.persistence import load_state
@@ -294,6 +295,9 @@ def test_service_schedule_kill_and_resume(tmp_path: Path, dp: int) -> None:
         service.send_signal(signal.SIGTERM)
         assert service.wait(timeout=90) == 0, log.read_text()[-4000:]
         assert "service stopped" in log.read_text()
+        # the CLI and every Ray worker hide the known third-party notices, and say so once per start
+        assert "not installed" not in log.read_text() and "is deprecated" not in log.read_text()
+        assert log.read_text().count(third_party_noise.NOTE) == 2  # two starts
         assert _ray_gone(ray_tmp), f"Ray outlived the stopped service: {_ray_pids(ray_tmp)}"
     finally:
         if runner is not None and runner.poll() is None:
