@@ -11,11 +11,13 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import ipaddress
 import os
 import socket
 import sys
 import types
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -123,7 +125,30 @@ def init_process_group(rank: int | None = None, world_size: int | None = None) -
     backend = "gloo" if is_cpu() else "nccl"
     if not is_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    elif ipaddress.ip_address(socket.gethostbyname(os.environ["MASTER_ADDR"])).is_loopback:
+        # a world on one machine: gloo's pair sockets on loopback too, not on the host's address
+        if "lo" in {name for _, name in socket.if_nameindex()}:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = _rendezvous_store(rank, world_size)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+
+
+def _rendezvous_store(rank: int, world_size: int) -> dist.TCPStore:
+    """The world's TCPStore on MASTER_ADDR:MASTER_PORT. Rank 0 serves it from a socket bound to
+    MASTER_ADDR only (torch's own server would listen on every interface of the host)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=float(os.environ.get("MILES_RENDEZVOUS_TIMEOUT_S", 300)))
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(info[4])
+    sock.listen(max(128, world_size))
+    # the store owns the socket from here (it closes the descriptor when it is destroyed)
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=sock.detach()
+    )
 
 
 def init_distributed(
