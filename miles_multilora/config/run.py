@@ -79,6 +79,10 @@ class TrainerConfig:
     resume: bool = False
     keep_checkpoints: int = 2  # per adapter; older complete checkpoints are deleted
     max_steps: int | None = None  # stop after this many steps of this invocation (None: when all are done)
+    # a trainer group that dies (a rank killed, a step that raises) is replaced and every adapter resumes
+    # from its last checkpoint; after this many deaths in a row without a completed step the run stops
+    max_restarts: int = 5
+    restart_backoff_s: float = 2.0  # wait before the n-th restart in a row: this x 2^(n-1), at most 60 s
 
 
 @dataclass
@@ -201,6 +205,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.pp == 1, "model.pp", "pipeline parallelism is not supported by the trainer yet; use model.pp=1")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    _check(t.max_restarts >= 0, "trainer.max_restarts", "must be >= 0 (0: a lost trainer group ends the run)")
+    _check(t.restart_backoff_s >= 0, "trainer.restart_backoff_s", "must be >= 0")
     _check(t.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch", "must be >= 0 (0: off)")
     _check(t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
     _check(

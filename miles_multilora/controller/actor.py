@@ -119,6 +119,9 @@ class ControllerActor:
     def slot_cleared(self, slot: int) -> None:
         self._core.slot_cleared(slot)
 
+    def trainer_restarted(self) -> None:
+        self._core.trainer_restarted()
+
     def stop_http(self) -> None:
         """Stop the HTTP server (before ``ray.kill``; the actor's other methods keep working)."""
         self._server.stop()

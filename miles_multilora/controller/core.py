@@ -138,6 +138,7 @@ class ControllerCore:
         self._latest: dict[str, str] = {}  # adapter name -> run_id of its live run
         self._history = RunHistory(state_dir, history_retention)
         self._slot_states = [SlotState.FREE] * num_slots
+        self._trainer_restarts = 0  # trainer groups replaced by the driver since this controller started
         self._slot_owner: list[str | None] = [None] * num_slots  # run_id
         self._seq = 0
         self._snapshot_id = 0
@@ -247,9 +248,22 @@ class ControllerCore:
                 "snapshot_id": self._snapshot_id,
                 "adapters": counts,
                 "slots": {s.value: self._slot_states.count(s) for s in SlotState},
+                "trainer_restarts": self._trainer_restarts,
             }
 
     # ---------------------------------------------------------------- trainer
+
+    def trainer_restarted(self) -> None:
+        """The driver replaced a trainer group that died: every resident adapter resumes from its
+        last complete checkpoint in its slot (``needs_init``, step back to the checkpoint's), as
+        after a restart of the service; the restart is counted in :meth:`health`."""
+        with self._lock:
+            self._trainer_restarts += 1
+            for record in self._runs.values():
+                if record.state.owns_slot:
+                    record.step = record.checkpoint_step
+                    record.needs_init = True
+            self._commit()
 
     def snapshot(self) -> Snapshot:
         """Grant FREE slots to PENDING adapters (FIFO), then return this step's immutable view."""

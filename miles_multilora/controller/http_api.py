@@ -2,7 +2,8 @@
 
 Routes (every response of the API is JSON; ``/docs`` is the Swagger UI page)::
 
-    GET    /health                200 {"status": "ok", "num_slots", "adapters": {state: n}, "slots": {...}}
+    GET    /health                200 {"status": "ok", "num_slots", "adapters": {state: n}, "slots": {...},
+                                      "trainer_restarts": n}
     POST   /adapters              201 record      body: an adapter spec as a JSON object
                                                   (Content-Type: application/json)
     GET    /adapters[?all_runs=1] 200 {"adapters": [record, ...]}

@@ -9,6 +9,7 @@ from typing import Any
 import ray
 
 from miles_multilora.trainer.metrics import MetricsLogger
+from miles_multilora.trainer.trainer_group import TrainerGroup
 
 
 def _apply_step_output(controller: Any, out: dict[str, Any]) -> None:
@@ -33,7 +34,7 @@ def has_waiting(controller: Any) -> bool:
 
 def run_loop(
     controller: Any,
-    workers: list[Any],
+    group: TrainerGroup,
     logger: MetricsLogger,
     *,
     stop_when_idle: bool = True,
@@ -52,8 +53,9 @@ def run_loop(
                 break
             time.sleep(idle_sleep_s)  # nothing RUNNING: wait with little CPU
             continue
-        outs = ray.get([w.step.remote(snapshot) for w in workers])
-        out = outs[0]
+        out = group.step(snapshot, should_stop)
+        if out is None:  # the group died and was replaced: the adapters resume from checkpoints
+            continue
         _apply_step_output(controller, out)
         if out["results"]:
             logger.log_step(

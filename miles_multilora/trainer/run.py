@@ -17,9 +17,10 @@ from miles_multilora.controller.token import read_token
 from miles_multilora.data.reward_registry import import_reward_modules
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.models.paths import context_length
-from miles_multilora.trainer.cluster import placement_lines, start_ray, start_trainer_group
+from miles_multilora.trainer.cluster import placement_lines, start_ray
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step, plot_rewards
+from miles_multilora.trainer.trainer_group import TrainerGroup
 
 
 def controller_state_dir(cfg: RunConfig) -> Path:
@@ -102,16 +103,16 @@ def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, di
     register_new_adapters(controller, specs)
     t0 = time.perf_counter()
     console.print("starting trainer ranks (loading the model) ...")
-    workers = start_trainer_group(cfg)
+    group = TrainerGroup(cfg, controller, console)
     console.print(f"trainer ready in {time.perf_counter() - t0:.1f}s")
-    if len(workers) > 1:
-        for line in placement_lines(workers):
+    if len(group.workers) > 1:
+        for line in placement_lines(group.workers):
             console.print(f"  {line}")
     logger = MetricsLogger(cfg.logging, output_dir, run_name=output_dir.name, console=console)
     try:
         steps = run_loop(
             controller,
-            workers,
+            group,
             logger,
             stop_when_idle=True,
             max_steps=cfg.trainer.max_steps,
@@ -127,7 +128,6 @@ def run_training(cfg: RunConfig, console: Console | None = None) -> dict[str, di
     console.print(f"finished {steps} steps in {time.perf_counter() - t0:.0f}s")
     for name, r in records.items():
         console.print(f"  {name}: {r['state']} at step {r['step']}  checkpoint={r['last_checkpoint']}")
-    for w in workers:
-        ray.kill(w)
+    group.kill()
     ray.kill(controller)
     return records

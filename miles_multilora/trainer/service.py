@@ -30,10 +30,11 @@ from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
 from miles_multilora.controller.token import read_token
 from miles_multilora.errors import ConfigError
-from miles_multilora.trainer.cluster import placement_lines, start_ray, start_trainer_group
+from miles_multilora.trainer.cluster import placement_lines, start_ray
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step
 from miles_multilora.trainer.run import admission_rules, prepare_run, register_new_adapters
+from miles_multilora.trainer.trainer_group import TrainerGroup
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -96,14 +97,16 @@ def _replace_stale_controller(name: str, namespace: str, timeout_s: float = 30.0
     raise ConfigError("controller.name", f"the old controller {namespace}/{name} did not go away")
 
 
-def _checkpoint_moved_adapters(controller: Any, workers: list[Any], console: Console) -> None:
+def _checkpoint_moved_adapters(controller: Any, group: TrainerGroup, console: Console) -> None:
     """Checkpoint RUNNING adapters whose step moved past their last checkpoint (on a graceful stop)."""
+    if not group.workers:  # stopped while a lost group waited to be replaced
+        return
     for record in ray.get(controller.list.remote()):
         if record["state"] != "RUNNING" or record["step"] <= (record.get("checkpoint_step") or 0):
             continue
         name = record["name"]
         try:
-            paths = ray.get([w.save_checkpoint.remote(name) for w in workers])
+            paths = group.call_all("save_checkpoint", name)
             ray.get(controller.report_step.remote({name: {"trained": False, "checkpoint": paths[0]}}))
             console.print(f"  checkpointed {name} at step {record['step']}: {paths[0]}")
         except Exception as exc:  # noqa: BLE001 - it resumes from its older checkpoint instead
@@ -170,7 +173,7 @@ def run_service(
     stop = StopFlag()
     start_ray(namespace=cfg.controller.namespace)
     restore_signals = stop.install(console)  # after ray.init, which installs its own handlers
-    controller = workers = logger = None
+    controller = group = logger = None
     steps = 0
     try:
         controller, url = start_controller(cfg, state_dir)
@@ -186,8 +189,8 @@ def run_service(
             console.print(f"  {r['name']}: {r['state']}{resume}")
         console.print("starting trainer ranks (loading the model) ...")
         t0 = time.perf_counter()
-        workers = start_trainer_group(cfg)
-        for line in placement_lines(workers) if len(workers) > 1 else []:
+        group = TrainerGroup(cfg, controller, console)
+        for line in placement_lines(group.workers) if len(group.workers) > 1 else []:
             console.print(f"  {line}")
         logger = MetricsLogger(cfg.logging, output_dir, run_name=output_dir.name, console=console)
         console.print(
@@ -201,7 +204,7 @@ def run_service(
 
         steps = run_loop(
             controller,
-            workers,
+            group,
             logger,
             stop_when_idle=False,
             idle_sleep_s=cfg.controller.idle_sleep_s,
@@ -209,12 +212,12 @@ def run_service(
             start_step=next_global_step(logger.jsonl_path),
         )
         console.print(f"stopping after {steps} steps ({stop.signal_name or 'stop requested'})")
-        _checkpoint_moved_adapters(controller, workers, console)
+        _checkpoint_moved_adapters(controller, group, console)
     finally:
         if logger is not None:
             logger.finish()
-        for w in workers or []:
-            ray.kill(w)
+        if group is not None:
+            group.kill()
         if controller is not None and not attached:
             ray.get(controller.stop_http.remote())
             ray.kill(controller, no_restart=True)

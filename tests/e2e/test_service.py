@@ -65,7 +65,9 @@ def _env(ray_tmp: str) -> dict[str, str]:
     return env
 
 
-def _start_service(out: Path, port: int, ray_tmp: str, log: Path, dp: int = 1) -> subprocess.Popen:
+def _start_service(
+    out: Path, port: int, ray_tmp: str, log: Path, dp: int = 1, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     overrides = [
         f"model.dp={dp}",
         "model.source=tiny",
@@ -79,6 +81,7 @@ def _start_service(out: Path, port: int, ray_tmp: str, log: Path, dp: int = 1) -
         "logging.wandb_mode=disabled",
         "logging.console=false",
         "logging.plot=false",
+        *extra,
     ]
     with log.open("a") as fh:
         return subprocess.Popen(
@@ -303,5 +306,61 @@ def test_service_schedule_kill_and_resume(tmp_path: Path, dp: int) -> None:
         if runner is not None and runner.poll() is None:
             runner.kill()
             runner.wait()
+        leftover = stop_service(service, ray_tmp)
+    assert not leftover, f"Ray processes left behind: {leftover}"
+
+
+def _trainer_pids(ray_tmp: str) -> list[int]:
+    """The trainer ranks of this test's Ray (they rename themselves ``ray::TrainerWorker...``)."""
+    return [pid for pid in _ray_pids(ray_tmp) if _cmdline(pid).startswith(b"ray::TrainerWorker")]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_service_replaces_a_killed_trainer_three_times_and_loses_nothing(tmp_path: Path) -> None:
+    """SIGKILL the trainer rank three times in a row: the service replaces the group each time,
+    counts it in /health, and the adapter resumes from its checkpoints to its full budget."""
+    out, log = tmp_path / "out", tmp_path / "service.log"
+    ray_tmp = tempfile.mkdtemp(prefix="ray_heal_", dir="/tmp")
+    port = free_port()
+    client = ControllerClient(f"http://127.0.0.1:{port}")
+    service = _start_service(out, port, ray_tmp, log, extra=("trainer.restart_backoff_s=0.2",))
+    steps = 8
+    try:
+        _wait_for("the controller", lambda: client.health()["status"] == "ok", 120, service, log)
+        spec = toy_adapter(
+            "a", "fraction_of_letter_a", steps=steps, save_interval=2, sampling={"max_new_tokens": 8}
+        )
+        client.submit(spec)
+        _wait_for(
+            "a checkpoint", lambda: (client.status("a")["checkpoint_step"] or 0) >= 2, 240, service, log
+        )
+        for kill in (1, 2, 3):
+            pids = _wait_for("a trainer rank", lambda: _trainer_pids(ray_tmp), 120, service, log)
+            _signal_all(pids, signal.SIGKILL)
+            _wait_for(
+                f"restart {kill}", lambda k=kill: client.health()["trainer_restarts"] >= k, 120, service, log
+            )
+        assert client.health()["trainer_restarts"] == 3
+        final = _wait_for(
+            "a to finish",
+            lambda: (r := client.status("a"))["state"] in ("DONE", "FAILED") and r,
+            300,
+            service,
+            log,
+        )
+        assert final["state"] == "DONE" and final["step"] == steps, final
+        assert _checkpoint_steps(out, "a")[-1] == steps
+        trained = [m["step"] for m in _metric_lines(out) if m["adapter"] == "a"]
+        assert sorted(set(trained)) == list(range(1, steps + 1)), trained  # every step, some twice
+        assert log.read_text().count("trainer group lost") == 3
+        service.send_signal(signal.SIGTERM)
+        assert service.wait(timeout=90) == 0, log.read_text()[-4000:]
+    finally:
         leftover = stop_service(service, ray_tmp)
     assert not leftover, f"Ray processes left behind: {leftover}"
