@@ -8,9 +8,10 @@ Random-weight Llama-shaped model (``model.source=tiny`` with the given shape), `
 prompts, up to ``--new-tokens`` new tokens; lengths vary as in a real run: a random ``1/--mean-len``
 share of the vocabulary ends a sample (EOS at random points, decided on the device). Each schedule
 runs ``--warmup`` untimed steps (graph capture, kernel compiles), then ``--steps`` timed ones.
-Prints each phase (generate + reward, train, sync, checkpoint), tokens/s, the train phase's MFU
-(``4 x base parameters x trained tokens`` per second over ``--peak-tflops``, see
-docs/benchmarks.md), peak memory, and the ratios (a)/(b) and (c)/(a).
+Prints each timed generation (seconds, generated tokens/s, peak and mean rows decoding at once,
+preempted rows, peak KV pages held), then each phase (generate + reward, train, sync, checkpoint),
+tokens/s, the train phase's MFU (``4 x base parameters x trained tokens`` per second over
+``--peak-tflops``, see docs/benchmarks.md), peak memory, and the ratios (a)/(b) and (c)/(a).
 
     python benchmarks/rl_step.py --cpu        # tiny preset, under two minutes on a 2-core CPU
     python benchmarks/rl_step.py              # the 2 B shape of docs/benchmarks.md (GPU)
@@ -102,7 +103,10 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
                 },
             },
             "lora": {"num_slots": args.adapters, "max_rank": args.rank},
-            "rollout": {"max_batch_size": args.adapters * args.prompts * args.samples},
+            "rollout": {
+                "max_batch_size": args.adapters * args.prompts * args.samples,
+                **({"kv_cache_fraction": args.kv_cache_fraction} if args.kv_cache_fraction else {}),
+            },
             "trainer": {
                 "output_dir": str(out), "micro_batch_size": args.micro_batch,
                 "max_tokens_per_micro_batch": args.max_tokens, "recompute": args.recompute,
@@ -113,9 +117,43 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
     )  # fmt: skip
 
 
+GENERATION_STATS = ("decode_steps", "row_steps", "preemptions", "resumed_tokens")
+
+
+def generation_report(engine: Any, before: dict[str, float], timing: dict[str, float]) -> dict[str, float]:
+    """One step's generation as the embedded engine saw it (``before``: its stats at the start)."""
+    stats = getattr(engine, "stats", None)
+    if stats is None:  # an engine without stats (SGLang)
+        return {}
+    delta = {k: stats[k] - before.get(k, 0) for k in GENERATION_STATS}
+    cache = getattr(engine, "_cache", None)
+    return {
+        **delta,
+        "generation_s": timing["generate_reward_s"],
+        "peak_rows": stats["peak_rows"],
+        "mean_rows": delta["row_steps"] / max(delta["decode_steps"], 1),
+        "peak_pages": stats["peak_pages"],
+        "cache_pages": cache.num_pages - 1 if cache is not None else 0,
+    }
+
+
+def print_generation(step: int, gen: dict[str, float], generated: float, max_rows: int) -> None:
+    if not gen:
+        return
+    print(
+        f"    generation {step}: {gen['generation_s']:.2f} s, {generated / gen['generation_s']:.0f} generated tok/s, "
+        f"rows at once peak {gen['peak_rows']:.0f} / mean {gen['mean_rows']:.1f} of {max_rows} over "
+        f"{gen['decode_steps']:.0f} decode steps, {gen['preemptions']:.0f} preempted "
+        f"({gen['resumed_tokens']:.0f} tokens prefilled again), peak KV pages {gen['peak_pages']:.0f} of "
+        f"{gen['cache_pages']:.0f}"
+    )  # fmt: skip
+
+
 def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) -> list[dict[str, float]]:
-    """Run ``warmup + steps`` steps over ``specs`` (a list per step: who runs); timings of the last ``steps``."""
+    """Run ``warmup + steps`` steps over ``specs`` (a list per step: who runs); timings of the last
+    ``steps``, each with its generation's engine stats (:func:`generation_report`)."""
     rows = []
+    engine = worker.engine
     for i in range(warmup + steps):
         running = []
         for raw in specs[i % len(specs)]:
@@ -128,6 +166,9 @@ def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) 
             )
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        before = dict(getattr(engine, "stats", {}))
+        if hasattr(engine, "reset_peaks"):
+            engine.reset_peaks()
         out = worker.step(Snapshot(i + 1, worker.cfg.lora.num_slots, tuple(running), (), ()))
         if out["failed"]:
             raise RuntimeError(f"adapters failed in the step: {out['failed']}")
@@ -137,6 +178,10 @@ def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) 
             timing = dict(out["timing"])
             timing["generated"] = timing["tokens_per_s"] * timing["step_s"]
             timing["trained"] = worker.last_train_tokens
+            timing["generation"] = generation_report(engine, before, timing)
+            print_generation(
+                i + 1 - warmup, timing["generation"], timing["generated"], worker.cfg.rollout.max_batch_size
+            )
             rows.append(timing)
     return rows
 
@@ -186,6 +231,12 @@ def add_workload_args(
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument(
+        "--kv-cache-fraction",
+        type=float,
+        default=None,
+        help="rollout.kv_cache_fraction (default: the config's)",
+    )
 
 
 def finish_workload_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -248,6 +299,11 @@ def main() -> None:
             torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
         )
         agg["wall_s"] = time.perf_counter() - start
+        gens = [r["generation"] for r in rows if r["generation"]]
+        if gens:
+            agg["generation"] = {k: statistics.mean(g[k] for g in gens) for k in gens[0]}
+            agg["generation"]["peak_rows"] = max(g["peak_rows"] for g in gens)
+            agg["generation"]["peak_pages"] = max(g["peak_pages"] for g in gens)
         results[key] = agg
         worker.clear_slots(tuple(range(args.adapters)))  # the next schedule starts from empty slots
         print(f"  ran {title}: {len(rows)} timed steps in {agg['wall_s']:.1f} s")
@@ -267,6 +323,26 @@ def main() -> None:
             f"{agg['sync_s']:>7.2f} {agg['checkpoint_s']:>7.2f} {agg['generated'] / agg['generate_reward_s']:>10.0f} "
             f"{agg['trained'] / agg['train_s']:>11.0f} {mfu:>9.1%} {agg['peak_gb']:>8.1f}"
         )
+    if any("generation" in agg for agg in results.values()):
+        header = (
+            f"{'generation':>26} {'gen s':>7} {'gen tok/s':>10} {'peak rows':>9} {'mean rows':>9} "
+            f"{'decode steps':>12} {'preempted':>9} {'peak pages':>10} {'of pages':>9}"
+        )
+        print(
+            f"\nthe embedded engine's generations (per round, mean of {args.steps}; rows and pages per step)"
+        )
+        print(header)
+        print("-" * len(header))
+        for key, agg in results.items():
+            if "generation" not in agg:
+                continue
+            g = agg["generation"]
+            print(
+                f"{plans[key][0]:>26} {agg['generate_reward_s']:>7.2f} "
+                f"{agg['generated'] / agg['generate_reward_s']:>10.0f} "
+                f"{g['peak_rows']:>9.0f} {g['mean_rows']:>9.1f} {g['decode_steps']:>12.0f} "
+                f"{g['preemptions']:>9.1f} {g['peak_pages']:>10.0f} {g['cache_pages']:>9.0f}"
+            )  # fmt: skip
     if "a" in results and "b" in results:
         print(f"(a)/(b) round time: {results['a']['step_s'] / results['b']['step_s']:.2f} "
               f"(throughput ratio {results['b']['step_s'] / results['a']['step_s']:.2f})")  # fmt: skip

@@ -9,7 +9,9 @@ slots with random nonzero weights, and the embedded engine. Prints:
    ratio to the roofline = (every weight byte + the KV bytes of the step) / ``--bandwidth``;
 2. the GRPO-shaped set: ``--prompts`` prompts x ``--samples`` samples over ``--slots`` adapters,
    each sample's length drawn uniformly from ``[--min-len, --max-len]`` (its own max_new_tokens,
-   as EOS at random points would end it), whole-generation tokens/s.
+   as EOS at random points would end it), whole-generation tokens/s, the peak and mean rows
+   decoding at once, preempted rows and the peak KV pages held (``--kv-cache-fraction`` /
+   ``--kv-cache-tokens`` size the cache).
 
     python benchmarks/rollout.py --cpu                      # tiny preset, about a minute
     python benchmarks/rollout.py                            # the 2.08 B shape of docs/benchmarks.md (GPU)
@@ -132,22 +134,27 @@ def grpo_table(model: torch.nn.Module, args: argparse.Namespace) -> None:
           f"lengths uniform in [{args.min_len}, {args.max_len}], batch rows {args.grpo_rows}")  # fmt: skip
     header = (
         f"{'rows':>6} {'requests':>9} {'tokens':>8} {'seconds':>8} {'tokens/s':>9} {'decode steps':>13} "
-        f"{'decode s':>9} {'prefills':>9}"
+        f"{'decode s':>9} {'prefills':>9} {'peak rows':>9} {'mean rows':>9} {'preempted':>9} {'peak pages':>10} "
+        f"{'of pages':>9}"
     )
     print(header)
     print("-" * len(header))
     for rows in sorted({args.grpo_rows, max(1, args.grpo_rows // 4)}):
-        engine = engine_for(model, args)
+        engine = engine_for(
+            model, args, kv_cache_tokens=args.kv_cache_tokens, kv_cache_fraction=args.kv_cache_fraction
+        )
         engine.max_batch_size = rows
         engine.generate(reqs)  # warm up: an RL run reuses its engine, so every bucket's graph exists
-        engine.stats.update(decode_steps=0, decode_ms=0.0, prefill_forwards=0, prefilled_prompts=0)
+        engine.stats.update({k: 0 for k in engine.stats})
         box: list = []
         seconds = timed(lambda e=engine, out=box: out.extend(e.generate(reqs)))
         tokens = sum(len(r.output_ids) for r in box)
+        st = engine.stats
         print(
             f"{rows:>6} {len(reqs):>9} {tokens:>8} {seconds:>8.2f} {tokens / seconds:>9.0f} "
-            f"{engine.stats['decode_steps']:>13} {engine.stats['decode_ms'] / 1e3:>9.2f} "
-            f"{engine.stats['prefill_forwards']:>9}"
+            f"{st['decode_steps']:>13} {st['decode_ms'] / 1e3:>9.2f} {st['prefill_forwards']:>9} "
+            f"{st['peak_rows']:>9} {st['row_steps'] / max(st['decode_steps'], 1):>9.1f} {st['preemptions']:>9} "
+            f"{st['peak_pages']:>10} {engine._cache.num_pages - 1:>9}"
         )
     if args.baseline_requests:
         baseline_rows(model, reqs[: args.baseline_requests], args)
@@ -250,6 +257,12 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--grpo-rows", type=int, default=512)
+    parser.add_argument(
+        "--kv-cache-fraction", type=float, default=0.25, help="GPU share of the GRPO set's KV cache"
+    )
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, default=0, help="KV cache tokens of the GRPO set (0: the fraction)"
+    )
     parser.add_argument("--baseline-requests", type=int, default=64, help="0 skips the previous engine")
     parser.add_argument(
         "--bandwidth", type=float, default=3.0e12, help="bytes/s (H100: 3.0 TB/s measured copy)"

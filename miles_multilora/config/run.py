@@ -60,7 +60,10 @@ class RolloutConfig:
     engine: str = "embedded"  # embedded | sglang
     max_batch_size: int = 64  # rows the embedded engine decodes at once (continuous batching)
     page_size: int = 16  # tokens per KV-cache page (a power of 2 >= 8)
-    kv_cache_tokens: int = 0  # KV cache size; 0: a full batch of the longest request (GPU: <= 1/4 of memory)
+    # KV cache size in tokens; 0: kv_cache_fraction of the GPU's memory (CPU: a full batch of the
+    # call's longest request). Pages are taken as rows grow; when they run out, rows are preempted.
+    kv_cache_tokens: int = 0
+    kv_cache_fraction: float = 0.25  # the GPU memory share of the KV cache when kv_cache_tokens is 0
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
     sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
     sglang_url: str | None = None
@@ -194,6 +197,11 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         f"must be a power of 2 >= 8, got {r.page_size}",
     )
     _check(r.kv_cache_tokens >= 0, "rollout.kv_cache_tokens", "must be >= 0 (0: automatic)")
+    _check(
+        0 < r.kv_cache_fraction < 1,
+        "rollout.kv_cache_fraction",
+        f"must be in (0, 1), got {r.kv_cache_fraction}",
+    )
     _check(r.sync_interval is None or r.sync_interval >= 1, "rollout.sync_interval", "must be >= 1")
     _check(
         cfg.rollout.engine != "sglang" or bool(cfg.rollout.sglang_url),

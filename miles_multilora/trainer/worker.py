@@ -153,6 +153,7 @@ class TrainerWorker(TrainingPrimitives):
                 pad_id=self.pad_id,
                 page_size=cfg.rollout.page_size,
                 kv_cache_tokens=cfg.rollout.kv_cache_tokens,
+                kv_cache_fraction=cfg.rollout.kv_cache_fraction,
                 cuda_graphs=cfg.rollout.cuda_graphs,
                 sync_interval=cfg.rollout.sync_interval,
             )

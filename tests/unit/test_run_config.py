@@ -32,6 +32,7 @@ def test_default_configs_compose_and_validate():
         (["algo.eps_low=2"], "algo.eps_low", "[0, 1)"),
         (["lora.max_rank=12"], "adapters[2].rank", "max_rank 12"),
         (["lora.kernels=cuda"], "lora.kernels", "auto, triton or torch"),
+        (["rollout.kv_cache_fraction=1.5"], "rollout.kv_cache_fraction", "(0, 1)"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, key, text):

@@ -1,0 +1,306 @@
+"""Continuous batching for one ``generate`` call of the embedded engine: admission, KV pages taken
+as rows grow, preemption, and the host checks between runs of device decode steps.
+
+The loop, from one host check to the next:
+
+1. **retire**: read which rows ended on the device, check stop strings on the new tokens
+   (truncating exactly where a per-token check would have stopped), return finished rows and
+   their pages, compact the batch;
+2. **admit** waiting work into free rows, preempted rows first (oldest first), then whole prompt
+   groups in order, while the free pages stay above the growth watermark: one run of decode
+   steps' pages for every row (a row's pages are not reserved for its whole budget);
+3. **grow**: every row takes the pages its next ``steps`` decode steps write (allocated ahead on
+   the host, written into the device block table, so a captured decode graph never allocates);
+   when too few are free, the most recently admitted rows give their pages back and wait to
+   resume (:mod:`~miles_multilora.rollout.prefill`), never an out-of-memory;
+4. **decode** ``steps`` device steps (``rollout.sync_interval``, fewer when a row's budget ends
+   sooner).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from miles_multilora.rollout.decode_batch import bucket_for
+from miles_multilora.rollout.engine import RolloutError
+from miles_multilora.rollout.prefill import RowStarter
+from miles_multilora.rollout.rows import Group, Row, group_admission_pages, pages_for
+from miles_multilora.rollout.types import FinishReason, GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from miles_multilora.rollout.embedded import EmbeddedEngine
+
+
+class Scheduler:
+    """One ``generate`` call: the waiting groups, the preempted rows, the rows in the batch."""
+
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        requests: Sequence[GenerationRequest],
+        results: list[GenerationResult | None],
+    ) -> None:
+        self.engine, self.requests, self.results = engine, requests, results
+        assert engine._batch is not None and engine._cache is not None
+        self.batch, self.cache = engine._batch, engine._cache
+        self.page_size = self.cache.page_size
+        self.rows: list[Row] = []
+        self.waiting: deque[Group] = deque(self._groups())
+        self.preempted: list[Row] = []  # in admission order
+        self.starter = RowStarter(engine, self.batch, self.cache, requests, itertools.count())
+        self.timers: list[_StepTimer] = []
+
+    def _groups(self) -> list[Group]:
+        by_key: dict[tuple, Group] = {}
+        for i, req in enumerate(self.requests):
+            key = (req.adapter, req.slot, req.version, tuple(req.prompt_ids))
+            group = by_key.setdefault(key, Group(req.slot, list(req.prompt_ids), []))
+            group.members.append(i)
+        # groups larger than the batch are admitted in pieces (each piece prefills once)
+        cap = self.engine.max_batch_size
+        return [
+            Group(g.slot, g.prompt, g.members[i : i + cap])
+            for g in by_key.values()
+            for i in range(0, len(g.members), cap)
+        ]
+
+    def run(self) -> None:
+        self.batch.reset_rows(0, self.batch.max_rows)
+        try:
+            while self.waiting or self.preempted or self.rows:
+                self._admit()
+                if not self.rows:
+                    raise RolloutError(
+                        "the KV cache cannot hold the next request group; raise rollout.kv_cache_tokens "
+                        "or rollout.kv_cache_fraction"
+                    )
+                steps = self._steps_until_sync()
+                self._grow(steps)
+                self._decode(steps)
+                self._retire()
+        finally:
+            for row in self.rows:  # an error mid-call: give every page back
+                self.cache.release(row.pages)
+            self.batch.reset_rows(0, self.batch.max_rows)
+
+    # ------------------------------------------------------------------ admission
+    def _growth_pages(self) -> int:
+        """Pages one row may take before the next host check (the watermark per row)."""
+        return pages_for(self.engine.sync_interval, self.page_size)
+
+    def _admit(self) -> None:
+        """Admit preempted rows, then waiting groups, into free rows while the free pages stay
+        above the growth watermark. Whole groups (a group is split only when nothing runs and it
+        cannot come in at once), and only once enough rows are free that the prefill forward serves
+        several groups (at least an eighth of the batch, or all that wait). With nothing running
+        the first in line comes in regardless of the watermark (it fits alone: ``check_request``)."""
+        max_rows = self.engine.max_batch_size
+        free_rows = max_rows - len(self.rows)
+        waiting_rows = len(self.preempted) + sum(len(g.members) for g in self.waiting)
+        first_size = 1 if self.preempted else len(self.waiting[0].members) if self.waiting else 1
+        if self.rows and free_rows < min(waiting_rows, max(first_size, max_rows // 8)):
+            return
+        free_pages, growth = self.cache.free_pages, self._growth_pages()
+        rows_after = len(self.rows)
+        resumed: list[Row] = []
+        while self.preempted and free_rows > 0:
+            row = self.preempted[0]
+            cost = pages_for(row.prompt_len + row.count - 1, self.page_size)
+            if rows_after and free_pages - cost < growth * (rows_after + 1):
+                break  # it comes back when rows finish (the growth watermark would not hold)
+            resumed.append(self.preempted.pop(0))
+            free_rows, free_pages, rows_after = free_rows - 1, free_pages - cost, rows_after + 1
+        picked: list[Group] = []
+        while self.waiting and free_rows > 0 and not self.preempted:
+            group = self.waiting[0]
+            full = len(group.prompt) // self.page_size
+            per_member = group_admission_pages(len(group.prompt), 1, self.page_size) - full
+            fit = (free_pages - full - growth * rows_after) // (per_member + growth)
+            fit = min(len(group.members), free_rows, fit if rows_after else max(fit, 1))
+            if fit <= 0 or (fit < len(group.members) and rows_after):
+                break  # wait for rows and pages to free up: the group comes in whole
+            if fit < len(group.members):  # nothing runs and it cannot fit at once: part of it now
+                self.waiting[0] = Group(group.slot, group.prompt, group.members[fit:])
+                group = Group(group.slot, group.prompt, group.members[:fit])
+            else:
+                self.waiting.popleft()
+            picked.append(group)
+            free_rows -= fit
+            free_pages -= group_admission_pages(len(group.prompt), fit, self.page_size)
+            rows_after += fit
+        if picked or resumed:
+            self.rows += self.starter.start(picked, resumed, len(self.rows))
+
+    # ------------------------------------------------------------------ pages
+    def _grow(self, steps: int) -> None:
+        """Every row takes the pages its next ``steps`` decode steps write; when too few are free,
+        the most recently admitted rows are preempted first."""
+        page = self.page_size
+        needs = [max(0, row.pages_ahead(steps, page) - len(row.pages)) for row in self.rows]
+        if sum(needs) > self.cache.free_pages:
+            self._preempt(needs)
+            needs = [max(0, row.pages_ahead(steps, page) - len(row.pages)) for row in self.rows]
+        at_rows, at_cols, pages = [], [], []
+        for i, (row, need) in enumerate(zip(self.rows, needs, strict=True)):
+            if need:
+                new = self.cache.alloc(need)
+                at_rows += [i] * need
+                at_cols += range(len(row.pages), len(row.pages) + need)
+                pages += new
+                row.pages += new
+        if pages:
+            where = torch.tensor([at_rows, at_cols, pages], device=self.batch.block_table.device)
+            self.batch.block_table[where[0], where[1]] = where[2].to(torch.int32)
+        stats = self.engine.stats
+        stats["peak_pages"] = max(stats["peak_pages"], self.cache.num_pages - 1 - self.cache.free_pages)
+
+    def _preempt(self, needs: list[int]) -> None:
+        """Give back the pages of the most recently admitted rows until the others' ``needs`` fit;
+        their outputs so far are kept on the host and they wait to resume."""
+        order = sorted(range(len(self.rows)), key=lambda i: self.rows[i].admitted, reverse=True)
+        total, victims = sum(needs), []
+        for i in order[:-1]:  # the earliest admitted row always fits alone (check_request)
+            if total <= self.cache.free_pages:
+                break
+            self.cache.release(self.rows[i].pages)
+            self.rows[i].pages = []
+            total -= needs[i]
+            victims.append(i)
+        if total > self.cache.free_pages:
+            raise RolloutError("the KV cache cannot hold one request alone; raise rollout.kv_cache_tokens")
+        index = torch.tensor(victims, device=self.batch.out_tokens.device)
+        width = max(self.rows[i].count for i in victims)
+        tokens = self.batch.out_tokens[index, :width].cpu().tolist()
+        logprobs = self.batch.out_logprobs[index, :width].cpu().tolist()
+        for i, toks, lps in zip(victims, tokens, logprobs, strict=True):
+            row = self.rows[i]
+            row.saved_tokens, row.saved_logprobs = toks[: row.count], lps[: row.count]
+        self.preempted = sorted(self.preempted + [self.rows[i] for i in victims], key=lambda r: r.admitted)
+        self.engine.stats["preemptions"] += len(victims)
+        self._remove(set(victims))
+
+    def _remove(self, gone: set[int]) -> None:
+        """Drop batch rows ``gone`` and compact the rest to the front, in order."""
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        self.batch.compact(keep, len(self.rows))
+        self.rows = [self.rows[i] for i in keep]
+
+    # ------------------------------------------------------------------ decoding
+    def _steps_until_sync(self) -> int:
+        """Device steps before the next host check: the interval, or fewer when some row's budget
+        (or stop-string check) is due sooner."""
+        interval = self.engine.sync_interval
+        if interval == 1:
+            return 1
+        soonest = min((r.budget - r.count for r in self.rows), default=interval)
+        return max(1, min(interval, soonest))
+
+    def _decode(self, steps: int) -> None:
+        engine, batch = self.engine, self.batch
+        n = len(self.rows)
+        rows = bucket_for(n, batch.max_rows) if engine._graphs is not None else n
+        filtered = any(r.filtered for r in self.rows)
+        dense = batch.dense_shrink_for(rows, (self.requests[r.request].slot for r in self.rows))
+        if engine._graphs is not None:
+            engine._graphs.prepare(rows, filtered, dense)  # a first use captures outside the timed steps
+        timer = _StepTimer(engine.device)
+        for _ in range(steps):
+            if engine._graphs is not None:
+                engine._graphs.replay(rows, filtered, dense)
+            else:
+                longest = max(r.prompt_len + r.budget for r in self.rows)
+                batch.step(rows, filtered, dense, block_pages=self.cache.pages_for(longest))
+        self.timers.append(timer.stop())
+        stats = engine.stats
+        stats["decode_steps"] += steps
+        stats["row_steps"] += n * steps
+        stats["peak_rows"] = max(stats["peak_rows"], n)
+
+    def _retire(self) -> None:
+        """Read which rows ended, check stop strings, return finished rows, compact the batch."""
+        batch, engine = self.batch, self.engine
+        n = len(self.rows)
+        host = torch.stack([batch.active[:n].long(), batch.count[:n]]).cpu()
+        engine.stats["decode_ms"] += sum(t.elapsed_ms() for t in self.timers)  # the device is idle now
+        self.timers.clear()
+        active, count = host[0].tolist(), host[1].tolist()
+        stop_rows = [i for i, r in enumerate(self.rows) if r.stops]
+        if stop_rows:
+            rows_t = torch.tensor(stop_rows, device=batch.out_tokens.device)
+            tokens = batch.out_tokens[rows_t].cpu().tolist()
+            for i, toks in zip(stop_rows, tokens, strict=True):
+                row = self.rows[i]
+                output = toks[: count[i]]
+                for j in range(row.checked, count[i]):
+                    if engine.finish_reason(output[: j + 1], row.budget, row.stops) == "stop":
+                        row.stop_at = j + 1
+                        break
+                row.checked = count[i]
+        for row, c in zip(self.rows, count, strict=True):
+            row.count = c
+        done = [i for i, r in enumerate(self.rows) if not active[i] or r.stop_at is not None]
+        if not done:
+            return
+        done_t = torch.tensor(done, device=batch.out_tokens.device)
+        toks = batch.out_tokens[done_t].cpu().tolist()
+        lps = batch.out_logprobs[done_t].cpu().tolist()
+        for i, t, lp in zip(done, toks, lps, strict=True):
+            row = self.rows[i]
+            length = row.stop_at if row.stop_at is not None else count[i]
+            self._finish(row, t[:length], lp[:length])
+            self.cache.release(row.pages)
+        self._remove(set(done))
+
+    def _finish(self, row: Row, output: list[int], logprobs: list[float]) -> None:
+        engine, req = self.engine, self.requests[row.request]
+        if row.stop_at is not None:
+            reason: FinishReason = "stop"
+        elif output[-1] in engine.eos_token_ids:
+            reason = "eos"
+        else:
+            reason = "length"
+        text = (
+            engine.tokenizer.decode(output, skip_special_tokens=True)
+            if engine.tokenizer is not None
+            else None
+        )
+        self.results[row.request] = GenerationResult(
+            adapter=req.adapter,
+            version=req.version,
+            slot=req.slot,
+            prompt_ids=list(req.prompt_ids),
+            output_ids=output,
+            logprobs=logprobs,
+            finish_reason=reason,
+            text=text,
+            seed=req.seed,
+            metadata=dict(req.metadata),
+        )
+
+
+class _StepTimer:
+    """Wall time of a run of decode steps: CUDA events on a GPU (read after the next host sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> _StepTimer:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+        return self
+
+    def elapsed_ms(self) -> float:
+        return self.start.elapsed_time(self.end) if self.cuda else (self.t1 - self.t0) * 1e3
