@@ -135,6 +135,8 @@ def test_a_request_larger_than_the_kv_budget_is_refused_with_the_setting_to_chan
 
 
 def test_the_default_kv_cache_fits_the_call_and_grows_only_when_a_larger_one_comes(model, tokenizer):
+    """CPU: a full batch of the call's longest request, grown by a larger call. GPU: a fixed share
+    of its memory (at most every row at full context), since pages are taken as rows grow."""
     engine = _engine_for(model, tokenizer, max_batch_size=8, page_size=4)
     small = [
         GenerationRequest.for_base(tokenizer.encode("Hi"), SamplingSpec(max_new_tokens=5), seed=i)
@@ -142,6 +144,12 @@ def test_the_default_kv_cache_fits_the_call_and_grows_only_when_a_larger_one_com
     ]
     first = engine.generate(small)
     pages = engine._cache.num_pages
+    if engine.device.type == "cuda":
+        assert (pages - 1) * engine.page_size >= engine._capacity_tokens()  # + the null page
+        engine.generate(small * 4)
+        assert engine._cache.num_pages == pages
+        assert [r.output_ids for r in engine.generate(small)] == [r.output_ids for r in first]
+        return
     assert (
         pages * engine.page_size < engine.max_batch_size * engine.max_seq_len
     )  # not every row at full context

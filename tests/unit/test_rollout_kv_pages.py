@@ -158,6 +158,7 @@ def test_no_pages_leak_across_a_hundred_calls_of_mixed_lengths(model, tokenizer)
         kv_cache_tokens=32,
         max_batch_size=6,
         eos_token_ids=tokenizer.encode("e"),
+        sync_interval=1,  # a host check every step on any device: rows grow (and preempt) alike
     )
     for call in range(100):
         requests = []
