@@ -14,13 +14,8 @@ import torch
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.models import compat
-from miles_multilora.tinker.backend import (
-    BatchingQueue,
-    Datum,
-    ForwardBackwardRequest,
-    TinkerBackend,
-    TinkerError,
-)
+from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, TinkerBackend, TinkerError
+from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.trainer.worker import TrainerWorker
 from tests.e2e.conftest import tiny_run_config
 
