@@ -188,6 +188,7 @@ class BatchingQueue:
             return sum(len(q) for q in self._lanes.values())
 
     def close(self) -> None:
+        """Stop after the running batch; every request still queued fails."""
         with self._cv:
             self._stopped = True
             self._cv.notify()
@@ -249,11 +250,11 @@ class BatchingQueue:
     def _take(self) -> list[_Item] | None:
         with self._cv:
             while True:
+                if self._stopped:  # what is left is failed by close()
+                    return None
                 first = self._pick(lambda item: True)
                 if first is not None:
                     break
-                if self._stopped:
-                    return None
                 self._cv.wait()
             if first.call is not None:
                 return [first]

@@ -40,6 +40,7 @@ class TinkerServer:
 
     def stop(self) -> None:
         self._stop.set()
+        self.state.stopping.set()
         self.http.stop()
         if self._housekeeping is not None:
             self._housekeeping.join(timeout=10)

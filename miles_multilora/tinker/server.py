@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class ServerState:
     mint: IdMint = field(default_factory=IdMint)
     registry: Registry = field(init=False)
     futures: FutureStore = field(init=False)
+    stopping: threading.Event = field(default_factory=threading.Event)  # long polls end (503)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -498,13 +500,17 @@ def create_app(
             entry = futures.get(tenant_of(request), params.text(body, "request_id"))
         except Gone as exc:
             return {"error": exc.message, "category": exc.category}
-        try:
-            outcome = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.ready)), timeout=poll_s)
-        except TimeoutError:
-            return JSONResponse(
-                {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"},
-                status_code=408,
-            )
+        ready = asyncio.wrap_future(entry.ready)
+        deadline = asyncio.get_running_loop().time() + poll_s
+        while not ready.done():  # in short waits, so that a stopping server lets go of its long polls
+            if state.stopping.is_set():
+                return _problem(503, "the server is stopping; poll again", headers={"Connection": "close"})
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                try_again = {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"}
+                return JSONResponse(try_again, status_code=408)
+            await asyncio.wait([ready], timeout=min(remaining, 0.25))
+        outcome = ready.result()
         futures.retrieved(entry)
         return Response(outcome.body, media_type=outcome.media_type)
 
