@@ -57,15 +57,17 @@ def _token_ids(values: Values, where: str, vocab_size: int) -> None:
     """Refuse anything but whole token ids in ``0 .. vocab_size - 1`` (a float id must be whole)."""
     try:
         array = np.asarray(values)
-        if array.dtype.kind not in "iuf" or array.ndim != 1:
-            raise ValueError
-        if array.dtype.kind == "f":
-            bad = ~np.isfinite(array) | (array != np.round(array))
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise TinkerError(where, f"token ids must be whole numbers; got {array[i]!r} at position {i}")
     except (TypeError, ValueError) as exc:
         raise TinkerError(where, "must be a 1-D list of token ids") from exc
+    if array.dtype.kind not in "iuf" or array.ndim != 1:
+        raise TinkerError(where, "must be a 1-D list of token ids")
+    if array.dtype.kind == "f":
+        bad = ~np.isfinite(array) | (array != np.round(array))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TinkerError(
+                where, f"token ids must be whole numbers; got {float(array[i]):g} at position {i}"
+            )
     if array.size and (array.min() < 0 or array.max() >= vocab_size):
         raise TinkerError(where, f"token ids must be in 0..{vocab_size - 1}")
 
@@ -78,7 +80,7 @@ def _finite(values: Values, where: str) -> None:
     bad = ~np.isfinite(array)
     if array.ndim != 1 or bad.any():
         i = int(np.argmax(bad)) if array.ndim == 1 else 0
-        raise TinkerError(where, f"must be finite numbers; got {array.flat[i]!r} at position {i}")
+        raise TinkerError(where, f"must be finite numbers; got {float(array.flat[i])} at position {i}")
 
 
 @dataclass

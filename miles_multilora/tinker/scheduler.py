@@ -35,6 +35,10 @@ Lane = Hashable  # (tenant, session) on the server
 DEFAULT_LANE: tuple[str, str] = ("", "")
 
 
+class QueueStopped(RuntimeError):
+    """The server stopped before this request ran."""
+
+
 class _Job:
     """One submitted request: its parts run in order, its future resolves after the last part (or
     fails at the first failure; the parts not yet run are then skipped)."""
@@ -194,12 +198,12 @@ class BatchingQueue:
             self._cv.notify()
         self._thread.join(timeout=30)
         for lane in list(self._lanes):
-            self.drop_lane(lane, RuntimeError("the Tinker server stopped"))
+            self.drop_lane(lane, QueueStopped("the Tinker server stopped before this request ran"))
 
     def _put(self, lane: Lane, items: list[_Item]) -> None:
         with self._cv:
             if self._stopped:
-                raise RuntimeError("the batching queue is stopped")
+                raise QueueStopped("the Tinker server is stopping")
             queue = self._lanes.get(lane)
             if queue is None:
                 self._activate(lane)

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TinkerServer:
-    """A running server (``url``); ``stop()`` ends it, its housekeeping and its queue."""
+    """A running server (``url``); ``stop()`` ends it, its housekeeping and its queue, and frees
+    its slots (the trainer rank can serve a new server in this process)."""
 
     url: str
     state: ServerState
@@ -45,6 +46,9 @@ class TinkerServer:
         if self._housekeeping is not None:
             self._housekeeping.join(timeout=10)
         self.state.queue.close()
+        backend = self.state.backend
+        for model_id in list(backend.models):  # nothing outlives the server but saved states
+            backend.unload_model(model_id)
 
 
 def build_state(cfg: RunConfig, worker: Any | None = None) -> ServerState:

@@ -41,7 +41,7 @@ from miles_multilora.tinker.backend import TinkerBackend, TinkerError, read_stat
 from miles_multilora.tinker.futures import Busy, FutureStore, Gone, Outcome
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
-from miles_multilora.tinker.scheduler import BatchingQueue
+from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped
 from miles_multilora.tinker.wire import (
     PROTOBUF,
     decode_forward_backward,
@@ -129,6 +129,8 @@ def _failure(exc: BaseException) -> Outcome:
     """A failed request's result: ``user`` for what the request got wrong, ``server`` otherwise."""
     if isinstance(exc, ConfigError):  # TinkerError / SpecError included
         body = {"error": str(exc), "category": "user"}
+    elif isinstance(exc, QueueStopped):
+        body = {"error": str(exc), "category": "server"}
     else:
         logger.error("tinker: a request failed", exc_info=exc)
         body = {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
