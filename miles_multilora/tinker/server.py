@@ -186,9 +186,13 @@ def create_app(
     async def _on_unknown(request: Request, exc: Unknown) -> JSONResponse:
         return _problem(404, exc.message, exc.key)
 
-    @app.exception_handler(TinkerError)
-    async def _on_tinker_error(request: Request, exc: TinkerError) -> JSONResponse:
+    @app.exception_handler(ConfigError)  # TinkerError and SpecError (e.g. an unknown loss) included
+    async def _on_bad_request(request: Request, exc: ConfigError) -> JSONResponse:
         return _problem(400, str(exc), exc.key)
+
+    @app.exception_handler(QueueStopped)
+    async def _on_stopping(request: Request, exc: QueueStopped) -> JSONResponse:
+        return _problem(503, str(exc), headers={"Connection": "close"})
 
     @app.exception_handler(Busy)
     async def _on_busy(request: Request, exc: Busy) -> JSONResponse:

@@ -411,6 +411,17 @@ def test_malformed_input_is_a_400_naming_the_field_and_changes_nothing(served: S
         post(served, KEY_A, "forward_backward", raw=message.SerializeToString()),
         "data[0].loss_fn_inputs.weights",
     )
+    message = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[sft(TEXT)], loss_fn="cross_entropy"),
+        model_id=model_id, seq_id=1))  # fmt: skip
+    message.loss_fn = "dro"
+    refused(post(served, KEY_A, "forward_backward", raw=message.SerializeToString()), "loss_fn")
+    message.loss_fn = "ppo"
+    message.loss_fn_config_v2["clip_low_threshold"].number = float("nan")
+    refused(
+        post(served, KEY_A, "forward_backward", raw=message.SerializeToString()),
+        "loss_fn_config.clip_low_threshold",
+    )
     assert post(served, KEY_A, "forward_backward", raw=good).status_code == 200  # the good one still works
 
     sample = {"sampling_session_id": sampler_id, "num_samples": 1, "seq_id": 1,
