@@ -183,7 +183,9 @@ class FutureStore:
         if entry.key is not None and self._by_key.get(entry.key) == rid:
             del self._by_key[entry.key]
         self._retrieved.pop(rid, None)
-        if self._settled[entry.tenant].pop(rid, False) is None:
+        settled = self._settled[entry.tenant]
+        if rid in settled:
+            del settled[rid]
             self._held[entry.tenant] -= entry.size
         self._gone[rid] = (entry.tenant, why)
         while len(self._gone) > self.remembered:

@@ -52,8 +52,9 @@ from miles_multilora.tinker.wire import (
 logger = logging.getLogger(__name__)
 
 API = "/api/v1"
-NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-PATH = re.compile(r"^tinker://([A-Za-z0-9_.-]{1,128})/(weights|sampler_weights)/([A-Za-z0-9_.-]{1,128})$")
+_PART = r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}"  # a file name: no "/", no leading "."
+NAME = re.compile(rf"^{_PART}$")
+PATH = re.compile(rf"^tinker://({_PART})/(weights|sampler_weights)/({_PART})$")
 JSON_MEDIA = "application/json"
 
 
@@ -529,7 +530,7 @@ def _lane(owned: OwnedModel) -> tuple[str, str]:
 
 def _name(name: str) -> str:
     if not NAME.match(name):
-        raise TinkerError("path", f"names are 1-128 letters, digits, '_', '-', '.'; got {name!r}")
+        raise TinkerError("path", f"names are 1-128 letters, digits, '_', '-', '.' (not first); got {name!r}")
     return name
 
 

@@ -567,3 +567,19 @@ def test_without_a_key_file_loopback_clients_are_one_tenant(served: Served) -> N
     assert out.metrics["num_tokens:sum"] == len(TEXT) - 1
     assert {m.tenant for m in served.state.registry.models.values()} == {"local"}
     sc.close("success").result()
+
+
+def test_idle_connections_are_closed_and_connections_are_capped(served: Served) -> None:
+    served.restart(max_connections=3, keep_alive_s=0.5)  # the serving shared with the controller's API
+    url = f"{served.url}{API}/get_server_capabilities"
+    idle = [socket.create_connection(("127.0.0.1", served.port), timeout=10) for _ in range(3)]
+    try:
+        assert requests.get(url, headers={"X-API-Key": KEY_A}, timeout=10).status_code == 503
+        for conn in idle:
+            assert conn.recv(1) == b""  # closed by the server after keep_alive_s, though it never sent
+    finally:
+        for conn in idle:
+            conn.close()
+    wait_for(
+        lambda: requests.get(url, headers={"X-API-Key": KEY_A}, timeout=10).status_code == 200, timeout=10
+    )
