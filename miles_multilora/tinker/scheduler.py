@@ -8,9 +8,10 @@ calls). Each batch starts with the next item of the lane owed the most service, 
 owed the most, as long as they fit ``batch_tokens``: pieces of different models (and of different
 clients) run as one mixed-slot batch, and a call runs alone.
 
-"Owed the most" is the least service received, counted in tokens: first among tenants, then among
-the lanes of that tenant. A lane that becomes busy starts at the current service level (idle time
-earns no credit). So a small request waits at most for the batch running when it arrives and its
+"Owed the most" is the least service received, first among tenants, then among the lanes of that
+tenant. Service is counted in forward/backward tokens; a call is charged the time it took, at the
+tokens per second the recent batches ran (so a flood of cheap-looking calls is charged what it
+costs). A lane that becomes busy starts at the current service level (idle time earns no credit). So a small request waits at most for the batch running when it arrives and its
 own, however large the requests of others are; one tenant's many sessions share that tenant's
 share. Splitting is exact: each piece's loss is a sum over its own datums and gradients
 accumulate in the model's slot, so the pieces of a request give its gradient, and the request's
@@ -78,7 +79,8 @@ class _Job:
 class _Item:
     job: _Job
     index: int
-    cost: int  # tokens (or 1 for a small call)
+    lane: Lane
+    cost: float  # tokens: charged when picked (a call's estimate is corrected by its time)
     piece: ForwardBackwardRequest | None = None  # joins a batch
     call: Callable[[], Any] | None = None  # runs alone
 
@@ -130,6 +132,7 @@ class BatchingQueue:
         self._clock = 0.0  # service level of the last tenant picked
         self._lane_clock: dict[Any, float] = {}  # per tenant, of the last lane picked
         self._counter = itertools.count()
+        self._rate: float | None = None  # forward/backward tokens per second, recent batches
         self._cv = threading.Condition()
         self._stopped = False
         self.batches: list[int] = []  # pieces per forward/backward batch run (for tests and metrics)
@@ -151,7 +154,9 @@ class BatchingQueue:
                 return failed
         pieces = split_forward_backward(request, self.batch_tokens)
         job = _Job(len(pieces), merge_outputs)
-        items = [_Item(job, i, sum(len(d.tokens) for d in p.data), piece=p) for i, p in enumerate(pieces)]
+        items = [
+            _Item(job, i, lane, sum(len(d.tokens) for d in p.data), piece=p) for i, p in enumerate(pieces)
+        ]
         self._put(lane, items)
         return job.future
 
@@ -170,9 +175,10 @@ class BatchingQueue:
         future gets ``combine`` of their results, or the first failure."""
         job = _Job(len(calls), combine)
         costs = costs or [1] * len(calls)
-        self._put(
-            lane, [_Item(job, i, cost, call=c) for i, (c, cost) in enumerate(zip(calls, costs, strict=True))]
-        )
+        items = [
+            _Item(job, i, lane, cost, call=c) for i, (c, cost) in enumerate(zip(calls, costs, strict=True))
+        ]
+        self._put(lane, items)
         return job.future
 
     def drop_lane(self, lane: Lane, exc: BaseException) -> int:
@@ -247,9 +253,13 @@ class BatchingQueue:
         item = queue.popleft()
         if not queue:
             del self._lanes[best]
-        self._tenant_served[tenant] += item.cost
-        self._lane_served[best] += item.cost
+        self._charge(best, item.cost)
         return item
+
+    def _charge(self, lane: Lane, amount: float) -> None:
+        self._tenant_served[self._tenant(lane)] += amount
+        if lane in self._lane_served:  # not dropped meanwhile
+            self._lane_served[lane] += amount
 
     def _take(self) -> list[_Item] | None:
         with self._cv:
@@ -278,7 +288,7 @@ class BatchingQueue:
     # ------------------------------------------------------------------ running
     def _run(self) -> None:
         while (batch := self._take()) is not None:
-            first = batch[0]
+            first, started = batch[0], time.perf_counter()
             if first.call is not None:
                 try:
                     result = first.call()
@@ -286,6 +296,9 @@ class BatchingQueue:
                     first.job.fail(exc)
                 else:
                     first.job.part_done(first.index, result)
+                with self._cv:  # charge what it took, not what it was guessed to take
+                    if self._rate is not None:
+                        self._charge(first.lane, (time.perf_counter() - started) * self._rate - first.cost)
                 continue
             ok = []
             for item in batch:  # a piece whose model is gone fails alone, before the batch runs
@@ -301,11 +314,15 @@ class BatchingQueue:
             if not ok:
                 continue
             self.batches.append(len(ok))
+            started = time.perf_counter()
             try:
                 outputs = self.backend.forward_backward([item.piece for item in ok])  # type: ignore[misc]
             except Exception as exc:  # noqa: BLE001 - the shared batch failed: every caller hears it
                 for item in ok:
                     item.job.fail(exc)
                 continue
+            rate = sum(item.cost for item in ok) / max(time.perf_counter() - started, 1e-6)
+            with self._cv:
+                self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
             for item, output in zip(ok, outputs, strict=True):
                 item.job.part_done(item.index, output)

@@ -267,5 +267,20 @@ def test_a_small_request_waits_for_one_batch_of_a_huge_one_and_tenants_share_fai
         for f in futures:
             f.result(timeout=120)
         assert done_order[:8].count("t-b") == 4, done_order
+
+        # calls are charged the time they take: a flood of slow calls does not push others back
+        gate = threading.Event()
+        queue.submit(gate.wait)
+        done_order.clear()
+        futures = [queue.submit_calls(("t-a", "s0"), [lambda: time.sleep(0.2)]) for _ in range(8)]
+        futures += [queue.submit_forward_backward(ForwardBackwardRequest("b", [sft_datum(TEXT)]), lane=("t-b", "s0"))
+                    for _ in range(6)]  # fmt: skip
+        for f, tenant in zip(futures, ["t-a"] * 8 + ["t-b"] * 6, strict=True):
+            f.add_done_callback(lambda _, t=tenant: done_order.append(t))
+        gate.set()
+        for f in futures:
+            f.result(timeout=120)
+        last_b = max(i for i, t in enumerate(done_order) if t == "t-b")
+        assert last_b <= 11, done_order  # charged 1 token a call, all 8 calls would run first
     finally:
         queue.close()
