@@ -82,9 +82,8 @@ class FutureStore:
         self._by_key: dict[Hashable, str] = {}
         self._pending: dict[str, int] = defaultdict(int)
         self._held: dict[str, int] = defaultdict(int)
-        self._settled: dict[str, OrderedDict[str, None]] = defaultdict(
-            OrderedDict
-        )  # per tenant, oldest first
+        # per tenant, the finished results held, oldest first
+        self._settled: dict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)
         self._retrieved: OrderedDict[str, float] = OrderedDict()  # rid -> when, oldest first
         self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # rid -> (tenant, why)
 
@@ -102,7 +101,7 @@ class FutureStore:
                 return rid
             if self._pending[tenant] >= self.max_pending:
                 raise Busy(
-                    f"{self._pending[tenant]} requests of this client are queued or running, the most "
+                    f"{self._pending[tenant]} requests of this API key are queued or running, the most "
                     f"tinker.max_pending_requests allows; wait for some to finish"
                 )
             future = start()
@@ -174,7 +173,7 @@ class FutureStore:
             settled[entry.request_id] = None
             while self._held[entry.tenant] > self.max_held_bytes and settled:
                 victim = next((r for r in settled if r in self._retrieved), next(iter(settled)))
-                self._drop(victim, f"this client's held results passed tinker.max_held_results_mb "
+                self._drop(victim, f"this API key's held results passed tinker.max_held_results_mb "
                            f"({self.max_held_bytes >> 20} MiB); retrieve results sooner")  # fmt: skip
         entry.ready.set_result(outcome)
 

@@ -247,7 +247,7 @@ def create_app(
         tenant = tenant_of(request)
         if registry.count_sessions(tenant) >= s.max_sessions:
             raise Busy(
-                f"this client has {s.max_sessions} open sessions, the most tinker.max_sessions allows; "
+                f"this API key has {s.max_sessions} open sessions, the most tinker.max_sessions allows; "
                 "close some (ServiceClient.close) or let them expire"
             )
         return {"type": "create_session", "session_id": registry.open_session(tenant).session_id}
