@@ -18,6 +18,12 @@ import numpy as np
 import tinker
 
 
+def first_key(path: str) -> str:
+    """The first key of a key file (one key per line; blank lines and # comments skipped)."""
+    lines = Path(path).expanduser().read_text().splitlines()
+    return next(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
+
+
 def reward(prompt: list[int], tokens: list[int]) -> float:
     return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
 
@@ -51,9 +57,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     args = parser.parse_args()
     prompts = [[5, 17, 33, 9], [60, 2, 44, 71], [8, 19, 90, 3]]
-    service = tinker.ServiceClient(
-        base_url=args.base_url, api_key=Path(args.api_key_file).expanduser().read_text().strip()
-    )
+    service = tinker.ServiceClient(base_url=args.base_url, api_key=first_key(args.api_key_file))
     training = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
     params = tinker.SamplingParams(max_tokens=16, temperature=1.0)
     for step in range(args.steps):

@@ -120,17 +120,35 @@ class ControllerConfig:
 
 @dataclass
 class TinkerConfig:
-    """``tinker-serve``: the Tinker-protocol server. Its API key (a ``tml-`` key, as the SDK sends
-    it) comes from ``api_key_file`` (readable by its owner only), never from the config itself."""
+    """``tinker-serve``: the Tinker-protocol server (``docs/tinker.md``). Its API keys (``tml-`` keys, as
+    the SDK sends them; one per line, each its own tenant) come from ``api_key_file`` (readable by its
+    owner only), never from the config itself. Every limit below is per server unless it says
+    "per tenant"."""
 
-    host: str = "127.0.0.1"  # a non-loopback host requires an API key
+    host: str = "127.0.0.1"  # a non-loopback host requires an API key file
     port: int = 8500
     api_key_file: str | None = None
     base_model: str | None = None  # the name clients pass as base_model (default: the model's path/source)
     tokenizer_id: str | None = None  # what get_info reports for get_tokenizer() (a HF id or local dir)
     batch_window_s: float = 0.02  # forward/backward requests of different clients within it run as one batch
-    state_dir: str | None = None  # saved states (tinker://.../weights/...); default <output_dir>/tinker
-    max_body_mb: int = 64
+    state_dir: str | None = None  # saved states, <state_dir>/<tenant>/...; default <output_dir>/tinker
+    # HTTP
+    max_body_mb: int = 64  # request bodies, whatever their transfer encoding (413 past it)
+    body_timeout_s: float = 120.0  # a request body must arrive within this (408)
+    keep_alive_s: float = 5.0  # idle connections are closed after this
+    max_connections: int = 256  # open connections; more get 503
+    # work per request, and how it is shared
+    max_forward_backward_tokens: int = 1_048_576  # input tokens of one forward/forward_backward request
+    max_sample_tokens: int = 262_144  # num_samples x max_tokens of one sample request
+    batch_tokens: int = 16_384  # forward/backward tokens run as one batch; larger requests run in pieces
+    sample_batch_tokens: int = 65_536  # num_samples x max_tokens sampled at once; larger requests in pieces
+    max_pending_requests: int = 256  # per tenant: queued and running requests; more get 429 (the SDK retries)
+    max_sessions: int = 64  # per tenant: open sessions; more get 429
+    # lifetimes
+    session_timeout_s: float = 120.0  # a session without a heartbeat for this long ends; its models unload
+    result_ttl_s: float = 3600.0  # an unretrieved result is dropped after this
+    retrieved_result_ttl_s: float = 60.0  # a retrieved result stays this long (for a lost reply), then goes
+    max_held_results_mb: int = 256  # per tenant: finished results held; past it the oldest are dropped
 
 
 @dataclass
@@ -224,8 +242,14 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     )
     tk = cfg.tinker
     _check(tk.batch_window_s >= 0, "tinker.batch_window_s", "must be >= 0")
-    _check(tk.max_body_mb >= 1, "tinker.max_body_mb", "must be >= 1")
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
+    for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
+                "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
+                "max_held_results_mb"):  # fmt: skip
+        _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
+    for key in ("body_timeout_s", "keep_alive_s", "session_timeout_s", "result_ttl_s",
+                "retrieved_result_ttl_s"):  # fmt: skip
+        _check(getattr(tk, key) > 0, f"tinker.{key}", "must be > 0 (seconds)")
     c = cfg.controller
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")

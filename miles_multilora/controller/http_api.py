@@ -19,44 +19,43 @@ method, 408 body too slow, 409 live duplicate name / adapter already finished, 4
 
 Auth: with a token, every route except ``/health``, ``/docs`` and ``/openapi.json`` (which stay
 open) needs ``Authorization: Bearer <token>``. A non-loopback host requires a token; loopback
-without one logs a warning. Specs POSTed here are registered with ``remote=True``.
+without one logs a warning. Specs POSTed here are registered with ``remote=True``. The serving
+itself (auth guard, body limits, 500 guard, keep-alive, backlog, connection cap) is
+:mod:`miles_multilora.http_serving`, shared with ``tinker-serve``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import math
-import socket
-import threading
-import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from starlette.types import Scope
 
 from miles_multilora.controller.core import ControllerCore
 from miles_multilora.controller.errors import ControllerAuthError, ControllerError
 from miles_multilora.errors import ConfigError
+from miles_multilora.http_serving import (
+    KEEP_ALIVE_S,
+    LOOPBACK_HOSTS,
+    MAX_CONNECTIONS,
+    BackgroundServer,
+    Guard,
+    HTTPProblem,
+    read_body,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
 MAX_JSON_DEPTH = 32  # a spec nests 3 levels; deeper input is refused before the core sees it
-BODY_TIMEOUT_S = 30.0  # the whole request body must arrive within this
-KEEP_ALIVE_S = 5.0  # idle connections (before the first request too) are closed after this
-MAX_CONNECTIONS = 256  # open connections; a request on one more gets 503
-BACKLOG = 2048
-SHUTDOWN_TIMEOUT_S = 5.0
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 OPEN_PATHS = ("/health", "/docs", "/openapi.json")
 TOKEN_HINT = "set $MILES_MULTILORA_TOKEN or controller.token_file"
 
@@ -79,12 +78,6 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_finite(v) for v in value]
     return value
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.field = status, message, field
 
 
 def _error(
@@ -117,79 +110,31 @@ def parse_spec_body(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
     except UnicodeDecodeError as exc:
-        raise _HTTPError(400, f"body is not UTF-8: {exc}", "<body>") from exc
+        raise HTTPProblem(400, f"body is not UTF-8: {exc}", "<body>") from exc
     except RecursionError as exc:
-        raise _HTTPError(400, "body is not valid JSON: nested too deeply", "<body>") from exc
+        raise HTTPProblem(400, "body is not valid JSON: nested too deeply", "<body>") from exc
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity
-        raise _HTTPError(400, f"body is not valid JSON: {exc}", "<body>") from exc
+        raise HTTPProblem(400, f"body is not valid JSON: {exc}", "<body>") from exc
     if not isinstance(data, dict):
-        raise _HTTPError(400, f"an adapter spec must be a JSON object, got {type(data).__name__}", "<body>")
+        raise HTTPProblem(400, f"an adapter spec must be a JSON object, got {type(data).__name__}", "<body>")
     if _depth(data) > MAX_JSON_DEPTH:
-        raise _HTTPError(400, f"body nests deeper than {MAX_JSON_DEPTH} levels", "<body>")
+        raise HTTPProblem(400, f"body nests deeper than {MAX_JSON_DEPTH} levels", "<body>")
     return data
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, read incrementally: 413 as soon as it passes ``limit`` bytes."""
-    length = request.headers.get("content-length")
-    if length is None and "chunked" not in request.headers.get("transfer-encoding", "").lower():
-        raise _HTTPError(411, "a body with Content-Length is required: POST the adapter spec as JSON")
-    if length is not None and int(length) > limit:  # h11 has checked that it is a number
-        raise _HTTPError(413, f"body of {length} bytes is larger than the limit of {limit} bytes")
-    body = bytearray()
-    try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise _HTTPError(413, f"body is larger than the limit of {limit} bytes")
-    except TimeoutError as exc:
-        raise _HTTPError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s") from exc
-    except ClientDisconnect as exc:
-        raise _HTTPError(400, "the client disconnected while sending the body", "<body>") from exc
-    if not body:
-        raise _HTTPError(400, "empty body: POST the adapter spec as a JSON object", "<body>")
-    return bytes(body)
+def _authenticator(token: str) -> Callable[[Scope], bool | None]:
+    """The guard's check of ``Authorization: Bearer <token>`` (constant-time)."""
 
-
-class _Guard:
-    """ASGI middleware: bearer-token check (except on open paths) and a JSON 500 for anything else."""
-
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
-        self.app, self.token = app, token
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.token is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            message = "missing or wrong bearer token (send 'Authorization: Bearer <token>')"
-            response = _error(
-                401, message, ControllerAuthError.__name__, headers={"WWW-Authenticate": "Bearer"}
-            )
-            await response(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:  # keep serving; the caller sees a 500 with the message
-            logger.exception("controller HTTP API: %s %s failed", scope["method"], scope["path"])
-            if not started:
-                await _error(500, f"internal error: {type(exc).__name__}: {exc}", type(exc).__name__)(
-                    scope, receive, send
-                )
-
-    def _authorized(self, scope: Scope) -> bool:
-        assert self.token is not None
+    def authenticate(scope: Scope) -> bool | None:
         header = dict(scope["headers"]).get(b"authorization", b"")
         given = header[len(b"Bearer ") :] if header.startswith(b"Bearer ") else b""
-        return hmac.compare_digest(given, self.token.encode())
+        return True if hmac.compare_digest(given, token.encode()) else None
+
+    return authenticate
+
+
+def _render(status: int, message: str, type_: str, headers: dict[str, str]) -> JSONResponse:
+    return _error(status, message, type_, headers=headers)
 
 
 def create_app(
@@ -207,10 +152,22 @@ def create_app(
         redirect_slashes=False,
         default_response_class=_JSON,
     )
-    app.add_middleware(_Guard, token=token)
+    app.add_middleware(
+        Guard,
+        render=_render,
+        logger=logger,
+        max_body_bytes=max_body_bytes,
+        authenticate=_authenticator(token) if token is not None else None,
+        open_paths=OPEN_PATHS,
+        unauthorized=(
+            "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
+            ControllerAuthError.__name__,
+            {"WWW-Authenticate": "Bearer"},
+        ),
+    )
 
-    @app.exception_handler(_HTTPError)
-    async def _on_http_error(request: Request, exc: _HTTPError) -> JSONResponse:
+    @app.exception_handler(HTTPProblem)
+    async def _on_http_error(request: Request, exc: HTTPProblem) -> JSONResponse:
         return _error(exc.status, exc.message, "HTTPError", exc.field)
 
     @app.exception_handler(StarletteHTTPException)
@@ -251,12 +208,12 @@ def create_app(
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media != "application/json":
             got = f"Content-Type {media}" if media else "no Content-Type"
-            raise _HTTPError(
+            raise HTTPProblem(
                 415,
                 f"send the adapter spec as JSON (Content-Type: application/json), got {got}; "
                 "`miles-multilora submit` converts YAML files",
             )
-        body = await _read_body(request, max_body_bytes)
+        body = await read_body(request, required="the adapter spec as a JSON object")
         return _JSON(await run_in_threadpool(register_body, body), status_code=201)
 
     @app.get("/adapters", summary="Latest run of every adapter (all_runs=1: every run)")
@@ -272,23 +229,6 @@ def create_app(
         return _JSON(core.cancel(name))
 
     return app
-
-
-class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol, plus: the keep-alive timer also runs until a request's headers are
-    complete, so a connection that sends nothing (or trickles headers) is closed too."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler
-        )
-
-    def data_received(self, data: bytes) -> None:
-        self.conn.receive_data(data)
-        self.handle_events()
-        if self.cycle is not None and not self.cycle.response_complete:
-            self._unset_keepalive_if_required()  # a request is being served
 
 
 class ControllerHTTPServer:
@@ -318,19 +258,17 @@ class ControllerHTTPServer:
             keep_alive_s,
             max_connections,
         )
-        self._url: str | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._server: BackgroundServer | None = None
 
     @property
     def url(self) -> str:
-        if self._url is None:
+        if self._server is None or self._server.url is None:
             raise ControllerError("the controller HTTP server is not started")
-        return self._url
+        return self._server.url
 
     def start(self) -> str:
-        if self._url is not None:
-            return self._url
+        if self._server is not None and self._server.url is not None:
+            return self._server.url
         if self._token is None:
             if self._host not in LOOPBACK_HOSTS:
                 raise ConfigError(
@@ -343,68 +281,26 @@ class ControllerHTTPServer:
                 self._host,
                 TOKEN_HINT,
             )
-        sock = self._bind()
-        config = uvicorn.Config(
+        server = BackgroundServer(
             create_app(self._core, self._token, self._max_body_bytes),
-            http=_Protocol,
-            ws="none",
-            lifespan="off",
-            loop="asyncio",
-            log_config=None,  # leave this process's logging alone
-            log_level="warning",
-            access_log=False,
-            server_header=False,
-            proxy_headers=False,
-            backlog=BACKLOG,
-            timeout_keep_alive=self._keep_alive_s,  # type: ignore[arg-type]  (a float works)
-            limit_concurrency=self._max_connections + 1,  # uvicorn counts the asking connection
-            timeout_graceful_shutdown=int(SHUTDOWN_TIMEOUT_S),
+            self._host,
+            self._port,
+            name="controller-http",
+            port_key="controller.port",
+            logger=logger,
+            keep_alive_s=self._keep_alive_s,
+            max_connections=self._max_connections,
         )
-        server = uvicorn.Server(config)
-        # Not the main thread, so uvicorn installs no signal handlers.
-        thread = threading.Thread(
-            target=server.run, kwargs={"sockets": [sock]}, name="controller-http", daemon=True
-        )
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not server.started:
-            server.should_exit = True
-            thread.join(timeout=SHUTDOWN_TIMEOUT_S)
-            sock.close()
-            raise ControllerError(f"the controller HTTP server on {self._host}:{self._port} did not start")
-        host, port = sock.getsockname()[:2]
-        self._url = f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
-        self._server, self._thread = server, thread
-        logger.info("controller HTTP API on %s", self._url)
-        return self._url
-
-    def _bind(self) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        # proto=IPPROTO_TCP: asyncio then sets TCP_NODELAY on every accepted connection (with proto 0
-        # it does not, and keep-alive responses wait ~40 ms on Nagle + delayed ACK).
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self._host, self._port))
-            sock.listen(BACKLOG)
-        except OSError as exc:
-            sock.close()
-            raise ConfigError("controller.port", f"cannot bind {self._host}:{self._port}: {exc}") from exc
-        return sock
+            url = server.start()
+        except RuntimeError as exc:
+            raise ControllerError(str(exc)) from exc
+        self._server = server
+        logger.info("controller HTTP API on %s", url)
+        return url
 
     def stop(self) -> None:
         """Stop accepting, close connections, wait for requests in flight, join the thread."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = self._url = None
-        if server is None or thread is None:
-            return
-        server.should_exit = True
-        thread.join(timeout=SHUTDOWN_TIMEOUT_S + 5)
-        if thread.is_alive():
-            server.force_exit = True
-            thread.join(timeout=5)
-            logger.warning(
-                "controller HTTP server thread did not stop in time (alive: %s)", thread.is_alive()
-            )
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()

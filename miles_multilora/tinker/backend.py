@@ -1,28 +1,26 @@
 """Tinker-style training on the resident slots: each client model owns a slot of one trainer rank.
 
 :class:`TinkerBackend` is the state (model id -> slot, rank, seed, optimizer steps) and the
-operations on it; :class:`BatchingQueue` runs them on one thread in arrival order, and runs the
-forward/backward requests of different models that arrive within ``window_s`` as *one* mixed-slot
-batch. Each model's gradient is what it would get alone (its loss is a sum over its own tokens and
-its LoRA weights are its own); a request that fails validation fails alone, before the batch.
+operations on it. The forward/backward requests of several models run as *one* mixed-slot batch;
+each model's gradient is what it would get alone (its loss is a sum over its own tokens and its
+LoRA weights are its own). :meth:`TinkerBackend.check` validates a request before it joins a
+batch, so a bad one fails alone; :mod:`~miles_multilora.tinker.scheduler` runs the operations.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import clear_slot, init_slot, load_slot_state, slot_state
-from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult
+from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.tinker.losses import LOSS_INPUTS, check_loss, tinker_loss
 from miles_multilora.trainer.primitives import ScoredRow
 
@@ -33,13 +31,56 @@ class TinkerError(SpecError):
     """A request the backend refuses (unknown model, no free slot, malformed datum, ...)."""
 
 
+Values = Sequence[float] | np.ndarray
+
+
 @dataclass
 class Datum:
     """One sequence of a forward/backward request: its input tokens and per-position loss inputs
-    (``target_tokens`` plus the loss's own, each as long as the input)."""
+    (``target_tokens`` plus the loss's own, each as long as the input); lists or 1-D arrays."""
 
-    tokens: list[int]
-    inputs: dict[str, list[float]]
+    tokens: Sequence[int] | np.ndarray
+    inputs: dict[str, Values]
+
+
+def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
+
+
+def _floats(values: Values) -> list[float]:
+    return (
+        values.astype(np.float64).tolist() if isinstance(values, np.ndarray) else [float(v) for v in values]
+    )
+
+
+def _token_ids(values: Values, where: str, vocab_size: int) -> None:
+    """Refuse anything but whole token ids in ``0 .. vocab_size - 1`` (a float id must be whole)."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise TinkerError(where, "must be a 1-D list of token ids") from exc
+    if array.dtype.kind not in "iuf" or array.ndim != 1:
+        raise TinkerError(where, "must be a 1-D list of token ids")
+    if array.dtype.kind == "f":
+        bad = ~np.isfinite(array) | (array != np.round(array))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TinkerError(
+                where, f"token ids must be whole numbers; got {float(array[i]):g} at position {i}"
+            )
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        raise TinkerError(where, f"token ids must be in 0..{vocab_size - 1}")
+
+
+def _finite(values: Values, where: str) -> None:
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TinkerError(where, "must be a 1-D list of numbers") from exc
+    bad = ~np.isfinite(array)
+    if array.ndim != 1 or bad.any():
+        i = int(np.argmax(bad)) if array.ndim == 1 else 0
+        raise TinkerError(where, f"must be finite numbers; got {float(array.flat[i])} at position {i}")
 
 
 @dataclass
@@ -115,33 +156,29 @@ class TinkerBackend:
 
     # ------------------------------------------------------------------ training
     def check(self, request: ForwardBackwardRequest) -> dict[str, float]:
-        """Validate a request (model, loss, every datum's inputs) before it joins a batch."""
+        """Validate a request (model, loss, every datum's inputs) before it joins a batch: token
+        ids whole and in the vocabulary, every loss input present, as long as the input and finite."""
         self.model(request.model_id)
         config = check_loss(request.loss_fn, request.loss_fn_config)
         if not request.data:
             raise TinkerError("data", "a forward/backward request needs at least one datum")
-        limit = self.worker.max_seq_len
+        limit, vocab = self.worker.max_seq_len, self.worker.vocab_size
         for i, d in enumerate(request.data):
             n = len(d.tokens)
             if not 1 <= n <= limit:
                 raise TinkerError(f"data[{i}].model_input", f"needs 1..{limit} tokens, got {n}")
-            if any(not 0 <= t < self.worker.vocab_size for t in d.tokens):
-                raise TinkerError(
-                    f"data[{i}].model_input", f"token ids must be in 0..{self.worker.vocab_size - 1}"
-                )
+            _token_ids(d.tokens, f"data[{i}].model_input", vocab)
             for key in LOSS_INPUTS[request.loss_fn]:
+                where = f"data[{i}].loss_fn_inputs.{key}"
                 values = d.inputs.get(key)
                 if values is None:
                     raise TinkerError(f"data[{i}].loss_fn_inputs", f"{request.loss_fn} needs {key!r}")
                 if len(values) != n:
-                    raise TinkerError(
-                        f"data[{i}].loss_fn_inputs.{key}", f"has {len(values)} values for {n} input tokens"
-                    )
-            targets = d.inputs["target_tokens"]
-            if any(not 0 <= int(t) < self.worker.vocab_size for t in targets):
-                raise TinkerError(
-                    f"data[{i}].loss_fn_inputs.target_tokens", "token ids out of the vocabulary"
-                )
+                    raise TinkerError(where, f"has {len(values)} values for {n} input tokens")
+                if key == "target_tokens":
+                    _token_ids(values, where, vocab)
+                else:
+                    _finite(values, where)
         return config
 
     def forward_backward(self, requests: Sequence[ForwardBackwardRequest]) -> list[ForwardBackwardOutput]:
@@ -152,11 +189,12 @@ class TinkerBackend:
         for tag, request in enumerate(requests):
             losses[tag] = (request.loss_fn, check_loss(request.loss_fn, request.loss_fn_config))
             slot = self.model(request.model_id).slot
+            keys = [k for k in LOSS_INPUTS[request.loss_fn] if k != "target_tokens"]
             for d in request.data:
-                values = {k: [float(x) for x in v] for k, v in d.inputs.items() if k != "target_tokens"}
+                values = {k: _floats(d.inputs[k]) for k in keys}
                 rows.append(
-                    ScoredRow(slot, list(d.tokens), list(range(len(d.tokens))),
-                              [int(t) for t in d.inputs["target_tokens"]], values=values, tag=tag)
+                    ScoredRow(slot, _ints(d.tokens), list(range(len(d.tokens))),
+                              _ints(np.asarray(d.inputs["target_tokens"]).astype(np.int64)), values=values, tag=tag)
                 )  # fmt: skip
         loss = tinker_loss(losses)
         logprobs: list[list[float]] = [[] for _ in rows]
@@ -198,7 +236,8 @@ class TinkerBackend:
     # ------------------------------------------------------------------ sampling
     def sample(self, model_id: str | None, prompt: list[int], num_samples: int, sampling: SamplingSpec,
                seed: int = 0) -> list[GenerationResult]:  # fmt: skip
-        """``num_samples`` completions of ``prompt`` from the model's live slot (or the base model)."""
+        """``num_samples`` completions of ``prompt`` from the model's live slot (or the base model);
+        sample ``j`` uses seed ``seed + j``."""
         if num_samples < 1:
             raise TinkerError("num_samples", "must be >= 1")
         if model_id is None:
@@ -211,9 +250,20 @@ class TinkerBackend:
                 GenerationRequest(model_id, e.slot, e.steps, list(prompt), sampling, seed=seed + j)
                 for j in range(num_samples)
             ]
-        for r in requests:
-            self.worker.engine.check_request(r)
+        self._check_generation(requests[0])
         return self.worker.engine.generate(requests)
+
+    def check_sample(self, prompt: list[int], sampling: SamplingSpec) -> None:
+        """Whether the engine can serve this prompt and these parameters (prompt ids in the
+        vocabulary, room in the context window and the KV cache, stop strings with a tokenizer)."""
+        self._check_generation(GenerationRequest.for_base(prompt, sampling, seed=0))
+
+    def _check_generation(self, request: GenerationRequest) -> None:
+        try:
+            self.worker.engine.check_request(request)
+        except RolloutError as exc:
+            message = str(exc).split(": ", 1)[-1]  # without the engine's "request 0 (<adapter>)" prefix
+            raise TinkerError("prompt", message) from exc
 
     # ------------------------------------------------------------------ state
     def save_state(self, model_id: str, path: str | Path) -> Path:
@@ -234,7 +284,7 @@ class TinkerBackend:
     def load_state(self, model_id: str, path: str | Path, optimizer: bool = True) -> None:
         """Put a saved state into the model's slot (its optimizer state too, unless ``optimizer=False``)."""
         e = self.model(model_id)
-        payload = torch.load(Path(path), weights_only=True)
+        payload = read_state(path)
         if int(payload["meta"]["rank"]) != e.rank:
             raise TinkerError(
                 "path", f"the saved state has rank {payload['meta']['rank']}, the model {e.rank}"
@@ -246,94 +296,12 @@ class TinkerBackend:
         self.worker.engine.update_adapters({model_id: AdapterVersion(e.slot, e.steps)})
 
 
-class BatchingQueue:
-    """Runs backend operations on one thread, in arrival order; consecutive forward/backward requests
-    (of any models) arriving within ``window_s`` of the first run as one batch."""
-
-    def __init__(self, backend: TinkerBackend, window_s: float = 0.02, max_batch: int = 64) -> None:
-        self.backend = backend
-        self.window_s = window_s
-        self.max_batch = max_batch
-        self._items: list[tuple[Any, Future]] = []
-        self._cv = threading.Condition()
-        self._stopped = False
-        self.batches: list[int] = []  # requests per forward/backward batch run (for tests and metrics)
-        self._thread = threading.Thread(target=self._run, name="tinker-batching", daemon=True)
-        self._thread.start()
-
-    def submit_forward_backward(self, request: ForwardBackwardRequest) -> Future:
-        return self._put(request)
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-        """Any other backend operation, in order with the forward/backward requests."""
-        return self._put((fn, args, kwargs))
-
-    def _put(self, item: Any) -> Future:
-        future: Future = Future()
-        with self._cv:
-            if self._stopped:
-                raise RuntimeError("the batching queue is stopped")
-            self._items.append((item, future))
-            self._cv.notify()
-        return future
-
-    def close(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify()
-        self._thread.join(timeout=30)
-
-    def _take(self) -> list[tuple[Any, Future]] | None:
-        with self._cv:
-            while not self._items and not self._stopped:
-                self._cv.wait()
-            if not self._items:
-                return None
-            first = self._items[0]
-            if not isinstance(first[0], ForwardBackwardRequest):
-                return [self._items.pop(0)]
-        deadline = time.monotonic() + self.window_s
-        while time.monotonic() < deadline:  # let other clients' requests join this batch
-            time.sleep(min(0.002, self.window_s))
-        with self._cv:
-            batch = []
-            while (
-                self._items
-                and isinstance(self._items[0][0], ForwardBackwardRequest)
-                and len(batch) < self.max_batch
-            ):
-                batch.append(self._items.pop(0))
-            return batch
-
-    def _run(self) -> None:
-        while (batch := self._take()) is not None:
-            first = batch[0][0]
-            if not isinstance(first, ForwardBackwardRequest):
-                (fn, args, kwargs), future = batch[0]
-                _settle(future, fn, *args, **kwargs)
-                continue
-            ok = []
-            for request, future in batch:  # a malformed request fails alone, before the batch runs
-                try:
-                    self.backend.check(request)
-                    ok.append((request, future))
-                except Exception as exc:  # noqa: BLE001 - reported to that request's caller
-                    future.set_exception(exc)
-            if not ok:
-                continue
-            self.batches.append(len(ok))
-            try:
-                outputs = self.backend.forward_backward([r for r, _ in ok])
-            except Exception as exc:  # noqa: BLE001 - the shared batch failed: every caller hears it
-                for _, future in ok:
-                    future.set_exception(exc)
-                continue
-            for (_, future), output in zip(ok, outputs, strict=True):
-                future.set_result(output)
-
-
-def _settle(future: Future, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+def read_state(path: str | Path) -> dict[str, Any]:
+    """A state written by :meth:`TinkerBackend.save_state` (tensors only: ``weights_only``)."""
     try:
-        future.set_result(fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - reported to the caller
-        future.set_exception(exc)
+        payload = torch.load(Path(path), weights_only=True)
+        int(payload["meta"]["rank"]), int(payload["meta"]["seed"]), int(payload["meta"]["steps"])
+        payload["slot"], payload["optimizer"]  # noqa: B018 - both must be there
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
+        raise TinkerError("path", f"not a readable saved state: {type(exc).__name__}") from exc
+    return payload

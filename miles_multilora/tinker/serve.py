@@ -1,35 +1,54 @@
-"""Start the Tinker server: one in-process trainer rank, its batching queue and the HTTP app."""
+"""Start the Tinker server: one in-process trainer rank, its batching queue, the HTTP app (served by
+:mod:`miles_multilora.http_serving`, like the controller's API) and a housekeeping thread that
+expires silent sessions and releases old results."""
 
 from __future__ import annotations
 
+import logging
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
+from starlette.types import Scope
 
 from miles_multilora.config.run import RunConfig
-from miles_multilora.controller.token import read_token
 from miles_multilora.errors import ConfigError
-from miles_multilora.tinker.backend import BatchingQueue, TinkerBackend
+from miles_multilora.http_serving import LOOPBACK_HOSTS, BackgroundServer
+from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.tinker.server import ServerState, create_app
+from miles_multilora.tinker.tenants import KeyRing, read_key_file
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TinkerServer:
-    """A running server (``url``); ``stop()`` ends it and its queue."""
+    """A running server (``url``); ``stop()`` ends it, its housekeeping and its queue, and frees
+    its slots (the trainer rank can serve a new server in this process)."""
 
     url: str
     state: ServerState
-    server: uvicorn.Server
-    thread: threading.Thread
+    http: BackgroundServer
+    keys: KeyRing
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _housekeeping: threading.Thread | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.http.alive
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self._stop.set()
+        self.state.stopping.set()
+        self.http.stop()
+        if self._housekeeping is not None:
+            self._housekeeping.join(timeout=10)
         self.state.queue.close()
+        backend = self.state.backend
+        for model_id in list(backend.models):  # nothing outlives the server but saved states
+            backend.unload_model(model_id)
 
 
 def build_state(cfg: RunConfig, worker: Any | None = None) -> ServerState:
@@ -47,37 +66,61 @@ def build_state(cfg: RunConfig, worker: Any | None = None) -> ServerState:
     base = t.base_model or (cfg.model.hf_path if cfg.model.source == "hf" else cfg.model.source)
     return ServerState(
         backend,
-        BatchingQueue(backend, window_s=t.batch_window_s),
+        BatchingQueue(backend, window_s=t.batch_window_s, batch_tokens=t.batch_tokens),
         base_model=str(base),
         state_dir=Path(t.state_dir or Path(cfg.trainer.output_dir) / "tinker"),
         tokenizer_id=t.tokenizer_id,
+        settings=t,
     )
+
+
+def read_keys(cfg: RunConfig) -> KeyRing:
+    """The tenants' keys (``tinker.api_key_file``); none is allowed on a loopback host only."""
+    t = cfg.tinker
+    if t.host not in LOOPBACK_HOSTS and not t.api_key_file:
+        raise ConfigError("tinker.api_key_file", f"binding {t.host} needs an API key file (tml-... keys)")
+    return KeyRing(read_key_file(t.api_key_file) if t.api_key_file else None)
 
 
 def start(cfg: RunConfig, worker: Any | None = None, port: int | None = None) -> TinkerServer:
     """Serve in a background thread; returns once the socket accepts connections."""
     t = cfg.tinker
-    if t.host not in ("127.0.0.1", "localhost", "::1") and not t.api_key_file:
-        raise ConfigError("tinker.api_key_file", f"binding {t.host} needs an API key file (tml-... key)")
-    api_key = read_token(t.api_key_file, key="tinker.api_key_file") if t.api_key_file else None
-    if api_key is not None and not api_key.startswith("tml-"):
-        raise ConfigError("tinker.api_key_file", "the Tinker SDK only sends keys that start with 'tml-'")
+    keys = read_keys(cfg)
     state = build_state(cfg, worker)
-    app = create_app(state, api_key=api_key, max_body_bytes=t.max_body_mb * 2**20)
-    port = t.port if port is None else port
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=t.host, port=port, log_level="warning", access_log=False)
+
+    def authenticate(scope: Scope) -> str | None:
+        return keys.tenant_of(dict(scope["headers"]).get(b"x-api-key"))
+
+    app = create_app(
+        state,
+        authenticate=authenticate,
+        max_body_bytes=t.max_body_mb * 2**20,
+        body_timeout_s=t.body_timeout_s,
     )
-    thread = threading.Thread(target=server.run, name="tinker-http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            state.queue.close()
-            raise RuntimeError(f"the Tinker server did not start on {t.host}:{port}")
-        time.sleep(0.05)
-    bound = server.servers[0].sockets[0].getsockname()[1] if port == 0 else port
-    return TinkerServer(f"http://{t.host}:{bound}", state, server, thread)
+    http = BackgroundServer(
+        app, t.host, t.port if port is None else port, name="tinker-http", port_key="tinker.port",
+        logger=logger, keep_alive_s=t.keep_alive_s, max_connections=t.max_connections,
+    )  # fmt: skip
+    try:
+        url = http.start(timeout_s=60)
+    except BaseException:
+        state.queue.close()
+        raise
+    server = TinkerServer(url, state, http, keys)
+    period = min(1.0, t.session_timeout_s / 4)
+
+    def housekeeping() -> None:
+        while not server._stop.wait(period):
+            try:
+                state.maintain()
+            except Exception:  # noqa: BLE001 - keep expiring sessions whatever one of them did
+                logger.exception("tinker: housekeeping failed")
+
+    server._housekeeping = threading.Thread(target=housekeeping, name="tinker-housekeeping", daemon=True)
+    server._housekeeping.start()
+    if keys.open:
+        logger.warning("tinker server on %s has no API key file: every local process is one tenant", url)
+    return server
 
 
 def serve_forever(cfg: RunConfig, console: Any) -> None:
@@ -86,16 +129,17 @@ def serve_forever(cfg: RunConfig, console: Any) -> None:
 
     console.print("starting the trainer rank (loading the model) ...")
     server = start(cfg)
+    tenants = "one tenant (no key file)" if server.keys.open else f"{len(server.keys.tenants)} tenant key(s)"
     console.print(
         f"[bold]miles_multilora tinker server[/bold] at {server.url}: base_model={server.state.base_model!r}, "
-        f"{cfg.lora.num_slots} slots (one per client model), max LoRA rank {cfg.lora.max_rank}; clients: "
-        f"tinker.ServiceClient(base_url={server.url!r}, api_key='tml-...')",
+        f"{cfg.lora.num_slots} slots (one per client model), max LoRA rank {cfg.lora.max_rank}, {tenants}; "
+        f"clients: tinker.ServiceClient(base_url={server.url!r}, api_key='tml-...')",
         soft_wrap=True,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0) and server.thread.is_alive():
+    while not stop.wait(1.0) and server.alive:
         pass
     server.stop()
     console.print("tinker server stopped")

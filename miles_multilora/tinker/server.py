@@ -1,34 +1,47 @@
 """The Tinker REST protocol (as the pinned ``tinker`` SDK speaks it) in front of the backend.
 
-Every operation is queued on the :class:`BatchingQueue` (one thread, arrival order) and answered
-with a request id; ``retrieve_future`` long-polls for the result: JSON for most operations,
-protobuf for forward/backward and sampling. Models are named ``{session}:train:{seq}`` and
-samplers ``{session}:sample:{seq}`` as the SDK expects. Saved states live under ``state_dir`` and
-are addressed as ``tinker://{model}/weights/{name}``; a sampler serves a model's live slot at the
-version it was saved for (no export). Safety: an API key (when set) is compared in constant time;
-bodies over ``max_body_bytes`` are refused; no pickle anywhere (protobuf, JSON, ``torch.load``
-with ``weights_only``).
+Every operation is checked here (a malformed field is a 400 naming it, ``category: user``; an id
+the caller's tenant does not own is a 404 exactly like an unknown one), then queued on the
+:class:`~miles_multilora.tinker.scheduler.BatchingQueue` in its session's lane and answered with a
+request id. ``retrieve_future`` long-polls for the result: JSON for most operations, protobuf for
+forward/backward and sampling; a failure is ``{"error", "category"}`` (``user`` for anything the
+request itself got wrong, ``server`` otherwise). Ownership lives in
+:class:`~miles_multilora.tinker.registry.Registry`, results in
+:class:`~miles_multilora.tinker.futures.FutureStore`.
+
+Saved states live under ``<state_dir>/<tenant>/weights/<run>/<name>.pt`` and are addressed as
+``tinker://<run>/weights/<name>``: a tenant can only ever reach its own. A sampler serves a model's
+live slot at the version it was saved for (no export).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
+import logging
 import re
-import secrets
-import time
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from miles_multilora.config.adapter import SamplingSpec
-from miles_multilora.errors import SpecError
-from miles_multilora.tinker.backend import BatchingQueue, TinkerBackend, TinkerError
-from miles_multilora.tinker.futures import FutureStore
+from miles_multilora.config.run import TinkerConfig
+from miles_multilora.errors import ConfigError
+from miles_multilora.http_serving import Guard, HTTPProblem, read_body
+from miles_multilora.tinker import params
+from miles_multilora.tinker.backend import TinkerBackend, TinkerError, read_state
+from miles_multilora.tinker.futures import Busy, FutureStore, Gone, Outcome
+from miles_multilora.tinker.ids import IdMint
+from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
+from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped
 from miles_multilora.tinker.wire import (
     PROTOBUF,
     decode_forward_backward,
@@ -36,17 +49,13 @@ from miles_multilora.tinker.wire import (
     encode_samples,
 )
 
+logger = logging.getLogger(__name__)
+
 API = "/api/v1"
-NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-DEFAULT_MAX_TOKENS = 128
-
-
-@dataclass
-class Sampler:
-    sampler_id: str
-    model_id: str | None  # None: the base model
-    version: int | None
-    model_path: str | None = None
+_PART = r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}"  # a file name: no "/", no leading "."
+NAME = re.compile(rf"^{_PART}$")
+PATH = re.compile(rf"^tinker://({_PART})/(weights|sampler_weights)/({_PART})$")
+JSON_MEDIA = "application/json"
 
 
 @dataclass
@@ -56,325 +65,480 @@ class ServerState:
     base_model: str
     state_dir: Path
     tokenizer_id: str | None = None
-    futures: FutureStore = field(default_factory=FutureStore)
-    sessions: dict[str, set[str]] = field(default_factory=dict)  # session -> its model ids
-    samplers: dict[str, Sampler] = field(default_factory=dict)
-    sampler_weights: dict[str, tuple[str, int]] = field(
-        default_factory=dict
-    )  # tinker path -> (model, version)
+    settings: TinkerConfig = field(default_factory=TinkerConfig)
+    mint: IdMint = field(default_factory=IdMint)
+    registry: Registry = field(init=False)
+    futures: FutureStore = field(init=False)
+    stopping: threading.Event = field(default_factory=threading.Event)  # long polls end (503)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.registry = Registry(self.mint)
+        self.futures = FutureStore(
+            self.mint,
+            result_ttl_s=s.result_ttl_s,
+            retrieved_ttl_s=s.retrieved_result_ttl_s,
+            max_held_bytes=s.max_held_results_mb << 20,
+            max_pending=s.max_pending_requests,
+        )
+
+    def weights_file(self, tenant: str, run: str, name: str) -> Path:
+        return self.state_dir / tenant / "weights" / run / f"{name}.pt"
+
+    def end_session(self, tenant: str, session_id: str, why: str) -> None:
+        """End a session: its queued work fails, its samplers go and its models unload (in the
+        tenant's own lane, so the unloads count against its share)."""
+        models = self.registry.end_session(tenant, session_id, why)
+        self.queue.drop_lane((tenant, session_id), TinkerError("session", f"the session ended: {why}"))
+        for model_id in models:
+            self.queue.submit_calls((tenant, ""), [lambda m=model_id: _unload_if_loaded(self.backend, m)])
+
+    def maintain(self) -> None:
+        """Expire silent sessions and release old results (called periodically)."""
+        timeout = self.settings.session_timeout_s
+        for session in self.registry.expired(timeout):
+            why = f"no heartbeat or request for {timeout:g} s (tinker.session_timeout_s)"
+            try:
+                self.end_session(session.tenant, session.session_id, why)
+            except Unknown:  # finished meanwhile
+                continue
+            logger.info("tinker: session %s of %s expired", session.session_id, session.tenant)
+        self.futures.sweep()
 
 
-def _error(status: int, detail: str) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status)
+def _unload_if_loaded(backend: TinkerBackend, model_id: str) -> None:
+    if model_id in backend.models:
+        backend.unload_model(model_id)
 
 
-def _weights_file(state: ServerState, path: str) -> Path:
-    match = re.fullmatch(r"tinker://([^/]+)/weights/([^/]+)", path or "")
-    if not match or not NAME.match(match.group(2)):
-        raise TinkerError("path", f"expected tinker://<model>/weights/<name>, got {path!r}")
-    run, name = match.groups()
-    return state.state_dir / "weights" / re.sub(r"[^A-Za-z0-9_.-]", "_", run) / f"{name}.pt"
+# ---------------------------------------------------------------------------- answers
+def _problem(
+    status: int, detail: str, field_: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"detail": detail, "category": "server" if status >= 500 else "user"}
+    if field_ is not None:
+        body["field"] = field_
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def render(status: int, message: str, type_: str, headers: dict[str, str]) -> JSONResponse:
+    """The guard's errors (401, 408, 413, 500) in this door's shape; the connection then closes."""
+    return _problem(status, message, headers={"Connection": "close", **headers})
+
+
+def _failure(exc: BaseException) -> Outcome:
+    """A failed request's result: ``user`` for what the request got wrong, ``server`` otherwise."""
+    if isinstance(exc, ConfigError):  # TinkerError / SpecError included
+        body = {"error": str(exc), "category": "user"}
+    elif isinstance(exc, QueueStopped):
+        body = {"error": str(exc), "category": "server"}
+    else:
+        logger.error("tinker: a request failed", exc_info=exc)
+        body = {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
+    return Outcome(json.dumps(body).encode(), JSON_MEDIA)
+
+
+def _encoder(kind: str) -> Callable[[Future], Outcome]:
+    def encode(future: Future) -> Outcome:
+        exc = future.exception()
+        if exc is not None:
+            return _failure(exc)
+        try:
+            result = future.result()
+            if kind == "forward_backward":
+                return Outcome(encode_forward_backward(result), PROTOBUF)
+            if kind == "sample":
+                return Outcome(encode_samples(result), PROTOBUF)
+            return Outcome(json.dumps(result).encode(), JSON_MEDIA)
+        except Exception as error:  # noqa: BLE001 - an encoding bug fails this request only
+            return _failure(error)
+
+    return encode
 
 
 def create_app(
-    state: ServerState, *, api_key: str | None = None, max_body_bytes: int = 64 * 2**20, poll_s: float = 25.0
+    state: ServerState,
+    *,
+    authenticate: Callable[[Any], str | None],
+    max_body_bytes: int = 64 * 2**20,
+    body_timeout_s: float = 120.0,
+    poll_s: float = 25.0,
 ) -> FastAPI:
+    """The app: ``authenticate(scope)`` gives the caller's tenant (or None: 401)."""
     app = FastAPI(title="miles_multilora tinker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tinker = state
+    app.add_middleware(
+        Guard,
+        render=render,
+        logger=logger,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        authenticate=authenticate,
+        unauthorized=("missing or wrong X-API-Key", "AuthError", {}),
+    )
+    s = state.settings
+    registry, futures, queue, backend = state.registry, state.futures, state.queue, state.backend
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if api_key is not None:
-            given = request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return _error(401, "missing or wrong X-API-Key")
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > max_body_bytes:
-            return _error(413, f"request body over {max_body_bytes} bytes")
-        return await call_next(request)
+    @app.exception_handler(HTTPProblem)
+    async def _on_problem(request: Request, exc: HTTPProblem) -> JSONResponse:
+        return _problem(exc.status, exc.message, exc.field, headers={"Connection": "close"})
 
-    def submit(kind: str, key: Any, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {
-            "request_id": state.futures.submit(key, kind, lambda: state.queue.submit(fn, *args, **kwargs))
-        }
+    @app.exception_handler(Unknown)
+    async def _on_unknown(request: Request, exc: Unknown) -> JSONResponse:
+        return _problem(404, exc.message, exc.key)
+
+    @app.exception_handler(ConfigError)  # TinkerError and SpecError (e.g. an unknown loss) included
+    async def _on_bad_request(request: Request, exc: ConfigError) -> JSONResponse:
+        return _problem(400, str(exc), exc.key)
+
+    @app.exception_handler(QueueStopped)
+    async def _on_stopping(request: Request, exc: QueueStopped) -> JSONResponse:
+        return _problem(503, str(exc), headers={"Connection": "close"})
+
+    @app.exception_handler(Busy)
+    async def _on_busy(request: Request, exc: Busy) -> JSONResponse:
+        return _problem(429, str(exc), headers={"Retry-After": "1"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _problem(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        return params.json_body(await read_body(request, required="a JSON object"))
+
+    async def drain(request: Request) -> None:
+        """Read (and drop) a body this route does not need, within the body limits."""
+        try:
+            async for _ in request.stream():
+                pass
+        except ClientDisconnect:
+            pass
+
+    def tenant_of(request: Request) -> str:
+        return request.state.principal
+
+    def submit(
+        tenant: str, key: Any, kind: str, lane: Any, calls: list[Callable[[], Any]],
+        combine: Callable[[list[Any]], Any] = lambda r: r[0], costs: list[int] | None = None,
+    ) -> str:  # fmt: skip
+        return futures.submit(
+            tenant, key, lambda: queue.submit_calls(lane, calls, combine, costs), _encoder(kind)
+        )
 
     # ---------------------------------------------------------------- client and session
     @app.post(f"{API}/client/config")
-    async def client_config() -> dict[str, Any]:
+    async def client_config(request: Request) -> dict[str, Any]:
+        await drain(request)
         return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": False}
 
     @app.post(f"{API}/client/dynamic_config")
-    async def dynamic_config() -> dict[str, Any]:
+    async def dynamic_config(request: Request) -> dict[str, Any]:
+        await drain(request)
         return {}
 
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        model = {"model_name": state.base_model, "max_context_length": state.backend.worker.max_seq_len}
+        model = {"model_name": state.base_model, "max_context_length": backend.worker.max_seq_len}
         return {"supported_models": [{**model, "trainable": True, "sampleable": True}]}
 
     @app.post(f"{API}/create_session")
-    async def create_session() -> dict[str, Any]:
-        session = f"sess-{secrets.token_hex(4)}"
-        state.sessions[session] = set()
-        return {"type": "create_session", "session_id": session}
+    async def create_session(request: Request) -> dict[str, Any]:
+        await drain(request)
+        tenant = tenant_of(request)
+        if registry.count_sessions(tenant) >= s.max_sessions:
+            raise Busy(
+                f"this API key has {s.max_sessions} open sessions, the most tinker.max_sessions allows; "
+                "close some (ServiceClient.close) or let them expire"
+            )
+        return {"type": "create_session", "session_id": registry.open_session(tenant).session_id}
 
     @app.post(f"{API}/session_heartbeat")
-    async def heartbeat(body: dict[str, Any]) -> Any:
-        if body.get("session_id") not in state.sessions:
-            return _error(410, "session finished")
+    async def heartbeat(request: Request) -> Any:
+        body = await body_of(request)
+        try:
+            registry.session(tenant_of(request), params.text(body, "session_id"))
+        except Unknown as exc:
+            return _problem(410, exc.message, "session_id")  # the SDK stops heartbeating
         return {}
 
     @app.post(f"{API}/telemetry")
-    async def telemetry() -> dict[str, Any]:
+    async def telemetry(request: Request) -> dict[str, Any]:
+        await drain(request)
         return {"status": "accepted"}
 
     @app.post(f"{API}/sessions/{{session_id}}/finish")
-    async def finish(session_id: str) -> dict[str, Any]:
-        for model_id in state.sessions.pop(session_id, set()):  # free the session's slots
-            state.queue.submit(_unload_if_loaded, state, model_id)
-        for sid in [s for s in state.samplers if s.startswith(f"{session_id}:")]:
-            del state.samplers[sid]
+    async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        await drain(request)
+        state.end_session(tenant_of(request), session_id, "finished by its client")
         return {}
 
     # ---------------------------------------------------------------- models
     @app.post(f"{API}/create_model")
-    async def create_model(body: dict[str, Any]) -> Any:
-        session, seq = body.get("session_id"), body.get("model_seq_id")
-        if session not in state.sessions:
-            return _error(404, f"unknown session {session!r}")
-        model_id = f"{session}:train:{seq}"
-        lora = body.get("lora_config") or {}
-        base = body.get("base_model")
+    async def create_model(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        session = registry.session(tenant, params.text(body, "session_id"))
+        seq = params.integer(body, "model_seq_id", low=0)
+        lora = params.mapping(body, "lora_config")
+        rank = params.integer(lora, "rank", 32, where="lora_config.rank")
+        seed = params.integer(lora, "seed", 0, low=0, high=2**62, where="lora_config.seed")
+        base = params.text(body, "base_model", None)
+        model_id = f"{session.session_id}:train:{seq}"
 
         def create() -> dict[str, Any]:
             if base not in (None, state.base_model):
                 raise TinkerError("base_model", f"this server trains {state.base_model!r}, not {base!r}")
-            state.backend.create_model(model_id, int(lora.get("rank", 32)), int(lora.get("seed") or 0))
-            state.sessions.setdefault(session, set()).add(model_id)
+            _create(state, tenant, session.session_id, model_id, rank, seed)
             return {"type": "create_model", "model_id": model_id}
 
-        return submit("json", ("create", session, seq), create)
+        rid = submit(
+            tenant, (tenant, session.session_id, "create_model", seq), "json", session.lane, [create]
+        )
+        return {"request_id": rid}
 
     @app.post(f"{API}/get_info")
-    async def get_info(body: dict[str, Any]) -> Any:
-        entry = state.backend.models.get(body.get("model_id", ""))
-        if entry is None:
-            return _error(404, f"unknown model {body.get('model_id')!r}")
+    async def get_info(request: Request) -> Any:
+        body = await body_of(request)
+        owned = registry.model(tenant_of(request), params.text(body, "model_id"))
+        entry = backend.models.get(owned.model_id)
+        if entry is None:  # created, not yet in its slot
+            raise Unknown("model_id", f"unknown model {owned.model_id!r}")
         data = {"arch": "llama", "model_name": state.base_model, "tokenizer_id": state.tokenizer_id}
         return {"type": "get_info", "model_id": entry.model_id, "model_data": data, "is_lora": True,
                 "lora_rank": entry.rank, "model_name": state.base_model}  # fmt: skip
 
     @app.post(f"{API}/unload_model")
-    async def unload_model(body: dict[str, Any]) -> Any:
-        model_id = body.get("model_id", "")
+    async def unload_model(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        owned = registry.model(tenant, params.text(body, "model_id"))
 
         def unload() -> dict[str, Any]:
-            state.backend.unload_model(model_id)
-            for models in state.sessions.values():
-                models.discard(model_id)
-            return {"type": "unload_model", "model_id": model_id}
+            _unload_if_loaded(backend, owned.model_id)
+            registry.drop_model(owned.model_id, "unloaded by its client")
+            return {"type": "unload_model", "model_id": owned.model_id}
 
-        return submit("json", ("unload", model_id), unload)
+        return {"request_id": submit(tenant, None, "json", _lane(owned), [unload])}
 
     # ---------------------------------------------------------------- training
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> Any:
+        tenant = tenant_of(request)
         if request.headers.get("content-encoding", "identity") != "identity":
-            return _error(415, "compressed bodies are not enabled (proto_compress_fwdbwd is off)")
-        try:
-            fb, seq = decode_forward_backward(await request.body())
-        except SpecError as exc:
-            return _error(400, str(exc))
-        key = (fb.model_id, seq) if seq is not None else None
-        return {
-            "request_id": state.futures.submit(
-                key, "forward_backward", lambda: state.queue.submit_forward_backward(fb)
-            )
-        }
+            raise HTTPProblem(415, "compressed bodies are not enabled (proto_compress_fwdbwd is off)")
+        raw = await read_body(request, required="a protobuf ForwardBackwardRequest")
+        fb, seq = await run_in_threadpool(decode_forward_backward, raw)
+        owned = registry.model(tenant, fb.model_id)
+        tokens = sum(len(d.tokens) for d in fb.data)
+        if tokens > s.max_forward_backward_tokens:
+            raise TinkerError(
+                "data", f"{tokens} input tokens in one request; the cap is {s.max_forward_backward_tokens} "
+                "(tinker.max_forward_backward_tokens): send fewer or shorter datums per call",
+            )  # fmt: skip
+        await run_in_threadpool(backend.check, fb)
+        key = (
+            (tenant, fb.model_id, "forward" if fb.forward_only else "forward_backward", seq) if seq else None
+        )
+        rid = futures.submit(
+            tenant, key, lambda: queue.submit_forward_backward(fb, _lane(owned), checked=True),
+            _encoder("forward_backward"),
+        )  # fmt: skip
+        return {"request_id": rid}
 
     @app.post(f"{API}/optim_step")
-    async def optim_step(body: dict[str, Any]) -> Any:
-        adam = body.get("adam_params")
-        if not isinstance(adam, dict):
-            return _error(400, "optim_step needs adam_params (only AdamW is supported)")
-        model_id = body.get("model_id", "")
+    async def optim_step(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        owned = registry.model(tenant, params.text(body, "model_id"))
+        adam = params.adam(body)
+        seq = params.integer(body, "seq_id", None)
 
         def step() -> dict[str, Any]:
-            return {"metrics": state.backend.optim_step(
-                model_id, lr=float(adam["learning_rate"]), beta1=float(adam.get("beta1", 0.9)),
-                beta2=float(adam.get("beta2", 0.95)), eps=float(adam.get("eps", 1e-12)),
-                weight_decay=float(adam.get("weight_decay", 0.0)), grad_clip_norm=float(adam.get("grad_clip_norm", 0.0)),
-            )}  # fmt: skip
+            return {"metrics": backend.optim_step(owned.model_id, **adam)}
 
-        return submit("json", (model_id, body.get("seq_id")), step)
+        key = (tenant, owned.model_id, "optim_step", seq) if seq is not None else None
+        return {"request_id": submit(tenant, key, "json", _lane(owned), [step])}
 
     @app.post(f"{API}/save_weights")
-    async def save_weights(body: dict[str, Any]) -> Any:
-        model_id, name = body.get("model_id", ""), str(body.get("path", ""))
-        path = f"tinker://{model_id}/weights/{name}"
+    async def save_weights(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        owned = registry.model(tenant, params.text(body, "model_id"))
+        name = _name(params.text(body, "path"))
+        overwrite, seq = params.flag(body, "overwrite"), params.integer(body, "seq_id", None)
+        path = f"tinker://{owned.run_id}/weights/{name}"
+        target = state.weights_file(tenant, owned.run_id, name)
 
         def save() -> dict[str, Any]:
-            target = _weights_file(state, path)
-            if target.exists() and not body.get("overwrite"):
+            if target.exists() and not overwrite:
                 raise TinkerError("path", f"{path} exists; pass overwrite=True or choose another name")
-            state.backend.save_state(model_id, target)
+            backend.save_state(owned.model_id, target)
             return {"type": "save_weights", "path": path}
 
-        return submit("json", (model_id, body.get("seq_id")), save)
+        key = (tenant, owned.model_id, "save_weights", seq) if seq is not None else None
+        return {"request_id": submit(tenant, key, "json", _lane(owned), [save])}
 
     @app.post(f"{API}/load_weights")
-    async def load_weights(body: dict[str, Any]) -> Any:
-        path, with_optimizer = str(body.get("path", "")), bool(body.get("optimizer"))
-        if body.get("model_id"):
-            model_id, key = body["model_id"], (body["model_id"], body.get("seq_id"))
-        else:  # create-via-load: the SDK names the new model itself
-            session = body.get("session_id")
-            if session not in state.sessions:
-                return _error(404, f"unknown session {session!r}")
-            model_id, key = (
-                f"{session}:train:{body.get('model_seq_id')}",
-                ("create", session, body.get("model_seq_id")),
+    async def load_weights(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        path = params.text(body, "path")
+        match = PATH.match(path)
+        if match is None or match.group(2) != "weights":
+            raise TinkerError(
+                "path", f"expected tinker://<run>/weights/<name> (from save_state), got {path!r}"
             )
+        target = state.weights_file(tenant, match.group(1), match.group(3))
+        with_optimizer = params.flag(body, "optimizer")
+        if body.get("model_id") is not None:
+            owned = registry.model(tenant, params.text(body, "model_id"))
+            seq = params.integer(body, "seq_id", None)
+            key = (tenant, owned.model_id, "load_weights", seq) if seq is not None else None
+            model_id, session_id, lane = owned.model_id, None, _lane(owned)
+        else:  # create-via-load: the SDK names the new model itself
+            session = registry.session(tenant, params.text(body, "session_id"))
+            seq = params.integer(body, "model_seq_id", low=0)
+            model_id, session_id, lane = f"{session.session_id}:train:{seq}", session.session_id, session.lane
+            key = (tenant, session_id, "create_model", seq)
 
         def load() -> dict[str, Any]:
-            target = _weights_file(state, path)
             if not target.is_file():
                 raise TinkerError("path", f"no saved state at {path}")
-            if model_id not in state.backend.models:
-                meta = torch.load(target, weights_only=True)["meta"]
-                state.backend.create_model(model_id, int(meta["rank"]), int(meta["seed"]))
-                state.sessions.setdefault(body.get("session_id", ""), set()).add(model_id)
-            state.backend.load_state(model_id, target, optimizer=with_optimizer)
+            if session_id is not None:
+                meta = read_state(target)["meta"]
+                _create(state, tenant, session_id, model_id, int(meta["rank"]), int(meta["seed"]))
+            backend.load_state(model_id, target, optimizer=with_optimizer)
             return {"type": "load_weights", "path": path, "model_id": model_id}
 
-        return submit("json", key, load)
+        return {"request_id": submit(tenant, key, "json", lane, [load])}
 
     @app.post(f"{API}/save_weights_for_sampler")
-    async def save_for_sampler(body: dict[str, Any]) -> Any:
-        model_id = body.get("model_id", "")
-        session = model_id.split(":train:")[0]
+    async def save_for_sampler(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        owned = registry.model(tenant, params.text(body, "model_id"))
+        seq = params.integer(body, "seq_id", None)
+        name = params.text(body, "path", None)
+        if name is not None:
+            path = f"tinker://{owned.run_id}/sampler_weights/{_name(name)}"
+        else:
+            sampler_seq = params.integer(body, "sampling_session_seq_id", low=0)
+            sampler_id = f"{owned.session_id}:sample:{sampler_seq}"
 
         def snapshot() -> dict[str, Any]:
-            version = state.backend.model(model_id).steps
-            if body.get("path"):
-                name = str(body["path"])
-                if not NAME.match(name):
-                    raise TinkerError("path", f"names are letters, digits, '_', '-', '.'; got {name!r}")
-                path = f"tinker://{model_id}/sampler_weights/{name}"
-                state.sampler_weights[path] = (model_id, version)
+            version = backend.model(owned.model_id).steps
+            if name is not None:
+                registry.add_snapshot(tenant, path, owned.model_id, version)
                 return {"type": "save_weights_for_sampler", "path": path}
-            sid = f"{session}:sample:{body.get('sampling_session_seq_id')}"
-            state.samplers[sid] = Sampler(sid, model_id, version)
-            return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sid}
+            registry.add_sampler(Sampler(sampler_id, tenant, owned.session_id, owned.model_id, version))
+            return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler_id}
 
-        return submit("json", (model_id, body.get("seq_id")), snapshot)
+        key = (tenant, owned.model_id, "save_weights_for_sampler", seq) if seq is not None else None
+        return {"request_id": submit(tenant, key, "json", _lane(owned), [snapshot])}
 
     # ---------------------------------------------------------------- sampling
     @app.post(f"{API}/create_sampling_session")
-    async def create_sampling_session(body: dict[str, Any]) -> Any:
-        session = body.get("session_id")
-        if session not in state.sessions:
-            return _error(404, f"unknown session {session!r}")
-        sid = f"{session}:sample:{body.get('sampling_session_seq_id')}"
-        path = body.get("model_path")
+    async def create_sampling_session(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        session = registry.session(tenant, params.text(body, "session_id"))
+        sampler_id = f"{session.session_id}:sample:{params.integer(body, 'sampling_session_seq_id', low=0)}"
+        path = params.text(body, "model_path", None)
         if path:
-            if path not in state.sampler_weights:
-                return _error(400, f"no sampler weights at {path!r} (save_weights_for_sampler first)")
-            model_id, version = state.sampler_weights[path]
-            state.samplers[sid] = Sampler(sid, model_id, version, path)
+            model_id, version = registry.snapshot(tenant, path)
+            sampler = Sampler(sampler_id, tenant, session.session_id, model_id, version, path)
         else:
-            base = body.get("base_model")
+            base = params.text(body, "base_model", None)
             if base not in (None, state.base_model):
-                return _error(400, f"this server serves {state.base_model!r}, not {base!r}")
-            state.samplers[sid] = Sampler(sid, None, None)
-        return {"type": "create_sampling_session", "sampling_session_id": sid}
+                raise TinkerError("base_model", f"this server serves {state.base_model!r}, not {base!r}")
+            sampler = Sampler(sampler_id, tenant, session.session_id, None, None)
+        registry.add_sampler(sampler)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @app.get(f"{API}/samplers/{{sampler_id}}")
-    async def get_sampler(sampler_id: str) -> Any:
-        s = state.samplers.get(sampler_id)
-        if s is None:
-            return _error(404, f"unknown sampler {sampler_id!r}")
-        return {"sampler_id": s.sampler_id, "base_model": state.base_model, "model_path": s.model_path}
+    async def get_sampler(sampler_id: str, request: Request) -> Any:
+        sampler = registry.sampler(tenant_of(request), sampler_id)
+        return {
+            "sampler_id": sampler.sampler_id,
+            "base_model": state.base_model,
+            "model_path": sampler.model_path,
+        }
 
     @app.post(f"{API}/asample")
-    async def asample(body: dict[str, Any]) -> Any:
-        sampler = state.samplers.get(body.get("sampling_session_id", ""))
-        if sampler is None:
-            return _error(400, f"unknown sampling session {body.get('sampling_session_id')!r}")
-        try:
-            prompt, n, spec, seed = _sample_args(body)
-        except SpecError as exc:
-            return _error(400, str(exc))
+    async def asample(request: Request) -> Any:
+        body, tenant = await body_of(request), tenant_of(request)
+        sampler = registry.sampler(tenant, params.text(body, "sampling_session_id"))
+        prompt = params.prompt_tokens(body)
+        n, spec, seed = params.sampling(body)
+        seq = params.integer(body, "seq_id", None)
+        room = max(backend.worker.max_seq_len - len(prompt), 1)
+        each = min(spec.max_new_tokens, room)  # what one sample can cost
+        if n * each > s.max_sample_tokens:
+            raise TinkerError(
+                "num_samples", f"num_samples x max_tokens = {n} x {each} = {n * each} (max_tokens counted up to "
+                f"the context left after the prompt) is over the cap of {s.max_sample_tokens} "
+                "(tinker.max_sample_tokens): ask for fewer samples or fewer tokens per call",
+            )  # fmt: skip
+        await run_in_threadpool(backend.check_sample, prompt, spec)
+        per_call = max(1, s.sample_batch_tokens // each)
+        starts = list(range(0, n, per_call))
 
-        def sample() -> Any:
-            if sampler.model_id is not None:
-                live = state.backend.model(sampler.model_id).steps
-                if live != sampler.version:
-                    raise TinkerError(
-                        "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, whose "
-                        f"slot now holds version {live}; save_weights_for_sampler again for the current weights",
-                    )  # fmt: skip
-            return state.backend.sample(sampler.model_id, prompt, n, spec, seed)
+        def part(first: int, count: int) -> Callable[[], Any]:
+            def run() -> Any:
+                if sampler.model_id is not None:
+                    live = backend.model(sampler.model_id).steps
+                    if live != sampler.version:
+                        raise TinkerError(
+                            "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, "
+                            f"whose slot now holds version {live}; save_weights_for_sampler again for the "
+                            "current weights",
+                        )  # fmt: skip
+                return backend.sample(sampler.model_id, prompt, count, spec, seed + first)
 
-        key = (sampler.sampler_id, body.get("seq_id"))
-        rid = state.futures.submit(key, "sample", lambda: state.queue.submit(sample))
+            return run
+
+        counts = [min(per_call, n - first) for first in starts]
+        calls = [part(first, count) for first, count in zip(starts, counts, strict=True)]
+        key = (tenant, sampler.sampler_id, "sample", seq) if seq is not None else None
+        rid = submit(
+            tenant, key, "sample", (tenant, sampler.session_id), calls,
+            combine=lambda parts: [r for p in parts for r in p], costs=[c * each for c in counts],
+        )  # fmt: skip
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{j}" for j in range(n)]}
 
     # ---------------------------------------------------------------- futures
     @app.post(f"{API}/retrieve_future")
-    async def retrieve_future(body: dict[str, Any]) -> Any:
-        rid = body.get("request_id", "")
-        pending = state.futures.get(rid)
-        if pending is None:
-            return _error(404, f"unknown request_id {rid!r}")
+    async def retrieve_future(request: Request) -> Any:
+        body = await body_of(request)
         try:
-            result = await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(pending.future)), timeout=poll_s
-            )
-        except TimeoutError:
-            return JSONResponse(
-                {"type": "try_again", "request_id": rid, "queue_state": "active"}, status_code=408
-            )
-        except SpecError as exc:
-            return {"error": str(exc), "category": "user"}
-        except Exception as exc:  # noqa: BLE001 - reported to the client
-            return {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
-        if pending.kind == "forward_backward":
-            return Response(encode_forward_backward(result), media_type=PROTOBUF)
-        if pending.kind == "sample":
-            return Response(encode_samples(result), media_type=PROTOBUF)
-        return result
+            entry = futures.get(tenant_of(request), params.text(body, "request_id"))
+        except Gone as exc:
+            return {"error": exc.message, "category": exc.category}
+        ready = asyncio.wrap_future(entry.ready)
+        deadline = asyncio.get_running_loop().time() + poll_s
+        while not ready.done():  # in short waits, so that a stopping server lets go of its long polls
+            if state.stopping.is_set():
+                return _problem(503, "the server is stopping; poll again", headers={"Connection": "close"})
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                try_again = {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"}
+                return JSONResponse(try_again, status_code=408)
+            await asyncio.wait([ready], timeout=min(remaining, 0.25))
+        outcome = ready.result()
+        futures.retrieved(entry)
+        return Response(outcome.body, media_type=outcome.media_type)
 
     return app
 
 
-def _unload_if_loaded(state: ServerState, model_id: str) -> None:
-    if model_id in state.backend.models:
-        state.backend.unload_model(model_id)
+def _lane(owned: OwnedModel) -> tuple[str, str]:
+    return (owned.tenant, owned.session_id)
 
 
-def _sample_args(body: dict[str, Any]) -> tuple[list[int], int, SamplingSpec, int]:
-    tokens: list[int] = []
-    for chunk in (body.get("prompt") or {}).get("chunks") or []:
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise TinkerError("prompt", "only encoded_text prompt chunks are supported")
-        tokens.extend(int(t) for t in chunk.get("tokens") or [])
-    if not tokens:
-        raise TinkerError("prompt", "the prompt has no tokens")
-    params = body.get("sampling_params") or {}
-    stop = params.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop and not all(isinstance(s, str) for s in stop):
-        raise TinkerError("sampling_params.stop", "stop token ids are not supported; pass stop strings")
-    spec = SamplingSpec(
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=int(params.get("top_k", -1)),
-        max_new_tokens=int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-        stop=list(stop or []),
-    )
-    n = int(body.get("num_samples", 1))
-    if not 1 <= n <= 1024:
-        raise TinkerError("num_samples", "must be in 1..1024")
-    return tokens, n, spec, int(params.get("seed") or time.time_ns() % 2**31)
+def _name(name: str) -> str:
+    if not NAME.match(name):
+        raise TinkerError("path", f"names are 1-128 letters, digits, '_', '-', '.' (not first); got {name!r}")
+    return name
+
+
+def _create(state: ServerState, tenant: str, session_id: str, model_id: str, rank: int, seed: int) -> None:
+    """A new model of the session in a free slot (on the queue thread)."""
+    state.registry.add_model(tenant, session_id, model_id)
+    try:
+        state.backend.create_model(model_id, rank, seed)
+    except BaseException:
+        state.registry.drop_model(model_id, "its creation failed")
+        raise

@@ -2,7 +2,9 @@
 
 ``forward_backward`` requests arrive as ``ForwardBackwardRequest``; its results and sampling
 results go back as ``ForwardBackwardOutput`` / ``SampleResponse``. Token ids are int32
-little-endian, loss inputs dense float32 / int64 little-endian tensors.
+little-endian, loss inputs dense float32 / int64 little-endian tensors. Decoded tokens and loss
+inputs stay numpy arrays (no per-value Python objects); anything malformed is a
+:class:`TinkerError` naming the field.
 """
 
 from __future__ import annotations
@@ -19,17 +21,25 @@ PROTOBUF = "application/x-protobuf"
 _DTYPES = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_INT64: "<i8", pb.DTYPE_INT32: "<i4"}
 
 
-def _tensor(t: pb.Tensor, where: str) -> list[float]:
+def _array(buffer: bytes, dtype: str, where: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if len(buffer) % size:
+        raise TinkerError(where, f"holds {len(buffer)} bytes, not a whole number of {size}-byte values")
+    return np.frombuffer(buffer, dtype)
+
+
+def _tensor(t: pb.Tensor, where: str) -> np.ndarray:
     if t.WhichOneof("encoding") != "dense":
         raise TinkerError(where, "only dense tensors are supported (pass 1-D lists or arrays)")
     if t.dtype not in _DTYPES:
-        raise TinkerError(where, f"unsupported dtype {pb.DType.Name(t.dtype)}")
-    values = np.frombuffer(t.dense, _DTYPES[t.dtype])
+        name = pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else str(t.dtype)
+        raise TinkerError(where, f"unsupported dtype {name}")
+    values = _array(t.dense, _DTYPES[t.dtype], where)
     if len(t.shape) != 1 or int(t.shape[0]) != len(values):
         raise TinkerError(
             where, f"must be 1-D with its shape set; got shape {list(t.shape)} for {len(values)} values"
         )
-    return values.tolist()
+    return values
 
 
 def decode_forward_backward(body: bytes) -> tuple[ForwardBackwardRequest, int | None]:
@@ -41,11 +51,13 @@ def decode_forward_backward(body: bytes) -> tuple[ForwardBackwardRequest, int | 
         raise TinkerError("body", f"not a tinker_public.ForwardBackwardRequest: {exc}") from exc
     data = []
     for i, d in enumerate(msg.data):
-        tokens: list[int] = []
+        where = f"data[{i}].model_input"
+        chunks = []
         for chunk in d.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":
-                raise TinkerError(f"data[{i}].model_input", "only encoded_text chunks are supported")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, "<i4").tolist())
+                raise TinkerError(where, "only encoded_text chunks are supported")
+            chunks.append(_array(chunk.encoded_text.tokens, "<i4", where))
+        tokens = np.concatenate(chunks) if chunks else np.zeros(0, "<i4")
         inputs = {k: _tensor(v, f"data[{i}].loss_fn_inputs.{k}") for k, v in d.loss_fn_inputs.items()}
         data.append(Datum(tokens, inputs))
     config = {k: float(v) for k, v in msg.loss_fn_config.items()}
@@ -54,10 +66,13 @@ def decode_forward_backward(body: bytes) -> tuple[ForwardBackwardRequest, int | 
             config[k] = float(v.number)
         else:
             raise TinkerError(f"loss_fn_config.{k}", "must be a number")
+    for k, v in config.items():
+        if not np.isfinite(v):
+            raise TinkerError(f"loss_fn_config.{k}", f"must be a finite number, got {v}")
     request = ForwardBackwardRequest(
         msg.model_id, data, msg.loss_fn or "cross_entropy", config, msg.forward_only
     )
-    return request, (int(msg.seq_id) if msg.seq_id else None)
+    return request, (int(msg.seq_id) if msg.seq_id > 0 else None)
 
 
 def encode_forward_backward(out: ForwardBackwardOutput) -> bytes:

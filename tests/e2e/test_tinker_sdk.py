@@ -9,6 +9,7 @@ the next-token distribution far enough for a few RL steps to show.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,7 +164,9 @@ def test_save_load_round_trips_errors_change_nothing_and_finish_frees_slots(serv
     a.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     model_a = a.get_info().model_id
     path = a.save_state("after-one").result().path
-    assert path == f"tinker://{model_a}/weights/after-one"
+    # named by the model's own run id, so a shared path does not reveal the live model or session
+    assert re.fullmatch(r"tinker://run-[0-9a-f]{12}-[0-9a-f]{32}/weights/after-one", path)
+    assert model_a.split(":")[0] not in path
     saved = _slot_tensors(server, model_a)
     saved_logprobs = a.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     a.forward_backward(data, "cross_entropy").result()
@@ -183,7 +186,7 @@ def test_save_load_round_trips_errors_change_nothing_and_finish_frees_slots(serv
             "weights": _tensor([1.0] * 4, np.float32),
         },
     )
-    with pytest.raises(tinker.RequestFailedError, match="has 4 values for 5 input tokens"):
+    with pytest.raises(tinker.BadRequestError, match="has 4 values for 5 input tokens"):  # a 400 at once
         b.forward_backward([bad], "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="no free slot"):
         first.create_lora_training_client(base_model="tiny", rank=4).result()

@@ -48,5 +48,11 @@ def test_only_the_known_notices_are_hidden() -> None:
 
 def test_show_warnings_shows_everything() -> None:
     err = _stderr(show=True)
-    for text in ("Apex is not installed", "Transformer Engine and Apex", "full scope", "torch_dtype", "Timeout"):
+    for text in (
+        "Apex is not installed",
+        "Transformer Engine and Apex",
+        "full scope",
+        "torch_dtype",
+        "Timeout",
+    ):
         assert text in err, (text, err)

@@ -5,6 +5,7 @@ the live slot, exact save/load, and errors that fail one request and change noth
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,13 +15,8 @@ import torch
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.models import compat
-from miles_multilora.tinker.backend import (
-    BatchingQueue,
-    Datum,
-    ForwardBackwardRequest,
-    TinkerBackend,
-    TinkerError,
-)
+from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, TinkerBackend, TinkerError
+from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.trainer.worker import TrainerWorker
 from tests.e2e.conftest import tiny_run_config
 from tests.helpers import assert_close_at_scale
@@ -215,3 +211,80 @@ def test_errors_are_clear_and_change_nothing(backend: TinkerBackend, tmp_path: P
     assert all(not t.any() for t in state["exp_avg"].values())
     with pytest.raises(TinkerError, match="unknown model"):
         backend.sample("a", TEXT[:3], 1, SamplingSpec(max_new_tokens=2))
+
+
+def test_a_request_split_into_batches_gives_what_it_gives_whole(backend: TinkerBackend) -> None:
+    """Pieces of whole datums (here 2 per batch) accumulate the request's gradient in its slot, and
+    its future gets every datum's logprobs in order and the summed metrics."""
+    backend.create_model("a", rank=4, seed=1)
+    request = ForwardBackwardRequest("a", [sft_datum(TEXT[i:]) for i in range(6)])
+    (whole,) = backend.forward_backward([request])
+    grads = slot_grads(backend, backend.model("a").slot)
+    backend.worker.optimizer.zero_grad()
+    queue = BatchingQueue(backend, window_s=0.0, batch_tokens=2 * len(TEXT))
+    try:
+        split = queue.submit_forward_backward(request).result(timeout=120)
+    finally:
+        queue.close()
+    assert queue.batches == [1, 1, 1]  # three pieces, one batch each
+    assert [len(lp) for lp in split.logprobs] == [len(lp) for lp in whole.logprobs]
+    for x, y in zip(split.logprobs, whole.logprobs, strict=True):
+        assert x == pytest.approx(y, abs=1e-5)
+    assert split.metrics == pytest.approx(whole.metrics, rel=1e-5)
+    for x, y in zip(grads, slot_grads(backend, backend.model("a").slot), strict=True):
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_a_small_request_waits_for_one_batch_of_a_huge_one_and_tenants_share_fairly(
+    backend: TinkerBackend,
+) -> None:
+    backend.create_model("a", rank=4, seed=1)
+    backend.create_model("b", rank=4, seed=2)
+    piece = len(TEXT) - 1
+    queue = BatchingQueue(backend, window_s=0.0, batch_tokens=piece)  # one datum per batch
+    try:
+        huge = queue.submit_forward_backward(
+            ForwardBackwardRequest("a", [sft_datum(TEXT)] * 12), lane=("t-a", "s1")
+        )
+        while not queue.batches:  # the huge request is running
+            time.sleep(0.001)
+        sent_at = len(queue.batches)
+        small = queue.submit_forward_backward(
+            ForwardBackwardRequest("b", [sft_datum(TEXT)]), lane=("t-b", "s2")
+        )
+        small.result(timeout=120)
+        assert len(queue.batches) - sent_at <= 2  # the batch running when it came, then its own
+        assert not huge.done()
+        huge.result(timeout=120)
+
+        # tenant t-a has three busy sessions, t-b one: t-b still gets every other batch
+        gate = threading.Event()
+        queue.submit(gate.wait)  # hold the worker until everything is queued
+        done_order: list[str] = []
+        futures = []
+        for lane in [("t-a", f"s{i}") for i in range(3)] + [("t-b", "s0")]:
+            for _ in range(4):
+                f = queue.submit_forward_backward(ForwardBackwardRequest("a" if lane[0] == "t-a" else "b", [sft_datum(TEXT)]), lane=lane)  # fmt: skip
+                f.add_done_callback(lambda _, t=lane[0]: done_order.append(t))
+                futures.append(f)
+        gate.set()
+        for f in futures:
+            f.result(timeout=120)
+        assert done_order[:8].count("t-b") == 4, done_order
+
+        # calls are charged the time they take: a flood of slow calls does not push others back
+        gate = threading.Event()
+        queue.submit(gate.wait)
+        done_order.clear()
+        futures = [queue.submit_calls(("t-a", "s0"), [lambda: time.sleep(0.2)]) for _ in range(8)]
+        futures += [queue.submit_forward_backward(ForwardBackwardRequest("b", [sft_datum(TEXT)]), lane=("t-b", "s0"))
+                    for _ in range(6)]  # fmt: skip
+        for f, tenant in zip(futures, ["t-a"] * 8 + ["t-b"] * 6, strict=True):
+            f.add_done_callback(lambda _, t=tenant: done_order.append(t))
+        gate.set()
+        for f in futures:
+            f.result(timeout=120)
+        last_b = max(i for i, t in enumerate(done_order) if t == "t-b")
+        assert last_b <= 11, done_order  # charged 1 token a call, all 8 calls would run first
+    finally:
+        queue.close()

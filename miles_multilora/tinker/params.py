@@ -1,0 +1,182 @@
+"""The JSON bodies of the Tinker protocol, checked field by field.
+
+Every function raises :class:`TinkerError` naming the field and what to send instead, so a
+malformed body is a 400 and never reaches the backend. Numbers must be finite; integers must be
+JSON integers (``1.7`` is refused, not truncated).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, NoReturn
+
+from miles_multilora.config.adapter import SamplingSpec
+from miles_multilora.errors import SpecError
+from miles_multilora.tinker.backend import TinkerError
+
+DEFAULT_MAX_TOKENS = 128
+MIN_TEMPERATURE = 1e-3  # 0 is greedy; below this, logits / T overflow and sampling is noise
+_MISSING = object()
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def json_body(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, RecursionError, ValueError) as exc:
+        raise TinkerError("<body>", f"not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TinkerError("<body>", f"must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def text(body: dict[str, Any], key: str, default: Any = _MISSING, where: str | None = None) -> Any:
+    value = body.get(key, _MISSING)
+    if value is _MISSING or (value is None and default is not _MISSING):
+        if default is _MISSING:
+            raise TinkerError(where or key, "is required")
+        return default
+    if not isinstance(value, str):
+        raise TinkerError(where or key, f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def integer(
+    body: dict[str, Any],
+    key: str,
+    default: Any = _MISSING,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    where: str | None = None,
+) -> Any:
+    where = where or key
+    value = body.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise TinkerError(where, "is required")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TinkerError(where, f"must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
+        raise TinkerError(where, f"must be in {bounds}, got {value}")
+    return value
+
+
+def number(
+    body: dict[str, Any],
+    key: str,
+    default: Any = _MISSING,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    where: str | None = None,
+) -> Any:
+    where = where or key
+    value = body.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise TinkerError(where, "is required")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TinkerError(where, f"must be a finite number, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise TinkerError(where, f"must be in [{low}, {high}], got {value}")
+    return float(value)
+
+
+def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise TinkerError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def mapping(body: dict[str, Any], key: str) -> dict[str, Any]:
+    value = body.get(key) or {}
+    if not isinstance(value, dict):
+        raise TinkerError(key, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def adam(body: dict[str, Any]) -> dict[str, float]:
+    """``adam_params`` as :meth:`TinkerBackend.optim_step` keywords."""
+    params = body.get("adam_params")
+    if not isinstance(params, dict):
+        raise TinkerError("adam_params", "optim_step needs adam_params (only AdamW is supported)")
+
+    def get(key: str, default: Any, low: float, high: float | None = None) -> float:
+        return number(params, key, default, low=low, high=high, where=f"adam_params.{key}")
+
+    return {
+        "lr": get("learning_rate", _MISSING, 0.0),
+        "beta1": get("beta1", 0.9, 0.0, 1.0),
+        "beta2": get("beta2", 0.95, 0.0, 1.0),
+        "eps": get("eps", 1e-12, 0.0),
+        "weight_decay": get("weight_decay", 0.0, 0.0),
+        "grad_clip_norm": get("grad_clip_norm", 0.0, 0.0),
+    }
+
+
+def prompt_tokens(body: dict[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise TinkerError("prompt", "must be a ModelInput object with a list of chunks")
+    tokens: list[int] = []
+    for i, chunk in enumerate(prompt["chunks"]):
+        where = f"prompt.chunks[{i}]"
+        if not isinstance(chunk, dict):
+            raise TinkerError(where, "must be an object")
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise TinkerError(f"{where}.type", "only encoded_text prompt chunks are supported")
+        ids = chunk.get("tokens")
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise TinkerError(f"{where}.tokens", "must be a list of integer token ids")
+        tokens.extend(ids)
+    if not tokens:
+        raise TinkerError("prompt", "the prompt has no tokens")
+    return tokens
+
+
+def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int]:
+    """``(num_samples, spec, seed)`` of a sample request (``max_tokens`` defaults to 128)."""
+    n = integer(body, "num_samples", 1, low=1, high=1 << 20)
+    params = mapping(body, "sampling_params")
+    where = "sampling_params."
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise TinkerError(f"{where}stop", "stop token ids are not supported; pass stop strings")
+    try:
+        spec = SamplingSpec(
+            temperature=number(params, "temperature", 1.0, low=0.0, where=f"{where}temperature"),
+            top_p=number(params, "top_p", 1.0, low=0.0, high=1.0, where=f"{where}top_p"),
+            top_k=integer(params, "top_k", -1, low=-1, where=f"{where}top_k"),
+            max_new_tokens=integer(
+                params, "max_tokens", DEFAULT_MAX_TOKENS, low=1, where=f"{where}max_tokens"
+            ),
+            stop=list(stop or []),
+        )
+    except TinkerError:
+        raise
+    except SpecError as exc:  # the sampling spec's own bounds
+        raise TinkerError(f"{where}{exc.key.rsplit('.', 1)[-1]}", exc.message) from exc
+    if 0 < spec.temperature < MIN_TEMPERATURE:
+        raise TinkerError(
+            f"{where}temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {spec.temperature:g}"
+        )
+    if spec.top_k == 0:
+        raise TinkerError(f"{where}top_k", "must be -1 (no limit) or >= 1, got 0")
+    if spec.top_p == 0.0:
+        raise TinkerError(f"{where}top_p", "must be in (0, 1], got 0")
+    seed = integer(params, "seed", None, low=0, high=2**62, where=f"{where}seed")
+    return n, spec, (seed if seed is not None else time.time_ns() % 2**31)

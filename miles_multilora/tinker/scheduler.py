@@ -1,0 +1,328 @@
+"""One thread runs every backend operation; clients share it fairly, a batch at a time.
+
+Work arrives in *lanes* (a lane is one client session: ``(tenant, session)``) and runs in order
+within its lane. A forward/backward request is split, by datums, into pieces of at most
+``batch_tokens`` input tokens; other operations are calls (a large sample request is several
+calls). Each batch starts with the next item of the lane owed the most service, waits
+``window_s`` for others, and is filled with the forward/backward pieces at the heads of the lanes
+owed the most, as long as they fit ``batch_tokens``: pieces of different models (and of different
+clients) run as one mixed-slot batch, and a call runs alone.
+
+"Owed the most" is the least service received, first among tenants, then among the lanes of that
+tenant. Service is counted in forward/backward tokens; a call is charged the time it took, at the
+tokens per second the recent batches ran (so a flood of cheap-looking calls is charged what it
+costs). A lane that becomes busy starts at the current service level (idle time earns no credit). So a small request waits at most for the batch running when it arrives and its
+own, however large the requests of others are; one tenant's many sessions share that tenant's
+share. Splitting is exact: each piece's loss is a sum over its own datums and gradients
+accumulate in the model's slot, so the pieces of a request give its gradient, and the request's
+future gets its logprobs in order and its summed metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from miles_multilora.tinker.backend import ForwardBackwardOutput, ForwardBackwardRequest, TinkerBackend
+
+Lane = Hashable  # (tenant, session) on the server
+DEFAULT_LANE: tuple[str, str] = ("", "")
+
+
+class QueueStopped(RuntimeError):
+    """The server stopped before this request ran."""
+
+
+class _Job:
+    """One submitted request: its parts run in order, its future resolves after the last part (or
+    fails at the first failure; the parts not yet run are then skipped)."""
+
+    def __init__(self, parts: int, combine: Callable[[list[Any]], Any]) -> None:
+        self.future: Future = Future()
+        self._results: list[Any] = [None] * parts
+        self._left, self._combine = parts, combine
+        self._lock = threading.Lock()
+
+    @property
+    def over(self) -> bool:
+        return self.future.done()
+
+    def part_done(self, index: int, result: Any) -> None:
+        with self._lock:
+            if self.future.done():
+                return
+            self._results[index] = result
+            self._left -= 1
+            if self._left:
+                return
+            try:
+                value = self._combine(self._results)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(value)
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self.future.done():
+                self.future.set_exception(exc)
+
+
+@dataclass
+class _Item:
+    job: _Job
+    index: int
+    lane: Lane
+    cost: float  # tokens: charged when picked (a call's estimate is corrected by its time)
+    piece: ForwardBackwardRequest | None = None  # joins a batch
+    call: Callable[[], Any] | None = None  # runs alone
+
+
+def split_forward_backward(
+    request: ForwardBackwardRequest, batch_tokens: int
+) -> list[ForwardBackwardRequest]:
+    """``request`` as pieces of whole datums, each of at most ``batch_tokens`` input tokens (a
+    datum longer than that is a piece of its own)."""
+    pieces: list[ForwardBackwardRequest] = []
+    current: list = []
+    tokens = 0
+    for d in request.data:
+        n = len(d.tokens)
+        if current and tokens + n > batch_tokens:
+            pieces.append(dataclasses.replace(request, data=current))
+            current, tokens = [], 0
+        current.append(d)
+        tokens += n
+    pieces.append(dataclasses.replace(request, data=current))
+    return pieces
+
+
+def merge_outputs(outputs: Sequence[ForwardBackwardOutput]) -> ForwardBackwardOutput:
+    """The pieces' outputs as one: logprobs in datum order, metrics (all ``:sum``) summed."""
+    metrics: dict[str, float] = {}
+    for out in outputs:
+        for k, v in out.metrics.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+    return ForwardBackwardOutput([lp for out in outputs for lp in out.logprobs], metrics)
+
+
+class BatchingQueue:
+    """The backend's one worker thread, shared fairly by lanes (see the module docstring)."""
+
+    def __init__(
+        self, backend: TinkerBackend, window_s: float = 0.02, max_batch: int = 64, batch_tokens: int = 16_384
+    ) -> None:
+        self.backend, self.window_s, self.max_batch, self.batch_tokens = (
+            backend,
+            window_s,
+            max_batch,
+            batch_tokens,
+        )
+        self._lanes: dict[Lane, deque[_Item]] = {}
+        self._tenant_served: dict[Any, float] = {}
+        self._lane_served: dict[Lane, float] = {}
+        self._since: dict[Lane, int] = {}  # activation order: ties go to the lane waiting longest
+        self._clock = 0.0  # service level of the last tenant picked
+        self._lane_clock: dict[Any, float] = {}  # per tenant, of the last lane picked
+        self._counter = itertools.count()
+        self._rate: float | None = None  # forward/backward tokens per second, recent batches
+        self._cv = threading.Condition()
+        self._stopped = False
+        self.batches: list[int] = []  # pieces per forward/backward batch run (for tests and metrics)
+        self._thread = threading.Thread(target=self._run, name="tinker-batching", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submitting
+    def submit_forward_backward(
+        self, request: ForwardBackwardRequest, lane: Lane = DEFAULT_LANE, checked: bool = False
+    ) -> Future:
+        """Queue a forward/backward request (validated first unless ``checked``: a bad one
+        returns a failed future and never joins a batch)."""
+        if not checked:
+            try:
+                self.backend.check(request)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                failed: Future = Future()
+                failed.set_exception(exc)
+                return failed
+        pieces = split_forward_backward(request, self.batch_tokens)
+        job = _Job(len(pieces), merge_outputs)
+        items = [
+            _Item(job, i, lane, sum(len(d.tokens) for d in p.data), piece=p) for i, p in enumerate(pieces)
+        ]
+        self._put(lane, items)
+        return job.future
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Any other backend operation on the default lane, in order with its other work."""
+        return self.submit_calls(DEFAULT_LANE, [lambda: fn(*args, **kwargs)])
+
+    def submit_calls(
+        self,
+        lane: Lane,
+        calls: Sequence[Callable[[], Any]],
+        combine: Callable[[list[Any]], Any] = lambda results: results[0],
+        costs: Sequence[int] | None = None,
+    ) -> Future:
+        """Calls that run one after another in ``lane`` (others' work may run between them); the
+        future gets ``combine`` of their results, or the first failure."""
+        job = _Job(len(calls), combine)
+        costs = costs or [1] * len(calls)
+        items = [
+            _Item(job, i, lane, cost, call=c) for i, (c, cost) in enumerate(zip(calls, costs, strict=True))
+        ]
+        self._put(lane, items)
+        return job.future
+
+    def drop_lane(self, lane: Lane, exc: BaseException) -> int:
+        """Fail every queued request of ``lane`` with ``exc`` (a running batch finishes); returns
+        how many requests were dropped."""
+        with self._cv:
+            items = self._lanes.pop(lane, deque())
+            self._lane_served.pop(lane, None)
+            self._since.pop(lane, None)
+        jobs = {id(item.job): item.job for item in items if not item.job.over}
+        for job in jobs.values():
+            job.fail(exc)
+        return len(jobs)
+
+    def pending(self) -> int:
+        with self._cv:
+            return sum(len(q) for q in self._lanes.values())
+
+    def close(self) -> None:
+        """Stop after the running batch; every request still queued fails."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        for lane in list(self._lanes):
+            self.drop_lane(lane, QueueStopped("the Tinker server stopped before this request ran"))
+
+    def _put(self, lane: Lane, items: list[_Item]) -> None:
+        with self._cv:
+            if self._stopped:
+                raise QueueStopped("the Tinker server is stopping")
+            queue = self._lanes.get(lane)
+            if queue is None:
+                self._activate(lane)
+                queue = self._lanes[lane] = deque()
+            queue.extend(items)
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ fair picking (under _cv)
+    @staticmethod
+    def _tenant(lane: Lane) -> Any:
+        return lane[0] if isinstance(lane, tuple) and lane else lane
+
+    def _activate(self, lane: Lane) -> None:
+        tenant = self._tenant(lane)
+        if not any(self._tenant(other) == tenant for other in self._lanes):
+            self._tenant_served[tenant] = max(self._tenant_served.get(tenant, 0.0), self._clock)
+        level = self._lane_clock.get(tenant, 0.0)
+        self._lane_served[lane] = max(self._lane_served.get(lane, 0.0), level)
+        self._since[lane] = next(self._counter)
+
+    def _pick(self, eligible: Callable[[_Item], bool]) -> _Item | None:
+        """Pop the head item of the lane owed the most among those whose head is ``eligible``."""
+        best, best_key = None, None
+        for lane, queue in list(self._lanes.items()):
+            while queue and queue[0].job.over:  # a failed or dropped request's remaining parts
+                queue.popleft()
+            if not queue:
+                del self._lanes[lane]
+                continue
+            if not eligible(queue[0]):
+                continue
+            key = (self._tenant_served[self._tenant(lane)], self._lane_served[lane], self._since[lane])
+            if best_key is None or key < best_key:
+                best, best_key = lane, key
+        if best is None:
+            return None
+        tenant = self._tenant(best)
+        self._clock = max(self._clock, self._tenant_served[tenant])
+        self._lane_clock[tenant] = max(self._lane_clock.get(tenant, 0.0), self._lane_served[best])
+        queue = self._lanes[best]
+        item = queue.popleft()
+        if not queue:
+            del self._lanes[best]
+        self._charge(best, item.cost)
+        return item
+
+    def _charge(self, lane: Lane, amount: float) -> None:
+        self._tenant_served[self._tenant(lane)] += amount
+        if lane in self._lane_served:  # not dropped meanwhile
+            self._lane_served[lane] += amount
+
+    def _take(self) -> list[_Item] | None:
+        with self._cv:
+            while True:
+                if self._stopped:  # what is left is failed by close()
+                    return None
+                first = self._pick(lambda item: True)
+                if first is not None:
+                    break
+                self._cv.wait()
+            if first.call is not None:
+                return [first]
+        batch, tokens = [first], first.cost
+        if self.window_s > 0 and tokens < self.batch_tokens:
+            time.sleep(self.window_s)  # let other clients' requests join this batch
+        with self._cv:
+            while len(batch) < self.max_batch:
+                room = self.batch_tokens - tokens
+                item = self._pick(lambda it, room=room: it.piece is not None and it.cost <= room)
+                if item is None:
+                    break
+                batch.append(item)
+                tokens += item.cost
+        return batch
+
+    # ------------------------------------------------------------------ running
+    def _run(self) -> None:
+        while (batch := self._take()) is not None:
+            first, started = batch[0], time.perf_counter()
+            if first.call is not None:
+                try:
+                    result = first.call()
+                except Exception as exc:  # noqa: BLE001 - reported to the caller
+                    first.job.fail(exc)
+                else:
+                    first.job.part_done(first.index, result)
+                with self._cv:  # charge what it took, not what it was guessed to take
+                    if self._rate is not None:
+                        self._charge(first.lane, (time.perf_counter() - started) * self._rate - first.cost)
+                continue
+            ok = []
+            for item in batch:  # a piece whose model is gone fails alone, before the batch runs
+                assert item.piece is not None
+                if item.job.over:
+                    continue
+                try:
+                    self.backend.model(item.piece.model_id)
+                except Exception as exc:  # noqa: BLE001 - reported to that request's caller
+                    item.job.fail(exc)
+                    continue
+                ok.append(item)
+            if not ok:
+                continue
+            self.batches.append(len(ok))
+            started = time.perf_counter()
+            try:
+                outputs = self.backend.forward_backward([item.piece for item in ok])  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - the shared batch failed: every caller hears it
+                for item in ok:
+                    item.job.fail(exc)
+                continue
+            rate = sum(item.cost for item in ok) / max(time.perf_counter() - started, 1e-6)
+            with self._cv:
+                self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
+            for item, output in zip(ok, outputs, strict=True):
+                item.job.part_done(item.index, output)
