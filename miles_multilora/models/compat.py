@@ -118,10 +118,12 @@ def init_process_group(rank: int | None = None, world_size: int | None = None) -
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if world_size > 1:
-            raise RuntimeError("MASTER_PORT must be set for a multi-process run")
-        os.environ["MASTER_PORT"] = str(free_port())
+    if "MASTER_PORT" in os.environ:
+        port = int(os.environ["MASTER_PORT"])
+    elif world_size > 1:
+        raise RuntimeError("MASTER_PORT must be set for a multi-process run")
+    else:  # a world of one: a fresh port each time (the last world's store may not be gone yet)
+        port = free_port()
     backend = "gloo" if is_cpu() else "nccl"
     if not is_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
@@ -129,14 +131,13 @@ def init_process_group(rank: int | None = None, world_size: int | None = None) -
         # a world on one machine: gloo's pair sockets on loopback too, not on the host's address
         if "lo" in {name for _, name in socket.if_nameindex()}:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = _rendezvous_store(rank, world_size)
+    store = _rendezvous_store(os.environ["MASTER_ADDR"], port, rank, world_size)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
 
 
-def _rendezvous_store(rank: int, world_size: int) -> dist.TCPStore:
-    """The world's TCPStore on MASTER_ADDR:MASTER_PORT. Rank 0 serves it from a socket bound to
-    MASTER_ADDR only (torch's own server would listen on every interface of the host)."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+def _rendezvous_store(host: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+    """The world's TCPStore on ``host:port``. Rank 0 serves it from a socket bound to ``host``
+    only (torch's own server would listen on every interface of the host)."""
     timeout = timedelta(seconds=float(os.environ.get("MILES_RENDEZVOUS_TIMEOUT_S", 300)))
     if rank != 0:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
