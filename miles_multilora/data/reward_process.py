@@ -144,7 +144,8 @@ class RewardProcess:
                     f"{self.name} did not start within {timeout_s:g} s (trainer.reward_start_timeout_s)"
                 )
             raise RewardTimeoutError(
-                f"{self.name} did not return within {self.spec.reward.timeout_s:g} s; its process was killed"
+                f"{self.name} did not return within {self.spec.reward.timeout_s:g} s (reward.timeout_s); "
+                "its process was killed"
             )
         try:
             return conn.recv()
@@ -172,7 +173,9 @@ class RewardProcess:
         while len(outputs) < len(samples):
             status, value = self._receive(deadline, "scoring")
             if status == "timeout":
-                raise RewardTimeoutError(f"{self.name}: {value}")
+                raise RewardTimeoutError(
+                    f"{self.name} timed out (reward.timeout_s = {self.spec.reward.timeout_s:g} s): {value}"
+                )
             if status != "ok":
                 raise RewardCallError(str(value))
             outputs.extend(RewardOutput(r, c) for r, c in value)

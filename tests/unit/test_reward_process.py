@@ -89,7 +89,7 @@ def test_a_hanging_reward_fails_only_its_adapter_within_its_timeout(mod, bad):
     assert out["good"].rewards == [1.0, 2.0, 3.0, 4.0]
     assert out["good"].metrics["reward/latency_s"] < 1.0  # not starved by the GIL-holding reward
     assert out["bad"].failed and out["bad"].rewards is None
-    assert "did not return within 1 s; its process was killed" in rm.failure_reason("bad")
+    assert "did not return within 1 s (reward.timeout_s); its process was killed" in rm.failure_reason("bad")
     assert out["bad"].metrics["reward/timeouts_total"] == 1.0
     assert elapsed < 1.0 + LIMITS.kill_grace_s + 3.0  # timeout + grace (+ a fork and a loaded machine)
     assert hung is not None and hung.pid is None  # killed, not left running
@@ -108,7 +108,7 @@ def test_a_catastrophic_format_regex_is_cut_at_its_timeout(mod):
     assert time.perf_counter() - start < 1.0 + LIMITS.kill_grace_s + 3.0
     assert out["fine"].rewards == [1.0]
     for name in ("fmt", "bonus"):  # the regex's own limit or the kill, whichever came first
-        assert out[name].failed and "TimeoutError" in rm.failure_reason(name), rm.failure_reason(name)
+        assert out[name].failed and "reward.timeout_s" in rm.failure_reason(name), rm.failure_reason(name)
     rm.close()
 
 
