@@ -87,6 +87,7 @@ class TrainerConfig:
     reward_start_timeout_s: float = 60.0  # a reward process's start: fork, import the reward, build it
     reward_kill_grace_s: float = 1.0  # a reward call still running this long past reward.timeout_s is killed
     reward_memory_mb: int = 4096  # memory a reward process may allocate beyond its start-up (0: unbounded)
+    reward_step_timeout_s: float = 300.0  # all of one adapter's reward calls in one step; then killed
     stop_timeout_s: float = 5.0  # on SIGTERM/SIGINT, how long the step in flight may still run
 
 
@@ -226,6 +227,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(t.reward_start_timeout_s > 0, "trainer.reward_start_timeout_s", "must be > 0")
     _check(t.reward_kill_grace_s >= 0, "trainer.reward_kill_grace_s", "must be >= 0")
     _check(t.reward_memory_mb >= 0, "trainer.reward_memory_mb", "must be >= 0 (0: unbounded)")
+    _check(t.reward_step_timeout_s > 0, "trainer.reward_step_timeout_s", "must be > 0")
     _check(t.stop_timeout_s >= 0, "trainer.stop_timeout_s", "must be >= 0")
     tk = cfg.tinker
     _check(tk.batch_window_s >= 0, "tinker.batch_window_s", "must be >= 0")

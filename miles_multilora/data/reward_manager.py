@@ -3,8 +3,9 @@
 Every adapter is scored in its own thread, concurrently with the others. A reward that runs spec
 code (custom functions, user regexes, ``math_verify``, ``reasoning_gym``) is scored in the
 adapter's own reward process (:mod:`miles_multilora.data.reward_process`), which is killed when a
-call runs past ``reward.timeout_s`` (plus ``trainer.reward_kill_grace_s``): a reward that hangs in
-Python or in C, holding the GIL or not, costs its adapter that timeout and nothing else. Only
+call runs past ``reward.timeout_s`` (plus ``trainer.reward_kill_grace_s``) or all of a step's calls
+past ``trainer.reward_step_timeout_s``: a reward that hangs in Python or in C, holding the GIL or
+not, costs its adapter that timeout and nothing else. Only
 ``exact_match`` without a ``format_regex`` runs in this process (it cannot hang), each call in a
 daemon thread bounded by ``reward.timeout_s``.
 

@@ -49,6 +49,7 @@ class RewardProcessLimits:
     start_timeout_s: float = 60.0  # fork, import the reward's module and build it
     kill_grace_s: float = 1.0  # after reward.timeout_s a call that has not stopped by itself is killed
     memory_mb: int = 4096  # data a reward process may allocate beyond its start-up (0: unbounded)
+    step_timeout_s: float = 300.0  # all of one adapter's samples of a step (calls under their timeout add up)
 
 
 def _text(exc: BaseException) -> str:
@@ -134,14 +135,20 @@ class RewardProcess:
             raise RewardCallError(str(value))
         return receive
 
-    def _receive(self, timeout_s: float, doing: str) -> tuple[str, Any]:
+    def _receive(self, timeout_s: float, doing: str, step_left_s: float | None = None) -> tuple[str, Any]:
         conn = self._conn
         assert conn is not None
-        if not conn.poll(timeout_s):
+        wait_s = timeout_s if step_left_s is None else max(0.0, min(timeout_s, step_left_s))
+        if not conn.poll(wait_s):
             self.close()
             if doing == "start":
                 raise RewardCallError(
                     f"{self.name} did not start within {timeout_s:g} s (trainer.reward_start_timeout_s)"
+                )
+            if wait_s < timeout_s:
+                raise RewardTimeoutError(
+                    f"{self.name} did not score this step's samples within {self.limits.step_timeout_s:g} s "
+                    "(trainer.reward_step_timeout_s); its process was killed"
                 )
             raise RewardTimeoutError(
                 f"{self.name} did not return within {self.spec.reward.timeout_s:g} s (reward.timeout_s); "
@@ -159,7 +166,8 @@ class RewardProcess:
             raise RewardCallError(f"{self.name} process died (exit code {code}) while {doing}") from None
 
     def score(self, samples: Sequence[RewardSample]) -> list[RewardOutput]:
-        """Rewards of ``samples``; raises :class:`RewardTimeoutError` / :class:`RewardCallError`."""
+        """Rewards of ``samples``; raises :class:`RewardTimeoutError` (a call past its timeout, or all
+        of them past ``step_timeout_s``) / :class:`RewardCallError`."""
         samples = list(samples)
         if not samples:
             return []
@@ -168,10 +176,11 @@ class RewardProcess:
             self.close()
             conn = self._start()
         conn.send(samples)
-        deadline = self.spec.reward.timeout_s + self.limits.kill_grace_s + FLUSH_S
+        per_call = self.spec.reward.timeout_s + self.limits.kill_grace_s + FLUSH_S
+        step_end = time.monotonic() + self.limits.step_timeout_s
         outputs: list[RewardOutput] = []
         while len(outputs) < len(samples):
-            status, value = self._receive(deadline, "scoring")
+            status, value = self._receive(per_call, "scoring", step_end - time.monotonic())
             if status == "timeout":
                 raise RewardTimeoutError(
                     f"{self.name} timed out (reward.timeout_s = {self.spec.reward.timeout_s:g} s): {value}"

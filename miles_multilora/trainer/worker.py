@@ -163,7 +163,9 @@ class TrainerWorker(TrainingPrimitives):
         self.data = MultiLoRADataSource(
             tokenizer=self.tokenizer, seed=t.seed, max_prompt_chars=t.max_prompt_chars
         )
-        limits = RewardProcessLimits(t.reward_start_timeout_s, t.reward_kill_grace_s, t.reward_memory_mb)
+        limits = RewardProcessLimits(
+            t.reward_start_timeout_s, t.reward_kill_grace_s, t.reward_memory_mb, t.reward_step_timeout_s
+        )
         self.rewards = RewardManager(limits)
         self.eval_sets: dict[str, HeldOutSet] = {}  # adapters with an eval section: their held-out set
         self.eval_rewards = RewardManager(limits)  # own failure counters: eval never touches training's

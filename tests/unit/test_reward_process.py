@@ -16,7 +16,7 @@ import pytest
 from miles_multilora import child_process
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.data import RewardManager, RewardSample
-from miles_multilora.data.reward_process import RewardProcess, RewardProcessLimits
+from miles_multilora.data.reward_process import RewardProcess, RewardProcessLimits, RewardTimeoutError
 
 LIMITS = RewardProcessLimits(start_timeout_s=120.0, kill_grace_s=0.5, memory_mb=256)
 
@@ -53,6 +53,10 @@ def mod(tmp_path, monkeypatch):
 
             def pid(prompt, completion, answer, metadata):
                 return float(os.getpid())
+
+            def slowish(prompt, completion, answer, metadata):
+                time.sleep(0.4)  # under its timeout, but they add up
+                return 1.0
             """
         )
     )
@@ -110,6 +114,18 @@ def test_a_catastrophic_format_regex_is_cut_at_its_timeout(mod):
     for name in ("fmt", "bonus"):  # the regex's own limit or the kill, whichever came first
         assert out[name].failed and "reward.timeout_s" in rm.failure_reason(name), rm.failure_reason(name)
     rm.close()
+
+
+def test_calls_under_their_timeout_are_still_bounded_per_step(mod):
+    limits = RewardProcessLimits(start_timeout_s=120.0, kill_grace_s=0.5, step_timeout_s=1.0)
+    proc = RewardProcess(_spec("slowish", f"{mod}:slowish"), limits)
+    assert [o.reward for o in proc.score(_samples(1))] == [1.0]
+    start = time.perf_counter()
+    with pytest.raises(RewardTimeoutError, match=r"within 1 s \(trainer.reward_step_timeout_s\)"):
+        proc.score(_samples(10))  # 10 x 0.4 s, each under reward.timeout_s = 1 s
+    assert time.perf_counter() - start < 1.0 + 3.0
+    assert proc.pid is None
+    proc.close()
 
 
 def test_the_process_is_reused_restarted_after_a_kill_and_closed(mod):
