@@ -88,7 +88,7 @@ class TrainerConfig:
     reward_kill_grace_s: float = 1.0  # a reward call still running this long past reward.timeout_s is killed
     reward_memory_mb: int = 4096  # memory a reward process may allocate beyond its start-up (0: unbounded)
     reward_step_timeout_s: float = 300.0  # all of one adapter's reward calls in one step; then killed
-    stop_timeout_s: float = 5.0  # on SIGTERM/SIGINT, how long the step in flight may still run
+    stop_timeout_s: float = 3.0  # on SIGTERM/SIGINT the step in flight may run this long, then is abandoned
 
 
 @dataclass

@@ -1,4 +1,10 @@
-"""The driver's step loop: one controller snapshot per step, sent to every trainer rank."""
+"""The driver's step loop: one controller snapshot per step, sent to every trainer rank.
+
+Once a stop is requested (``should_stop()``), the step in flight gets ``stop_timeout_s`` more
+seconds; past that it is abandoned (:class:`StepAbandoned`) and the caller ends the trainer ranks:
+nothing a step does (a reward, a dataset) can keep the service from stopping. Its adapters resume
+from their last complete checkpoints, as after a crash.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,33 @@ from typing import Any
 import ray
 
 from miles_multilora.trainer.metrics import MetricsLogger
+
+WAIT_POLL_S = 0.2  # how often the driver looks at the stop flag while a step runs
+
+
+class StepAbandoned(RuntimeError):
+    """The step in flight did not finish within ``stop_timeout_s`` of a stop request."""
+
+
+def await_step(
+    refs: list[Any], should_stop: Callable[[], bool] | None = None, stop_timeout_s: float | None = None
+) -> list[Any]:
+    """The results of ``refs`` (one step on every rank). With ``stop_timeout_s``, raise
+    :class:`StepAbandoned` when they are not all done that long after ``should_stop()`` turned true."""
+    if stop_timeout_s is None or should_stop is None:
+        return ray.get(refs)
+    stopped_at = None
+    while True:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=WAIT_POLL_S)
+        if len(ready) == len(refs):
+            return ray.get(refs)
+        if stopped_at is None and should_stop():
+            stopped_at = time.monotonic()
+        if stopped_at is not None and time.monotonic() - stopped_at >= stop_timeout_s:
+            raise StepAbandoned(
+                f"the step in flight did not finish within {stop_timeout_s:g} s of the stop request "
+                "(trainer.stop_timeout_s); abandoned: its adapters resume from their last checkpoints"
+            )
 
 
 def _apply_step_output(controller: Any, out: dict[str, Any]) -> None:
@@ -42,8 +75,13 @@ def run_loop(
     should_stop: Callable[[], bool] | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     start_step: int = 0,
+    stop_timeout_s: float | None = None,
 ) -> int:
-    """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run."""
+    """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run.
+
+    ``stop_timeout_s``: how long a step may still run once ``should_stop()`` is true (None: to its
+    end); past it :class:`StepAbandoned` is raised and the step's results are never applied.
+    """
     global_step = start_step  # a resumed run continues the global step count of its metrics
     while not (should_stop and should_stop()):
         snapshot = ray.get(controller.snapshot.remote())
@@ -52,7 +90,7 @@ def run_loop(
                 break
             time.sleep(idle_sleep_s)  # nothing RUNNING: wait with little CPU
             continue
-        outs = ray.get([w.step.remote(snapshot) for w in workers])
+        outs = await_step([w.step.remote(snapshot) for w in workers], should_stop, stop_timeout_s)
         out = outs[0]
         _apply_step_output(controller, out)
         if out["results"]:
