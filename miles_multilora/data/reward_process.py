@@ -103,6 +103,7 @@ class RewardProcess:
         self.starts = 0  # children started so far (1 + restarts)
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
+        child_process.warm_up()  # the forkserver's preload overlaps the step's generation
 
     @property
     def pid(self) -> int | None:

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_multilora import child_process
 from miles_multilora.algo import adapter_normalizers, dynamic_sampling, group_advantages, policy_loss
 from miles_multilora.config.adapter import AdapterSpec, SamplingSpec
 from miles_multilora.config.run import RunConfig
@@ -170,8 +169,6 @@ class TrainerWorker(TrainingPrimitives):
         self.eval_sets: dict[str, HeldOutSet] = {}  # adapters with an eval section: their held-out set
         self.eval_rewards = RewardManager(limits)  # own failure counters: eval never touches training's
         self.no_update: dict[tuple[str, str], int] = {}  # (adapter, run id) -> steps in a row without one
-        if self._is_writer():  # rank 0 scores: its reward processes' forkserver preloads meanwhile
-            child_process.warm_up()
         self.evaluated: dict[str, int] = {}  # adapter -> version last evaluated
         self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
         self.steps: dict[str, int] = {}  # adapter -> optimizer steps applied (== weights version)
