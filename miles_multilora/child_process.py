@@ -131,9 +131,9 @@ def run_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, memory_mb:
     ctx = context()
     receive, send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_run_and_send, args=(send, memory_mb, fn, args), name=what, daemon=True)
-    process.start()
-    send.close()
     try:
+        process.start()
+        send.close()  # the child holds the other end: its death reads as EOF here
         if not receive.poll(timeout_s):
             raise BoundExceeded("time", f"{what} did not finish within {timeout_s:g} s")
         try:
@@ -145,7 +145,9 @@ def run_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, memory_mb:
                 raise BoundExceeded("memory", f"{what} was killed (out of memory?)") from None
             raise RuntimeError(f"{what} ended without an answer (exit code {code})") from None
     finally:
-        stop(process)
+        send.close()
+        if process.pid is not None:
+            stop(process)
         receive.close()
     if status == "memory":
         raise BoundExceeded("memory", f"{what} needed more than {memory_mb} MiB")

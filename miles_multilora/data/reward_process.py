@@ -126,8 +126,13 @@ class RewardProcess:
             name=self.name,
             daemon=True,
         )
-        process.start()
-        send.close()
+        try:
+            process.start()
+        except BaseException:
+            receive.close()
+            raise
+        finally:
+            send.close()  # the child holds the other end: its death reads as EOF here
         self._process, self._conn = process, receive
         self.starts += 1
         status, value = self._receive(self.limits.start_timeout_s, "start")
