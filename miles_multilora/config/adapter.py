@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from miles_multilora.config.safe_yaml import load_yaml_no_aliases
+from miles_multilora.config.template import parse_template
 from miles_multilora.errors import SpecError
 
 # A name is also a directory name: no dot or dash first (".", "..", "-x"), at least one letter or digit.
@@ -27,6 +28,9 @@ ADAPTER_NAME_PATTERN = re.compile(r"^(?=.*[A-Za-z0-9])[A-Za-z0-9_][A-Za-z0-9._-]
 MAX_SPEC_BYTES = 64 * 1024  # a whole spec, as JSON
 MAX_KWARGS_BYTES = 16 * 1024  # reward.kwargs / dataset.task_params, as JSON
 MAX_TEXT_CHARS = 16 * 1024  # prompt.template / prompt.system_prompt
+MAX_REGEX_CHARS = 1024  # reward.format_regex
+# Below this (and above 0 = greedy) logits / temperature overflow: every loss is NaN, no step applies.
+MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 # Upper bounds that keep one spec from asking for unbounded work or memory.
 LIMITS = {
@@ -87,7 +91,7 @@ class DatasetSpec:
 class PromptSpec:
     """How a dataset row becomes a prompt. ``template`` is formatted with the row's fields."""
 
-    template: str = "{prompt}"
+    template: str = "{prompt}"  # plain {field} placeholders only (a dataset column; {prompt}: the question)
     use_chat_template: bool = True  # apply the tokenizer's chat template when it has one
     system_prompt: str | None = None
 
@@ -114,7 +118,7 @@ class RewardSpec:
 
 @dataclass
 class SamplingSpec:
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy, else at least MIN_TEMPERATURE (0.01)
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 128
@@ -242,7 +246,12 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     _check(rw.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")
     _check(rw.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
     sp = spec.sampling
-    _check(sp.temperature >= 0, "sampling.temperature", "must be >= 0 (0 = greedy)")
+    _check(
+        sp.temperature == 0 or sp.temperature >= MIN_TEMPERATURE,
+        "sampling.temperature",
+        f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {sp.temperature:g}: a smaller temperature "
+        "overflows the policy's log-probabilities (NaN loss, no step is ever applied)",
+    )
     _check(0 < sp.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
     _check(sp.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
     _check(spec.n_samples_per_prompt >= 1, "n_samples_per_prompt", "must be >= 1")
@@ -268,6 +277,12 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
         ("prompt.system_prompt", spec.prompt.system_prompt),
     ):
         _check(len(text or "") <= MAX_TEXT_CHARS, key, f"longer than {MAX_TEXT_CHARS} characters")
+    parse_template(spec.prompt.template)  # plain {field} placeholders only
+    _check(
+        len(rw.format_regex or "") <= MAX_REGEX_CHARS,
+        "reward.format_regex",
+        f"longer than {MAX_REGEX_CHARS} characters",
+    )
     _check(opt.total_steps is None or opt.total_steps >= 1, "optimizer.total_steps", "must be >= 1")
     if spec.eval is not None:
         _validate_eval(spec)

@@ -86,6 +86,16 @@ class TrainerConfig:
     # from its last checkpoint; after this many deaths in a row without a completed step the run stops
     max_restarts: int = 5
     restart_backoff_s: float = 2.0  # wait before the n-th restart in a row: this x 2^(n-1), at most 60 s
+    # Server-side limits on what one adapter can cost (docs/service.md, "Limits"):
+    max_prompt_chars: int = 100_000  # longest filled prompt template; a longer row fails its adapter
+    max_skipped_steps: int = (
+        20  # consecutive steps without an update (non-finite / nothing to train): FAILED; 0: off
+    )
+    reward_start_timeout_s: float = 60.0  # a reward process's start: fork, import the reward, build it
+    reward_kill_grace_s: float = 1.0  # a reward call still running this long past reward.timeout_s is killed
+    reward_memory_mb: int = 4096  # memory a reward process may allocate beyond its start-up (0: unbounded)
+    reward_step_timeout_s: float = 300.0  # all of one adapter's reward calls in one step; then killed
+    stop_timeout_s: float = 3.0  # on SIGTERM/SIGINT the step in flight may run this long, then is abandoned
 
 
 @dataclass
@@ -116,6 +126,10 @@ class ControllerConfig:
     dataset_roots: list[str] = field(default_factory=list)
     history_retention: int = 10_000  # finished runs remembered (get/list); older ones are forgotten
     max_live_adapters: int = 1000  # PENDING + RUNNING + DRAINING at once
+    # Registration (and restore) runs spec-chosen work in a child process under these bounds:
+    # reasoning-gym generation (dataset.task_params) and compiling reward.format_regex.
+    spec_check_timeout_s: float = 10.0
+    spec_check_memory_mb: int = 512
 
 
 @dataclass
@@ -240,6 +254,13 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         "trainer.recompute",
         f"must be none, selective or full; got {t.recompute!r}",
     )
+    _check(t.max_prompt_chars >= 1, "trainer.max_prompt_chars", "must be >= 1")
+    _check(t.max_skipped_steps >= 0, "trainer.max_skipped_steps", "must be >= 0 (0: never fail for it)")
+    _check(t.reward_start_timeout_s > 0, "trainer.reward_start_timeout_s", "must be > 0")
+    _check(t.reward_kill_grace_s >= 0, "trainer.reward_kill_grace_s", "must be >= 0")
+    _check(t.reward_memory_mb >= 0, "trainer.reward_memory_mb", "must be >= 0 (0: unbounded)")
+    _check(t.reward_step_timeout_s > 0, "trainer.reward_step_timeout_s", "must be > 0")
+    _check(t.stop_timeout_s >= 0, "trainer.stop_timeout_s", "must be >= 0")
     tk = cfg.tinker
     _check(tk.batch_window_s >= 0, "tinker.batch_window_s", "must be >= 0")
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
@@ -253,6 +274,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     c = cfg.controller
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
+    _check(c.spec_check_timeout_s > 0, "controller.spec_check_timeout_s", "must be > 0")
+    _check(c.spec_check_memory_mb >= 0, "controller.spec_check_memory_mb", "must be >= 0 (0: unbounded)")
     _check(
         cfg.logging.wandb_mode in ("offline", "online", "disabled"),
         "logging.wandb_mode",

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from miles_multilora import child_process
 from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.core import (
     DEFAULT_HISTORY_RETENTION,
@@ -62,6 +63,7 @@ class ControllerActor:
         rules: AdmissionRules | None = None,
         history_retention: int = DEFAULT_HISTORY_RETENTION,
     ) -> None:
+        child_process.warm_up()  # spec checks run in children: their forkserver preloads meanwhile
         kwargs = dict(validate_resources=validate_resources, rules=rules, history_retention=history_retention)
         if state_dir is None:
             self._core = ControllerCore(num_slots, max_rank, **kwargs)

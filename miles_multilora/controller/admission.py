@@ -15,6 +15,7 @@ from pathlib import Path
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.data.datasets import looks_local
 from miles_multilora.data.reward_registry import check_remote_reward
+from miles_multilora.data.spec_checks import SpecCheckLimits, check_spec_work
 from miles_multilora.errors import SpecError
 
 MIN_PROMPT_TOKENS = 1  # what sampling.max_new_tokens must leave of the context window
@@ -30,12 +31,20 @@ class AdmissionRules:
             (none: network specs use hub ids and reasoning-gym tasks only).
         max_context: the model's context window in tokens (None: not checked here).
         max_live_adapters: adapters PENDING, RUNNING or DRAINING at once; more are refused (409).
+        spec_checks: time and memory bounds of the checks that run spec-chosen work in a child
+            process (reasoning-gym generation, compiling ``reward.format_regex``).
     """
 
     reward_modules: tuple[str, ...] = ()
     dataset_roots: tuple[str, ...] = ()
     max_context: int | None = None
     max_live_adapters: int = 1000
+    spec_checks: SpecCheckLimits = SpecCheckLimits()
+
+    def check_spec_work(self, spec: AdapterSpec) -> None:
+        """The bounded child-process checks (:mod:`miles_multilora.data.spec_checks`) for ``spec``;
+        the controller runs them again for every live adapter it restores."""
+        check_spec_work(spec, self.spec_checks)
 
     def check(self, spec: AdapterSpec, remote: bool) -> None:
         """Raise :class:`SpecError` naming the key when ``spec`` breaks a rule. Never imports code."""

@@ -33,7 +33,9 @@ stored as the JSON dict computed once at registration, never re-validated to be 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import inspect
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -71,6 +73,17 @@ DEFAULT_HISTORY_RETENTION = 10_000
 DEFAULT_RESOURCE_VALIDATOR = "miles_multilora.data.validation:validate_adapter_resources"
 
 
+def _with_checks(validator: ResourceValidator | None, rules: AdmissionRules) -> ResourceValidator | None:
+    """``validator`` with the operator's spec-check bounds bound, when it takes a ``checks`` argument."""
+    if validator is None:
+        return None
+    try:
+        takes_checks = "checks" in inspect.signature(validator).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature
+        takes_checks = False
+    return functools.partial(validator, checks=rules.spec_checks) if takes_checks else validator
+
+
 def resolve_resource_validator(validator: ResourceValidator | str | None) -> ResourceValidator | None:
     """A resource validator given as a callable or as ``"package.module:function"`` (e.g.
     :data:`DEFAULT_RESOURCE_VALIDATOR`); None means no resource check."""
@@ -100,8 +113,8 @@ class ControllerCore:
             Must not already hold a state (use :meth:`restore` for that).
         validate_resources: optional ``f(spec)`` (or its ``"module:function"`` path) raising
             :class:`SpecError` when the adapter's dataset or reward cannot be resolved; called on
-            :meth:`register` before any change. The project's own is
-            :data:`DEFAULT_RESOURCE_VALIDATOR`.
+            :meth:`register` before any change (with ``checks=rules.spec_checks`` when it takes a
+            ``checks`` argument). The project's own is :data:`DEFAULT_RESOURCE_VALIDATOR`.
         rules: the operator's :class:`AdmissionRules` (reward modules, dataset roots, context
             window, live-adapter cap); its reward modules are imported here, once.
         history_retention: finished runs kept in the run history (older ones are forgotten).
@@ -132,7 +145,7 @@ class ControllerCore:
         self.max_rank = max_rank
         self.rules = rules or AdmissionRules()
         import_reward_modules(self.rules.reward_modules)
-        self._validate_resources = resolve_resource_validator(validate_resources)
+        self._validate_resources = _with_checks(resolve_resource_validator(validate_resources), self.rules)
         self._lock = threading.RLock()
         self._runs: dict[str, AdapterRecord] = {}  # run_id -> live record, registration order
         self._latest: dict[str, str] = {}  # adapter name -> run_id of its live run
@@ -384,7 +397,9 @@ class ControllerCore:
         spare (fewer slots than before) a RUNNING adapter is requeued PENDING and a DRAINING one
         is CANCELLED at its last checkpoint. PENDING adapters stay queued in order; finished
         adapters keep their records. An adapter whose spec no longer validates (e.g. rank above
-        a smaller max_rank) is marked FAILED with the reason.
+        a smaller max_rank, or a spec accepted before a check existed) or fails the bounded
+        spec-work checks (``rules.check_spec_work``: reasoning-gym generation, ``format_regex``
+        compilation) is marked FAILED with the reason, so it cannot stall the service again.
         """
         data = load_state(state_dir)
         core = cls(
@@ -416,6 +431,11 @@ class ControllerCore:
                     AdapterState.FAILED,
                     reason=f"after restart: rank {record.spec.rank} exceeds max_rank {max_rank}",
                 )
+                continue
+            try:
+                core.rules.check_spec_work(record.spec)
+            except SpecError as exc:
+                core._finish(record, AdapterState.FAILED, reason=f"after restart: {exc}")
         for record in resident:
             if record.state.finished:
                 continue

@@ -5,24 +5,51 @@ from __future__ import annotations
 from typing import Any
 
 from miles_multilora.config.adapter import PromptSpec
+from miles_multilora.config.template import parse_template
 from miles_multilora.data.records import DatasetRow
 from miles_multilora.errors import SpecError
 
+DEFAULT_MAX_PROMPT_CHARS = 100_000  # trainer.max_prompt_chars
 
-def fill_template(row: DatasetRow, template: str) -> str:
-    """``template`` formatted with the row's fields; ``{prompt}`` is the question text.
 
-    Raises :class:`SpecError` on ``prompt.template`` when a field is missing or the template is malformed.
+def fill_template(row: DatasetRow, template: str, max_chars: int = DEFAULT_MAX_PROMPT_CHARS) -> str:
+    """``template``'s plain ``{field}`` placeholders filled with the row's fields (``{prompt}`` is
+    the question text), at most ``max_chars`` characters.
+
+    Raises :class:`SpecError` on ``prompt.template`` when the template is not plain (see
+    :mod:`miles_multilora.config.template`), a field is missing or null in the row, or the text
+    would be longer than ``max_chars`` (checked before it is built).
     """
     values = {**row.fields, "prompt": row.prompt}
-    try:
-        return template.format_map(values)
-    except KeyError as exc:
+    parts: list[str] = []
+    length = 0
+    for literal, field in parse_template(template):
+        parts.append(literal)
+        length += len(literal)
+        if field is None:
+            continue
+        if field not in values:
+            raise SpecError(
+                "prompt.template",
+                f"uses field {field!r} that the dataset row lacks; available: {sorted(values)}",
+            )
+        value = values[field]
+        if value is None:
+            raise SpecError(
+                "prompt.template", f"field {field!r} is null in this row; fill it or drop the row"
+            )
+        text = value if isinstance(value, str) else str(value)
+        parts.append(text)
+        length += len(text)
+        if length > max_chars:
+            break
+    if length > max_chars:
         raise SpecError(
-            "prompt.template", f"uses field {exc} that the dataset row lacks; available: {sorted(values)}"
-        ) from exc
-    except (ValueError, IndexError, AttributeError) as exc:
-        raise SpecError("prompt.template", f"is not a valid format string: {exc}") from exc
+            "prompt.template",
+            f"the rendered prompt is longer than {max_chars} characters (trainer.max_prompt_chars); "
+            "shorten the template or the dataset's fields",
+        )
+    return "".join(parts)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -30,15 +57,20 @@ def has_chat_template(tokenizer: Any) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(row: DatasetRow, prompt_spec: PromptSpec, tokenizer: Any | None = None) -> str:
+def render_prompt(
+    row: DatasetRow,
+    prompt_spec: PromptSpec,
+    tokenizer: Any | None = None,
+    max_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+) -> str:
     """The final prompt text of ``row`` for an adapter with ``prompt_spec``.
 
     With ``use_chat_template`` and a tokenizer that has a chat template, the filled template
     becomes the user message (after the optional system prompt) and the tokenizer's template is
     applied with the generation prompt. Otherwise the system prompt, if any, is prepended as a
-    paragraph.
+    paragraph. ``max_chars`` bounds the filled template (:func:`fill_template`).
     """
-    text = fill_template(row, prompt_spec.template)
+    text = fill_template(row, prompt_spec.template, max_chars)
     if prompt_spec.use_chat_template and has_chat_template(tokenizer):
         messages = []
         if prompt_spec.system_prompt:

@@ -1,8 +1,14 @@
 """Scoring a step's samples for many adapters at once, each adapter isolated from the others.
 
-Every adapter is scored in its own thread, concurrently with the others. Each reward call
-(one sample, or one batch for batched functions) runs in a daemon thread bounded by
-``reward.timeout_s``; a call that hangs is abandoned (its thread may linger), never waited on.
+Every adapter is scored in its own thread, concurrently with the others. A reward that runs spec
+code (custom functions, user regexes, ``math_verify``, ``reasoning_gym``) is scored in the
+adapter's own reward process (:mod:`miles_multilora.data.reward_process`), which is killed when a
+call runs past ``reward.timeout_s`` (plus ``trainer.reward_kill_grace_s``) or all of a step's calls
+past ``trainer.reward_step_timeout_s``: a reward that hangs in Python or in C, holding the GIL or
+not, costs its adapter that timeout and nothing else. Only
+``exact_match`` without a ``format_regex`` runs in this process (it cannot hang), each call in a
+daemon thread bounded by ``reward.timeout_s``.
+
 An exception, a bad return value or a timeout fails that adapter's batch for this step only:
 the failure is counted in the adapter's metrics, and after ``reward.max_consecutive_failures``
 failing steps in a row the adapter is marked failed with the reason and no longer scored.
@@ -19,13 +25,23 @@ from typing import Any, TypeVar
 
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.data.records import RewardSample
-from miles_multilora.data.rewards import RewardFunction, RewardOutput, build_reward
+from miles_multilora.data.reward_process import (
+    RewardCallError,
+    RewardProcess,
+    RewardProcessLimits,
+    RewardTimeoutError,
+)
+from miles_multilora.data.rewards import (
+    RewardFunction,
+    RewardOutput,
+    build_reward,
+    check_reward_spec,
+    runs_in_process,
+)
+
+__all__ = ["AdapterRewards", "RewardManager", "RewardTimeoutError", "call_with_timeout"]
 
 T = TypeVar("T")
-
-
-class RewardTimeoutError(TimeoutError):
-    """A reward call did not return within ``reward.timeout_s``."""
 
 
 def call_with_timeout(fn: Callable[[], T], timeout_s: float, name: str = "reward") -> T:
@@ -73,8 +89,7 @@ class AdapterRewards:
 
 @dataclass
 class _AdapterRewardState:
-    fn: RewardFunction
-    timeout_s: float
+    fn: RewardFunction | RewardProcess
     max_failures: int
     consecutive_failures: int = 0
     failures_total: int = 0
@@ -83,23 +98,48 @@ class _AdapterRewardState:
 
 
 class RewardManager:
-    """Per-adapter reward functions with timeouts, failure isolation and metrics."""
+    """Per-adapter reward functions with timeouts, failure isolation and metrics.
 
-    def __init__(self) -> None:
+    ``limits`` bound the reward processes (start-up time, kill grace, memory); :meth:`close`
+    ends them all (they also die with this process).
+    """
+
+    def __init__(self, limits: RewardProcessLimits | None = None) -> None:
+        self.limits = limits or RewardProcessLimits()
         self._adapters: dict[str, _AdapterRewardState] = {}
         self._lock = threading.Lock()
 
     def add_adapter(self, spec: AdapterSpec, dataset: Any | None = None) -> None:
-        """Register ``spec``'s reward (raises :class:`SpecError` before changing anything)."""
-        fn = build_reward(spec, dataset)
+        """Register ``spec``'s reward (raises :class:`SpecError` before changing anything).
+
+        A reward process is started on the adapter's first scoring call, not here."""
+        fn: RewardFunction | RewardProcess
+        if runs_in_process(spec):
+            fn = build_reward(spec, dataset)
+        else:
+            check_reward_spec(spec)  # resolves a custom function; the reward is built in its process
+            fn = RewardProcess(spec, self.limits)
         with self._lock:
-            self._adapters[spec.name] = _AdapterRewardState(
-                fn, spec.reward.timeout_s, spec.reward.max_consecutive_failures
-            )
+            old = self._adapters.pop(spec.name, None)
+            self._adapters[spec.name] = _AdapterRewardState(fn, spec.reward.max_consecutive_failures)
+        if old is not None and isinstance(old.fn, RewardProcess):
+            old.fn.close()
 
     def remove_adapter(self, name: str) -> None:
         with self._lock:
-            self._adapters.pop(name, None)
+            state = self._adapters.pop(name, None)
+        if state is not None and isinstance(state.fn, RewardProcess):
+            state.fn.close()
+
+    def close(self) -> None:
+        """Remove every adapter and end its reward process."""
+        for name in list(self._adapters):
+            self.remove_adapter(name)
+
+    def process(self, name: str) -> RewardProcess | None:
+        """``name``'s reward process (None when its reward runs in this process)."""
+        fn = self._adapters[name].fn
+        return fn if isinstance(fn, RewardProcess) else None
 
     @property
     def names(self) -> list[str]:
@@ -121,11 +161,12 @@ class RewardManager:
         self, name: str, state: _AdapterRewardState, samples: Sequence[RewardSample]
     ) -> list[RewardOutput]:
         fn = state.fn
+        if isinstance(fn, RewardProcess):
+            return fn.score(samples)
+        timeout_s = fn.spec.timeout_s
         if fn.batched:
-            return call_with_timeout(lambda: fn.score_batch(samples), state.timeout_s, f"reward[{name}]")
-        return [
-            call_with_timeout(lambda s=s: fn.score(s), state.timeout_s, f"reward[{name}]") for s in samples
-        ]
+            return call_with_timeout(lambda: fn.score_batch(samples), timeout_s, f"reward[{name}]")
+        return [call_with_timeout(lambda s=s: fn.score(s), timeout_s, f"reward[{name}]") for s in samples]
 
     def score(self, batch: Mapping[str, Sequence[RewardSample]]) -> dict[str, AdapterRewards]:
         """Score ``{adapter: samples}``; adapters run concurrently and fail independently.
@@ -194,7 +235,7 @@ class RewardManager:
         state.failures_total += 1
         if isinstance(exc, RewardTimeoutError):
             state.timeouts_total += 1
-        error = f"{type(exc).__name__}: {exc}"
+        error = str(exc) if isinstance(exc, RewardCallError) else f"{type(exc).__name__}: {exc}"
         if state.consecutive_failures >= state.max_failures:
             state.failed_reason = (
                 f"reward failed {state.consecutive_failures} consecutive steps; last error: {error}"

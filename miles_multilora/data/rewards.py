@@ -9,6 +9,11 @@ Built-ins (``reward.type``): ``reasoning_gym`` (the task's own ``score_answer``)
 
 Either may be ``async def``. A result may also be a mapping ``{"reward": float, "correct": bool}``.
 On top of the base score: ``format_weight * (format_regex matches)`` and the DAPO overlong penalty.
+
+A spec's ``format_regex`` is matched with the ``regex`` package, whose matcher stops itself after
+``reward.timeout_s`` of CPU time (stdlib ``re`` cannot be stopped and holds the GIL throughout).
+Only :func:`runs_in_process` rewards run in the trainer's process; every other reward runs in its
+adapter's reward process (:mod:`miles_multilora.data.reward_process`), killed when a call overruns.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import regex
 
 from miles_multilora.algo.overlong import overlong_penalty
 from miles_multilora.config.adapter import AdapterSpec, RewardSpec
@@ -98,6 +105,42 @@ async def _await(awaitable: Any) -> Any:
     return await awaitable
 
 
+class UserPattern:
+    """A spec's regular expression, compiled on first use and searched with a time limit.
+
+    ``search`` raises ``TimeoutError`` after ``timeout_s`` seconds of CPU time (the ``regex``
+    package's own limit; it releases the GIL while it matches). Compiling is lazy so that a pattern
+    whose compilation explodes costs the first call's time, inside the reward process that a
+    timeout kills, never the trainer's start-up.
+    """
+
+    def __init__(self, source: str, timeout_s: float) -> None:
+        self.source = source
+        self.timeout_s = timeout_s
+        self._compiled: Any = None
+
+    def search(self, text: str) -> bool:
+        if self._compiled is None:
+            self._compiled = regex.compile(self.source)
+        return self._compiled.search(text, timeout=self.timeout_s, concurrent=True) is not None
+
+
+def compile_user_pattern(source: str) -> None:
+    """Compile ``source`` with the engine rewards use (registration runs this in a bounded child)."""
+    try:
+        regex.compile(source)
+    except regex.error as exc:
+        raise SpecError("reward.format_regex", f"not a valid regular expression: {exc}") from exc
+
+
+def runs_in_process(spec: AdapterSpec) -> bool:
+    """True when ``spec``'s reward may run in the trainer's own process: only ``exact_match``
+    without a ``format_regex`` (fixed, linear-time extraction patterns over a completion of at most
+    ``sampling.max_new_tokens`` tokens: it cannot hang). Everything else runs spec code, a user
+    regex, sympy (``math_verify``) or a task's scorer (``reasoning_gym``) in a reward process."""
+    return spec.reward.type == "exact_match" and not spec.reward.format_regex
+
+
 class RewardFunction:
     """An adapter's reward: a base score plus format bonus and overlong shaping.
 
@@ -112,12 +155,12 @@ class RewardFunction:
         self.max_new_tokens = max_new_tokens
         self.batched = batched
         self._base = base
-        self._format = re.compile(spec.format_regex) if spec.format_regex else None
+        self._format = UserPattern(spec.format_regex, spec.timeout_s) if spec.format_regex else None
 
     def _shape(self, sample: RewardSample, out: RewardOutput) -> RewardOutput:
         reward = out.reward
         if self._format is not None and self.spec.format_weight > 0 and self.spec.type != "format":
-            reward += self.spec.format_weight * float(bool(self._format.search(sample.completion)))
+            reward += self.spec.format_weight * float(self._format.search(sample.completion))
         if self.spec.overlong_buffer_len > 0 and sample.response_length is not None:
             limit = sample.max_new_tokens or self.max_new_tokens
             reward += overlong_penalty(
@@ -202,10 +245,10 @@ def _math_verify_base(spec: AdapterSpec) -> Callable[[RewardSample], RewardOutpu
 
 
 def _format_base(spec: AdapterSpec) -> Callable[[RewardSample], RewardOutput]:
-    pattern = re.compile(spec.reward.format_regex or "")
+    pattern = UserPattern(spec.reward.format_regex or "", spec.reward.timeout_s)
 
     def score(sample: RewardSample) -> RewardOutput:
-        return RewardOutput(float(bool(pattern.search(sample.completion))), None)
+        return RewardOutput(float(pattern.search(sample.completion)), None)
 
     return score
 
@@ -237,7 +280,7 @@ def check_reward_spec(spec: AdapterSpec) -> None:
     """Cheap checks of ``spec.reward`` (no dataset needed). Raises :class:`SpecError` naming the key."""
     rw = spec.reward
     if rw.format_regex is not None:
-        try:
+        try:  # syntax only: stdlib re compiles in linear time (regex's compile is bounded at registration)
             re.compile(rw.format_regex)
         except re.error as exc:
             raise SpecError("reward.format_regex", f"not a valid regular expression: {exc}") from exc

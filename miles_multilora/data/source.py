@@ -20,7 +20,7 @@ import numpy as np
 from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
 from miles_multilora.data.datasets import AdapterDataset, load_adapter_dataset
 from miles_multilora.data.interleave import InterleavePolicy, make_policy
-from miles_multilora.data.prompts import render_prompt
+from miles_multilora.data.prompts import DEFAULT_MAX_PROMPT_CHARS, render_prompt
 from miles_multilora.data.records import PromptItem
 from miles_multilora.errors import ConfigError, SpecError
 
@@ -92,7 +92,8 @@ class MultiLoRADataSource:
 
     ``policy``: ``round_robin`` (default) or ``weighted``; ``adapters_per_step``: how many
     adapters draw per step (``None``: all for round-robin, 1 for weighted); ``tokenizer``: used
-    to apply chat templates (optional); ``seed``: the weighted policy's RNG seed.
+    to apply chat templates (optional); ``seed``: the weighted policy's RNG seed;
+    ``max_prompt_chars``: the longest filled template (a longer one fails that adapter's draw).
     """
 
     def __init__(
@@ -101,8 +102,10 @@ class MultiLoRADataSource:
         adapters_per_step: int | None = None,
         tokenizer: Any | None = None,
         seed: int = 0,
+        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     ) -> None:
         self.tokenizer = tokenizer
+        self.max_prompt_chars = max_prompt_chars
         self._policy_args = (policy, adapters_per_step, seed)
         self.policy: InterleavePolicy = make_policy(policy, adapters_per_step, seed)
         self._cursors: dict[str, _Cursor] = {}
@@ -177,13 +180,17 @@ class MultiLoRADataSource:
         while len(items) < k and not cursor.exhausted:
             index = int(cursor.permutation()[cursor.offset])
             row = cursor.dataset.row(index)
+            try:
+                prompt = render_prompt(row, cursor.spec.prompt, self.tokenizer, self.max_prompt_chars)
+            except SpecError as exc:
+                raise SpecError(exc.key, f"dataset row {index}: {exc.message}") from exc
             items.append(
                 PromptItem(
                     adapter=name,
                     index=index,
                     uid=f"{name}:{cursor.epoch}:{cursor.offset}",
                     epoch=cursor.epoch,
-                    prompt=render_prompt(row, cursor.spec.prompt, self.tokenizer),
+                    prompt=prompt,
                     answer=row.answer,
                     metadata=row.metadata,
                     question=row.prompt,

@@ -3,39 +3,36 @@
 from __future__ import annotations
 
 from miles_multilora.config.adapter import AdapterSpec
-from miles_multilora.data.datasets import (
-    create_reasoning_gym_dataset,
-    is_hub_id,
-    load_hf_dataset,
-    looks_local,
-)
+from miles_multilora.data.datasets import is_hub_id, load_hf_dataset, looks_local
 from miles_multilora.data.evaluation import load_eval_dataset
 from miles_multilora.data.prompts import fill_template
 from miles_multilora.data.records import DatasetRow
 from miles_multilora.data.reward_manager import call_with_timeout
 from miles_multilora.data.rewards import check_reward_spec
+from miles_multilora.data.spec_checks import SpecCheckLimits, check_format_regex, probe_reasoning_gym
 from miles_multilora.errors import SpecError
 
 HUB_LOAD_TIMEOUT_S = 120.0
 
 
-def validate_adapter_resources(spec: AdapterSpec) -> None:
+def validate_adapter_resources(spec: AdapterSpec, checks: SpecCheckLimits | None = None) -> None:
     """Check that ``spec``'s dataset and reward resolve; raise :class:`SpecError` naming the key.
 
     - local dataset or hub id: it loads (a hub dataset from the local cache, or downloaded once
       when the hub is reachable, within ``HUB_LOAD_TIMEOUT_S``), has ``prompt_key`` /
       ``answer_key`` columns, and the prompt template's fields exist in its first row;
-    - reasoning-gym: the task exists and accepts ``task_params``;
+    - reasoning-gym: the task exists, accepts ``task_params`` and generates its first items within
+      ``checks`` (time and memory, in a child process: :mod:`miles_multilora.data.spec_checks`);
     - HF eval data (``eval.split`` / ``eval.path``): it loads likewise and fits the template;
-    - reward: a built-in name with what it needs, or an importable ``module:function``.
+    - reward: a built-in name with what it needs, or an importable ``module:function``; a
+      ``format_regex`` compiles within ``checks`` (in a child process).
     """
     ds = spec.dataset
     if (ds.path is None) == (ds.task is None):
         raise SpecError("dataset", "set exactly one of dataset.path or dataset.task")
     row: DatasetRow | None = None
     if ds.task is not None:
-        generator = create_reasoning_gym_dataset(ds.task, dict(ds.task_params or {}), 1, ds.seed)
-        entry = generator[0]
+        entry = probe_reasoning_gym(ds, checks)
         row = DatasetRow(str(entry["question"]), str(entry.get("answer")), {}, dict(entry))
     elif looks_local(ds.path or "") or is_hub_id(ds.path or ""):
         try:
@@ -63,6 +60,8 @@ def validate_adapter_resources(spec: AdapterSpec) -> None:
     if spec.eval is not None and ds.path is not None:
         _check_eval_data(spec)
     check_reward_spec(spec)
+    if spec.reward.format_regex:
+        check_format_regex(spec.reward.format_regex, checks)
 
 
 def _check_eval_data(spec: AdapterSpec) -> None:

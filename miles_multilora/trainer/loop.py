@@ -1,4 +1,10 @@
-"""The driver's step loop: one controller snapshot per step, sent to every trainer rank."""
+"""The driver's step loop: one controller snapshot per step, sent to every trainer rank.
+
+Once a stop is requested (``should_stop()``), the step in flight gets ``stop_timeout_s`` more
+seconds; past that it is abandoned (``trainer_group.StepAbandoned``) and the caller ends the ranks:
+nothing a step does (a reward, a dataset) can keep the service from stopping. Its adapters resume
+from their last complete checkpoints, as after a crash.
+"""
 
 from __future__ import annotations
 
@@ -43,8 +49,14 @@ def run_loop(
     should_stop: Callable[[], bool] | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     start_step: int = 0,
+    stop_timeout_s: float | None = None,
 ) -> int:
-    """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run."""
+    """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run.
+
+    ``stop_timeout_s``: how long a step may still run once ``should_stop()`` is true (None: to its
+    end); past it :class:`~miles_multilora.trainer.trainer_group.StepAbandoned` is raised and the
+    step's results are never applied.
+    """
     global_step = start_step  # a resumed run continues the global step count of its metrics
     while not (should_stop and should_stop()):
         snapshot = ray.get(controller.snapshot.remote())
@@ -53,7 +65,7 @@ def run_loop(
                 break
             time.sleep(idle_sleep_s)  # nothing RUNNING: wait with little CPU
             continue
-        out = group.step(snapshot, should_stop)
+        out = group.step(snapshot, should_stop, stop_timeout_s)
         if out is None:  # the group died and was replaced: the adapters resume from checkpoints
             continue
         _apply_step_output(controller, out)

@@ -15,6 +15,7 @@ from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.persistence import state_path
 from miles_multilora.controller.token import read_token
 from miles_multilora.data.reward_registry import import_reward_modules
+from miles_multilora.data.spec_checks import SpecCheckLimits
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.models.paths import context_length
 from miles_multilora.trainer.cluster import placement_lines, start_ray
@@ -35,6 +36,7 @@ def admission_rules(cfg: RunConfig) -> AdmissionRules:
         dataset_roots=tuple(c.dataset_roots),
         max_context=context_length(cfg),
         max_live_adapters=c.max_live_adapters,
+        spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),
     )
 
 
@@ -52,7 +54,7 @@ def prepare_run(cfg: RunConfig) -> tuple[list[AdapterSpec], Path, Path]:
             rules.check(spec, remote=False)
         except SpecError as exc:
             raise ConfigError(f"adapters[{i}].{exc.key}", exc.message) from exc
-        validate_adapter_resources(spec)
+        validate_adapter_resources(spec, checks=rules.spec_checks)
     output_dir = Path(cfg.trainer.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -6,7 +6,9 @@
 actor (state in ``<output_dir>/controller``, its URL written to the endpoint file there), registers
 ``cfg.adapters`` it does not know yet, starts the trainer ranks and trains whatever is RUNNING
 until SIGINT/SIGTERM. A stop finishes the current step, checkpoints every running adapter that
-moved since its last checkpoint, and exits. Started again with the same output_dir, the
+moved since its last checkpoint, and exits; a step still running ``trainer.stop_timeout_s`` after
+the signal is abandoned instead (the trainer ranks are ended, adapters resume from their last
+checkpoints), so the service always stops promptly. Started again with the same output_dir, the
 controller restores its state and every unfinished adapter resumes from its last complete
 checkpoint without being resubmitted.
 """
@@ -34,7 +36,7 @@ from miles_multilora.trainer.cluster import placement_lines, start_ray
 from miles_multilora.trainer.loop import run_loop
 from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step
 from miles_multilora.trainer.run import admission_rules, prepare_run, register_new_adapters
-from miles_multilora.trainer.trainer_group import TrainerGroup
+from miles_multilora.trainer.trainer_group import StepAbandoned, TrainerGroup
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -202,17 +204,22 @@ def run_service(
         def stopping() -> bool:
             return stop() or bool(should_stop and should_stop())
 
-        steps = run_loop(
-            controller,
-            group,
-            logger,
-            stop_when_idle=False,
-            idle_sleep_s=cfg.controller.idle_sleep_s,
-            should_stop=stopping,
-            start_step=next_global_step(logger.jsonl_path),
-        )
-        console.print(f"stopping after {steps} steps ({stop.signal_name or 'stop requested'})")
-        _checkpoint_moved_adapters(controller, group, console)
+        try:
+            steps = run_loop(
+                controller,
+                group,
+                logger,
+                stop_when_idle=False,
+                idle_sleep_s=cfg.controller.idle_sleep_s,
+                should_stop=stopping,
+                start_step=next_global_step(logger.jsonl_path),
+                stop_timeout_s=cfg.trainer.stop_timeout_s,
+            )
+        except StepAbandoned as exc:
+            console.print(f"stopping ({stop.signal_name or 'stop requested'}): {exc}")
+        else:
+            console.print(f"stopping after {steps} steps ({stop.signal_name or 'stop requested'})")
+            _checkpoint_moved_adapters(controller, group, console)
     finally:
         if logger is not None:
             logger.finish()

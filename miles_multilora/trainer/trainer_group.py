@@ -5,7 +5,9 @@ ranks' states no longer agree, so the whole group goes: the driver kills every r
 controller (every resident adapter resumes from its last complete checkpoint, exactly as after a
 service restart), waits a backoff and starts a new group. ``trainer.max_restarts`` bounds the
 restarts in a row without a completed step (then the run stops with the last error); the
-controller's ``/health`` counts them.
+controller's ``/health`` counts them. Once a stop is requested, the step in flight gets
+``trainer.stop_timeout_s`` more seconds; past that it is abandoned (:class:`StepAbandoned`) and the
+caller ends the ranks: nothing a step does (a reward, a dataset) can keep a run from stopping.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ from miles_multilora.trainer.cluster import start_trainer_group
 
 TRAINER_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.WorkerCrashedError)
 MAX_BACKOFF_S = 60.0
+WAIT_POLL_S = 0.2  # how often the driver looks at the stop flag while a step runs
 
 
 class TrainerGroupFailed(RuntimeError):
     """The trainer group died more than ``trainer.max_restarts`` times in a row."""
+
+
+class StepAbandoned(RuntimeError):
+    """The step in flight did not finish within ``stop_timeout_s`` of a stop request."""
 
 
 class TrainerGroup:
@@ -95,13 +102,25 @@ class TrainerGroup:
             return
 
 
-def _get_all_or_first_error(refs: list[Any]) -> list[Any]:
-    """``ray.get(refs)``, but raising as soon as any call fails: the other ranks may be blocked in a
-    collective with the dead one and would never return."""
-    pending = list(refs)
+def _get_all_or_first_error(
+    refs: list[Any], should_stop: Callable[[], bool] | None = None, stop_timeout_s: float | None = None
+) -> list[Any]:
+    """``ray.get(refs)``, but raising as soon as any call fails (the other ranks may be blocked in a
+    collective with the dead one and would never return), and :class:`StepAbandoned` once
+    ``should_stop()`` has held for ``stop_timeout_s`` (None: wait for the end)."""
+    pending, stopped_at = list(refs), None
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=WAIT_POLL_S)
         ray.get(done)
+        if stop_timeout_s is None or should_stop is None or not pending:
+            continue
+        if stopped_at is None and should_stop():
+            stopped_at = time.monotonic()
+        if stopped_at is not None and time.monotonic() - stopped_at >= stop_timeout_s:
+            raise StepAbandoned(
+                f"the step in flight did not finish within {stop_timeout_s:g} s of the stop request "
+                "(trainer.stop_timeout_s); abandoned: its adapters resume from their last checkpoints"
+            )
     return ray.get(refs)
 
 

@@ -30,6 +30,7 @@ from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.data import MultiLoRADataSource, RewardManager, RewardSample
 from miles_multilora.data.evaluation import HeldOutSet, build_held_out, eval_metrics
 from miles_multilora.data.records import PromptItem
+from miles_multilora.data.reward_process import RewardProcessLimits
 from miles_multilora.data.reward_registry import check_remote_reward, import_reward_modules
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import (
@@ -158,10 +159,17 @@ class TrainerWorker(TrainingPrimitives):
                 sync_interval=cfg.rollout.sync_interval,
             )
         import_reward_modules(cfg.controller.reward_modules)  # the operator's registered rewards
-        self.data = MultiLoRADataSource(tokenizer=self.tokenizer, seed=cfg.trainer.seed)
-        self.rewards = RewardManager()
+        t = cfg.trainer
+        self.data = MultiLoRADataSource(
+            tokenizer=self.tokenizer, seed=t.seed, max_prompt_chars=t.max_prompt_chars
+        )
+        limits = RewardProcessLimits(
+            t.reward_start_timeout_s, t.reward_kill_grace_s, t.reward_memory_mb, t.reward_step_timeout_s
+        )
+        self.rewards = RewardManager(limits)
         self.eval_sets: dict[str, HeldOutSet] = {}  # adapters with an eval section: their held-out set
-        self.eval_rewards = RewardManager()  # own failure counters: eval never touches training's
+        self.eval_rewards = RewardManager(limits)  # own failure counters: eval never touches training's
+        self.no_update: dict[tuple[str, str], int] = {}  # (adapter, run id) -> steps in a row without one
         self.evaluated: dict[str, int] = {}  # adapter -> version last evaluated
         self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
         self.steps: dict[str, int] = {}  # adapter -> optimizer steps applied (== weights version)
@@ -739,6 +747,9 @@ class TrainerWorker(TrainingPrimitives):
                 finished[name] = final
             if rep.get("failed"):
                 failures.reasons.setdefault(name, rep.get("error") or "reward failed")
+            stuck = self._count_no_update(a, trained, train_metrics.get(name), rep)
+            if stuck is not None:
+                failures.reasons.setdefault(name, stuck)
             results[name] = {
                 "trained": trained,
                 "step": self.steps[name],
@@ -764,6 +775,8 @@ class TrainerWorker(TrainingPrimitives):
         for name in failures.reasons:
             if name in self.resident and name not in results:
                 self._forget(name)
+        live = {(n, a.run_id) for n, a in self.resident.items() if n not in failures and n not in finished}
+        self.no_update = {k: v for k, v in self.no_update.items() if k in live}
         return {
             "results": results,
             "finished": finished,
@@ -772,6 +785,35 @@ class TrainerWorker(TrainingPrimitives):
             "cleared": list(snapshot.slots_to_clear),
             "timing": timing,
         }
+
+    def _count_no_update(
+        self, a: SlotAssignment, trained: bool, train: dict[str, float] | None, rep: dict[str, Any]
+    ) -> str | None:
+        """Count ``a``'s steps in a row without an update; the reason to fail it once there are
+        ``trainer.max_skipped_steps`` of them (None otherwise). A step whose reward failed is left to
+        the reward's own failure count. The count is the same on every rank (it follows the optimizer's
+        agreed skip and the broadcast rewards)."""
+        key = (a.name, a.run_id)
+        if trained:
+            self.no_update.pop(key, None)
+            return None
+        if rep.get("rewards") is None:
+            return None
+        count = self.no_update[key] = self.no_update.get(key, 0) + 1
+        limit = self.cfg.trainer.max_skipped_steps
+        if limit == 0 or count < limit:
+            return None
+        if train is not None and train.get("skipped"):
+            why = (
+                "the loss or its gradient was not finite (NaN/inf), so the optimizer skipped the step; "
+                "check sampling.temperature, optimizer.lr and the reward's scale"
+            )
+        else:
+            why = (
+                "no sample carried a training signal (every group's rewards were equal, so dynamic "
+                "sampling kept none, or nothing was generated); check the reward and the data"
+            )
+        return f"no update in {count} consecutive steps (trainer.max_skipped_steps): {why}"
 
     def _checkpoint_or_fail(
         self, name: str, failures: AdapterFailures, into: dict[str, str] | None = None

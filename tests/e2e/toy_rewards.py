@@ -8,6 +8,7 @@ specs submitted over HTTP use them.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from miles_multilora.data.reward_registry import reward_function
@@ -48,3 +49,10 @@ def lowercase_majority(prompt: str, completion: str, answer: Any, metadata: dict
     """Share of lowercase ASCII letters, ``correct`` when they are at least half the characters."""
     share = _share(completion, "abcdefghijklmnopqrstuvwxyz")
     return {"reward": share, "correct": share >= 0.5}
+
+
+@reward_function
+def sleeps_forever(prompt: str, completion: str, answer: Any, metadata: dict[str, Any]) -> float:
+    """A reward that never returns (a blocked call to a service that is gone)."""
+    while True:
+        time.sleep(1.0)

@@ -1,5 +1,6 @@
 """RewardManager: adapters scored concurrently; a raising or hanging reward only hurts its adapter."""
 
+import os
 import sys
 import textwrap
 import threading
@@ -7,9 +8,19 @@ import time
 
 import pytest
 
+from miles_multilora import child_process
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.data import RewardManager, RewardSample, call_with_timeout
 from miles_multilora.data.reward_manager import RewardTimeoutError
+from miles_multilora.data.reward_process import RewardProcessLimits
+
+LIMITS = RewardProcessLimits(kill_grace_s=0.5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver():
+    """Start the reward processes' forkserver once (its preload takes seconds), outside the timings."""
+    child_process.run_bounded(os.getpid, timeout_s=300, memory_mb=0, what="warm-up")
 
 
 @pytest.fixture
@@ -77,7 +88,7 @@ def test_call_with_timeout():
 
 
 def test_raising_and_hanging_rewards_only_affect_their_adapter(mod):
-    rm = RewardManager()
+    rm = RewardManager(LIMITS)
     rm.add_adapter(_spec("good", {"type": "exact_match", "extract": "hash"}))
     rm.add_adapter(_spec("boom", {"type": "iso_rewards_mod:boom"}))
     rm.add_adapter(_spec("hang", {"type": "iso_rewards_mod:hang"}))
@@ -105,10 +116,11 @@ def test_raising_and_hanging_rewards_only_affect_their_adapter(mod):
 
     rm.reset_failures("boom")
     assert not rm.is_failed("boom")
+    rm.close()
 
 
 def test_success_resets_consecutive_count(mod):
-    rm = RewardManager()
+    rm = RewardManager(LIMITS)
     rm.add_adapter(_spec("flaky", {"type": "iso_rewards_mod:flaky"}))
     for _ in range(3):  # fail, ok, fail, ok, ... never two in a row
         out = rm.score({"flaky": _samples(1)})
@@ -117,16 +129,19 @@ def test_success_resets_consecutive_count(mod):
         assert out["flaky"].rewards == [0.5]
         assert out["flaky"].metrics["reward/consecutive_failures"] == 0.0
     assert out["flaky"].metrics["reward/failures_total"] == 3.0
+    rm.close()
 
 
 def test_adapters_are_scored_concurrently(mod):
-    rm = RewardManager()
+    rm = RewardManager(LIMITS)
     for name in ("s1", "s2", "s3"):
         rm.add_adapter(_spec(name, {"type": "iso_rewards_mod:slow", "timeout_s": 5.0}))
+    rm.score({name: _samples(1) for name in ("s1", "s2", "s3")})  # start their processes
     start = time.perf_counter()
     out = rm.score({name: _samples(1) for name in ("s1", "s2", "s3")})
     assert time.perf_counter() - start < 1.3  # 3 x 0.5 s sleeps overlap (1.5 s if serial)
     assert all(r.rewards == [1.0] for r in out.values())
+    rm.close()
 
 
 def test_unknown_adapter_and_empty_batch():

@@ -11,6 +11,7 @@ import torch
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.data import MultiLoRADataSource
+from miles_multilora.errors import SpecError
 from miles_multilora.trainer import checkpoint as ckpt
 from miles_multilora.trainer.resume import ResumeError, check_run_dir_is_ours, load_resume_point
 
@@ -78,14 +79,15 @@ def test_an_adapter_whose_data_fails_is_left_out_with_its_cursor_unmoved(tmp_pat
     )
     bad = parse_adapter_spec(
         {"name": "bad", "dataset": {"path": str(data), "shuffle": False}, "num_steps": 3,
-         "prompts_per_step": 2, "prompt": {"template": "{question:.5}", "use_chat_template": False}}
+         "prompts_per_step": 2, "prompt": {"template": "{question}", "use_chat_template": False}}
     )  # fmt: skip
     source.add_adapter(good)
     source.add_adapter(bad)
     errors: dict[str, Exception] = {}
     batch = source.next_batch(errors=errors)
     assert list(batch) == ["good"] and len(batch["good"]) == 2
-    assert list(errors) == ["bad"] and isinstance(errors["bad"], TypeError)
+    assert list(errors) == ["bad"] and isinstance(errors["bad"], SpecError)
+    assert "dataset row 1" in str(errors["bad"]) and "'question' is null" in str(errors["bad"])
     assert source.adapter_state("bad")["offset"] == 0 and source.adapter_state("bad")["drawn"] == 0
-    with pytest.raises(TypeError):
+    with pytest.raises(SpecError, match="null"):
         source.next_batch(names=["bad"])
