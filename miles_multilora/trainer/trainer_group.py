@@ -48,12 +48,18 @@ class TrainerGroup:
         self._failures_in_a_row = 0
 
     def step(
-        self, snapshot: Snapshot, should_stop: Callable[[], bool] | None = None
+        self,
+        snapshot: Snapshot,
+        should_stop: Callable[[], bool] | None = None,
+        stop_timeout_s: float | None = None,
     ) -> dict[str, Any] | None:
         """Rank 0's output of one step on every rank, or None when the group died during it (then
-        it has been replaced and the controller has rewound the resident adapters)."""
+        it has been replaced and the controller has rewound the resident adapters). Raises
+        :class:`StepAbandoned` when a stop was asked ``stop_timeout_s`` ago and the step still runs."""
         try:
-            outs = _get_all_or_first_error([w.step.remote(snapshot) for w in self.workers])
+            outs = _get_all_or_first_error(
+                [w.step.remote(snapshot) for w in self.workers], should_stop, stop_timeout_s
+            )
         except TRAINER_LOST as exc:
             self._replace(exc, should_stop)
             return None
