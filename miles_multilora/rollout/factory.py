@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_multilora.rollout.remote_engine import RemoteEngine
+
+if TYPE_CHECKING:
+    from miles_multilora.config.run import RolloutConfig
 
 
 def server_urls(value: str | None) -> list[str]:
@@ -14,14 +17,14 @@ def server_urls(value: str | None) -> list[str]:
 
 
 def remote_engine(
-    rollout: Any,
+    rollout: RolloutConfig,
     *,
     manages_adapters: bool,
     first_server: int,
     eos_token_ids: int | Iterable[int] | None,
     export_root: str | None,
 ) -> RemoteEngine:
-    """The SGLang or vLLM client for ``rollout`` (a validated ``RolloutConfig``)."""
+    """The SGLang or vLLM client for a validated ``rollout`` config."""
     common: dict[str, Any] = {
         "manages_adapters": manages_adapters,  # one trainer rank loads adapters on the servers
         "first_server": first_server,  # DP ranks start their round-robin at different servers
