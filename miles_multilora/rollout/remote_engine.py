@@ -101,14 +101,14 @@ class RemoteEngine(RolloutEngine):
         :meth:`check_request`; the other adapters are updated all the same.
         """
         self.check_slots({**self._adapters, **changed})
-        for name, av in changed.items():
-            if not av.path:
-                raise RolloutError(
-                    f"adapter {name!r}: the {self.kind} engine needs AdapterVersion.path (a PEFT dir)"
-                )
+        paths = {name: av.path for name, av in changed.items() if av.path}
+        for name in changed.keys() - paths.keys():
+            raise RolloutError(
+                f"adapter {name!r}: the {self.kind} engine needs AdapterVersion.path (a PEFT dir)"
+            )
         for name, av in changed.items():
             try:
-                self.versions.update(name, av.version, av.path, self._targets(name, av))  # type: ignore[arg-type]
+                self.versions.update(name, av.version, paths[name], self._targets(name, av))
             except RolloutError as exc:
                 self._adapters.pop(name, None)
                 self._failed[name] = str(exc)
