@@ -57,7 +57,7 @@ class LoRAConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "embedded"  # embedded | sglang
+    engine: str = "embedded"  # embedded | sglang | vllm
     max_batch_size: int = 64  # rows the embedded engine decodes at once (continuous batching)
     page_size: int = 16  # tokens per KV-cache page (a power of 2 >= 8)
     # KV cache size in tokens; 0: kv_cache_fraction of the GPU's memory (CPU: a full batch of the
@@ -66,7 +66,13 @@ class RolloutConfig:
     kv_cache_fraction: float = 0.25  # the GPU memory share of the KV cache when kv_cache_tokens is 0
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
     sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
-    sglang_url: str | None = None
+    sglang_url: str | None = None  # SGLang server URL(s), comma-separated
+    vllm_url: str | None = None  # vLLM server URL(s), comma-separated
+    # SGLang and vLLM: versions of one adapter loaded at once (the one being sampled and the next)
+    max_versions_per_adapter: int = 2
+    vllm_group_samples: bool = True  # a prompt's samples go as one request with n (seeds seed, seed+1, ...)
+    # what the vLLM servers run with (--logprobs-mode): raw_logprobs (vLLM's default) | processed_logprobs
+    vllm_logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass
@@ -221,7 +227,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         f"must be auto, triton or torch; got {cfg.lora.kernels!r}",
     )
     r = cfg.rollout
-    _check(r.engine in ("embedded", "sglang"), "rollout.engine", "must be embedded or sglang")
+    _check(r.engine in ("embedded", "sglang", "vllm"), "rollout.engine", "must be embedded, sglang or vllm")
     _check(r.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1")
     _check(
         r.page_size >= 8 and r.page_size & (r.page_size - 1) == 0,
@@ -239,6 +245,21 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         cfg.rollout.engine != "sglang" or bool(cfg.rollout.sglang_url),
         "rollout.sglang_url",
         "set rollout.sglang_url for rollout.engine=sglang",
+    )
+    _check(
+        r.engine != "vllm" or bool(r.vllm_url),
+        "rollout.vllm_url",
+        "set rollout.vllm_url (comma-separated URLs of vLLM servers) for rollout.engine=vllm",
+    )
+    _check(
+        r.max_versions_per_adapter >= 1,
+        "rollout.max_versions_per_adapter",
+        f"must be >= 1 (2: the version being sampled and the next), got {r.max_versions_per_adapter}",
+    )
+    _check(
+        r.vllm_logprobs_mode in ("raw_logprobs", "processed_logprobs"),
+        "rollout.vllm_logprobs_mode",
+        f"must be raw_logprobs or processed_logprobs (the vLLM servers' --logprobs-mode), got {r.vllm_logprobs_mode!r}",
     )
     t = cfg.trainer
     _resolve_world(m, t)

@@ -1,13 +1,14 @@
-"""Rollout engines: the interface, the embedded engine (default) and the SGLang HTTP engine.
+"""Rollout engines: the interface, the embedded engine (default) and the SGLang and vLLM HTTP engines.
 
 The Megatron-backed parts (``EmbeddedEngine``, ``compute_logprobs``, ``sequence_logprobs``) are
-imported on first use, so an SGLang-only client does not import Megatron.
+imported on first use, so an HTTP-only client does not import Megatron.
 """
 
 from typing import Any
 
+from miles_multilora.rollout.adapter_versions import lora_name
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
-from miles_multilora.rollout.sglang_engine import SGLangEngine, lora_name
+from miles_multilora.rollout.sglang_engine import SGLangEngine
 from miles_multilora.rollout.types import (
     BASE_ADAPTER,
     BASE_SLOT,
@@ -15,6 +16,7 @@ from miles_multilora.rollout.types import (
     GenerationRequest,
     GenerationResult,
 )
+from miles_multilora.rollout.vllm_engine import VLLMEngine
 
 _LAZY = {
     "EmbeddedEngine": "miles_multilora.rollout.embedded",
@@ -32,6 +34,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutError",
     "SGLangEngine",
+    "VLLMEngine",
     "compute_logprobs",
     "lora_name",
     "sequence_logprobs",

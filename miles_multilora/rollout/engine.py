@@ -43,6 +43,10 @@ class RolloutEngine(ABC):
     def remove_adapters(self, names: Iterable[str]) -> None:
         """Stop serving these adapters (their slots may be reused)."""
 
+    def step_stats(self) -> dict[str, float]:
+        """Counters of the engine since the last call (the worker adds them to the step's metrics)."""
+        return {}
+
     def adapter_versions(self) -> dict[str, int]:
         """Adapter name -> the version this engine currently serves."""
         return {name: av.version for name, av in self._adapters.items()}

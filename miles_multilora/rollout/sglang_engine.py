@@ -4,21 +4,24 @@ Endpoints used: ``POST /generate`` (``input_ids``, ``sampling_params``, ``lora_p
 ``return_logprob``), ``POST /load_lora_adapter`` ``{lora_name, lora_path}``,
 ``POST /unload_lora_adapter`` ``{lora_name}`` and ``GET /health``. The servers must run with LoRA
 enabled (``--enable-lora --max-lora-rank R --lora-target-modules ...``) and serve the same base model
-as the trainer. Each adapter version is loaded under the name ``{adapter}@v{version}`` from the PEFT
-directory the trainer exported for that version, so a sample's tag is the name it was served under.
-Several servers (data-parallel engines) get every adapter update and share the requests round-robin.
+as the trainer. Adapter versions follow the shared lifecycle
+(:mod:`~miles_multilora.rollout.adapter_versions`): each version is loaded under ``{adapter}@v{version}``
+from the PEFT directory the trainer exported for it, so a sample's tag is the name it was served
+under. Every server holds every adapter; the requests are shared round-robin. SGLang's API cannot
+list loaded adapters, so a version a server lost (a restart) is found by the request that fails on
+it, loaded again and the request sent once more.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
-import requests as http
-
-from miles_multilora.rollout.engine import RolloutEngine, RolloutError
+from miles_multilora.rollout import http_json
+from miles_multilora.rollout.adapter_versions import AlreadyLoaded, LoRAServer, lora_name
+from miles_multilora.rollout.engine import RolloutError
+from miles_multilora.rollout.http_json import ServerError
+from miles_multilora.rollout.remote_engine import Job, RemoteEngine
 from miles_multilora.rollout.types import (
     BASE_SLOT,
     AdapterVersion,
@@ -27,13 +30,69 @@ from miles_multilora.rollout.types import (
     GenerationResult,
 )
 
+__all__ = ["SGLangEngine", "SGLangServer", "lora_name"]
 
-def lora_name(adapter: str, version: int) -> str:
-    """The name an adapter version is loaded under in SGLang."""
-    return f"{adapter}@v{version}"
+# (words in SGLang's message, what to change on the server)
+_HINTS = (
+    (("not enabled", "enable_lora", "enable-lora"), "start SGLang with --enable-lora"),
+    (("maximum number of loaded lora",), "raise --max-loaded-loras on the SGLang server (it holds "
+                                        "rollout.max_versions_per_adapter versions of every adapter)"),
+    (("rank",), "start SGLang with --max-lora-rank >= the adapters' rank (lora.max_rank)"),
+    (("target module", "target_modules"), "start SGLang with --lora-target-modules covering lora.target_modules"),
+    (("no such file", "not exist", "no adapter_config", "not found"),
+     "the server must read the trainer's export directory at the same path (put trainer.output_dir "
+     "on storage both can read)"),
+)  # fmt: skip
 
 
-class SGLangEngine(RolloutEngine):
+def _hint(exc: ServerError) -> str:
+    if exc.status == 404 and exc.path.endswith("_lora_adapter"):
+        return "this SGLang server has no runtime LoRA endpoints: use a newer SGLang"
+    text = exc.message.lower()
+    return next((hint for words, hint in _HINTS if any(w in text for w in words)), "")
+
+
+class SGLangServer:
+    """One SGLang server's LoRA endpoints, as the adapter lifecycle uses them."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _post(self, path: str, payload: dict[str, Any]) -> Any:
+        body = http_json.call("POST", self.url, path, payload, self.timeout_s)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise ServerError(self.url, path, 400, str(body.get("error_message") or body))
+        return body
+
+    def load(self, name: str, path: str) -> None:
+        try:
+            self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except ServerError as exc:
+            if "already loaded" in exc.message.lower():
+                raise AlreadyLoaded(exc.url, exc.path, exc.status, exc.message) from exc
+            hint = _hint(exc) if not exc.transient else ""
+            raise ServerError(
+                exc.url, exc.path, exc.status, f"{exc.message}{' -- ' + hint if hint else ''}"
+            ) from exc
+
+    def unload(self, name: str) -> bool:
+        try:
+            self._post("/unload_lora_adapter", {"lora_name": name})
+        except ServerError as exc:
+            if exc.status == 400 and name in exc.message and "not" in exc.message.lower():
+                return False
+            raise
+        return True
+
+    def loaded(self) -> None:
+        return None  # SGLang's HTTP API has no list of loaded adapters
+
+    def is_missing(self, error: ServerError, name: str) -> bool:
+        return error.status == 400 and name in error.message and "not loaded" in error.message.lower()
+
+
+class SGLangEngine(RemoteEngine):
     """HTTP client of one or more SGLang servers.
 
     Args:
@@ -43,7 +102,11 @@ class SGLangEngine(RolloutEngine):
         manages_adapters: this client loads and unloads adapters on the servers; with several
             trainer ranks only one does (the others only track the versions being served).
         first_server: where this client's round-robin over ``urls`` starts (DP ranks spread out).
+        max_versions_per_adapter: versions of one adapter loaded at once.
+        export_root: unloaded versions' export directories under it are deleted.
     """
+
+    kind = "SGLang"
 
     def __init__(
         self,
@@ -53,100 +116,29 @@ class SGLangEngine(RolloutEngine):
         max_concurrency: int = 64,
         manages_adapters: bool = True,
         first_server: int = 0,
+        max_versions_per_adapter: int = 2,
+        export_root: str | None = None,
     ) -> None:
-        super().__init__()
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
-        if not self.urls:
-            raise RolloutError("SGLangEngine needs at least one server URL")
-        self.urls = [u.rstrip("/") for u in self.urls]
-        self.timeout_s = timeout_s
-        self.max_concurrency = max_concurrency
-        self.manages_adapters = manages_adapters
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        super().__init__(
+            [SGLangServer(u, timeout_s) for u in urls],
+            timeout_s=timeout_s,
+            max_concurrency=max_concurrency,
+            manages_adapters=manages_adapters,
+            max_versions_per_adapter=max_versions_per_adapter,
+            export_root=export_root,
+        )
         self.first_server = first_server
 
-    # ------------------------------------------------------------------- http
-    def _call(self, method: str, url: str, path: str, payload: dict[str, Any] | None = None) -> Any:
-        try:
-            resp = http.request(method, url + path, json=payload, timeout=self.timeout_s)
-        except http.RequestException as exc:
-            raise RolloutError(f"SGLang server {url} unreachable on {path}: {exc}") from exc
-        if resp.status_code >= 400:
-            raise RolloutError(f"SGLang server {url}{path} answered {resp.status_code}: {_error_text(resp)}")
-        if not resp.content:
-            return None
-        try:
-            body = resp.json()
-        except ValueError:
-            return resp.text
-        if isinstance(body, dict) and body.get("success") is False:
-            raise RolloutError(f"SGLang server {url}{path} failed: {body.get('error_message') or body}")
-        return body
+    def _targets(self, name: str, av: AdapterVersion) -> list[LoRAServer]:
+        return list(self.servers)
 
-    def is_healthy(self) -> bool:
-        """True when every server answers ``GET /health`` with 200."""
-        try:
-            return all(http.get(u + "/health", timeout=self.timeout_s).status_code == 200 for u in self.urls)
-        except http.RequestException:
-            return False
+    def _plan(self, requests: Sequence[GenerationRequest]) -> list[Job]:
+        n = len(self.servers)
+        return [(self.servers[(self.first_server + i) % n], [i]) for i in range(len(requests))]
 
-    def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
-        """Block until every server is healthy; raise :class:`RolloutError` after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.is_healthy():
-            if time.monotonic() > deadline:
-                raise RolloutError(f"SGLang servers {self.urls} not healthy after {timeout_s:.0f}s")
-            time.sleep(poll_s)
-
-    # --------------------------------------------------------------- adapters
-    def update_adapters(self, changed: Mapping[str, AdapterVersion]) -> None:
-        """Unload each changed adapter's old version, then load the new one, on every server.
-
-        An adapter whose update fails is no longer served (its requests are refused) and the error
-        names it; adapters updated before it keep their new version.
-        """
-        self.check_slots({**self._adapters, **changed})
-        for name, av in changed.items():
-            if not av.path:
-                raise RolloutError(
-                    f"adapter {name!r}: the SGLang engine needs AdapterVersion.path (a PEFT dir)"
-                )
-        for name, av in changed.items():
-            old = self._adapters.get(name)
-            if old is not None and (old.version, old.path) == (av.version, av.path):
-                continue
-            try:
-                for url in self.urls if self.manages_adapters else []:
-                    if old is not None:
-                        self._call(
-                            "POST", url, "/unload_lora_adapter", {"lora_name": lora_name(name, old.version)}
-                        )
-                    payload = {"lora_name": lora_name(name, av.version), "lora_path": av.path}
-                    self._call("POST", url, "/load_lora_adapter", payload)
-            except RolloutError as exc:
-                self._adapters.pop(name, None)
-                raise RolloutError(f"adapter {name!r} v{av.version} could not be loaded: {exc}") from exc
-            self._adapters[name] = av
-
-    def remove_adapters(self, names: Iterable[str]) -> None:
-        for name in list(names):
-            av = self._adapters.pop(name, None)
-            if av is not None and self.manages_adapters:
-                for url in self.urls:
-                    self._call(
-                        "POST", url, "/unload_lora_adapter", {"lora_name": lora_name(name, av.version)}
-                    )
-
-    # ------------------------------------------------------------- generation
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        self.check_requests(requests)
-        if not requests:
-            return []
-        n = len(self.urls)
-        jobs = [(self.urls[(self.first_server + i) % n], req) for i, req in enumerate(requests)]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(jobs))) as pool:
-            return list(pool.map(lambda job: self._generate_one(*job), jobs))
-
-    def _generate_one(self, url: str, req: GenerationRequest) -> GenerationResult:
+    def _call_server(self, server: Any, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        (req,) = requests
         sp = req.sampling
         payload = {
             "input_ids": list(req.prompt_ids),
@@ -162,24 +154,13 @@ class SGLangEngine(RolloutEngine):
             "return_logprob": True,
             "lora_path": None if req.slot == BASE_SLOT else lora_name(req.adapter, req.version),
         }
-        body = self._call("POST", url, "/generate", payload)
+        body = http_json.call("POST", server.url, "/generate", payload, self.timeout_s)
         try:
-            return _parse_result(req, body)
+            return [_parse_result(req, body)]
         except (KeyError, TypeError, IndexError, ValueError) as exc:
-            raise RolloutError(f"SGLang server {url}/generate returned an unexpected body: {exc!r}") from exc
-
-
-def _error_text(resp: http.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:500]
-    if isinstance(body, dict):
-        for key in ("error_message", "error", "message", "detail"):
-            if body.get(key):
-                err = body[key]
-                return err.get("message", str(err)) if isinstance(err, dict) else str(err)
-    return str(body)[:500]
+            raise RolloutError(
+                f"SGLang server {server.url}/generate returned an unexpected body: {exc!r}"
+            ) from exc
 
 
 def _finish_reason(info: Any) -> FinishReason:

@@ -133,13 +133,15 @@ class TrainerWorker(TrainingPrimitives):
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else 0)
         self.engine: RolloutEngine
-        if cfg.rollout.engine == "sglang":
-            from miles_multilora.rollout.sglang_engine import SGLangEngine
+        if cfg.rollout.engine != "embedded":  # sglang | vllm: HTTP servers
+            from miles_multilora.rollout.factory import remote_engine
 
-            self.engine = SGLangEngine(
-                [u.strip() for u in str(cfg.rollout.sglang_url).split(",")],
+            self.engine = remote_engine(
+                cfg.rollout,
                 manages_adapters=self._is_writer(),  # one rank loads adapters on the servers
                 first_server=self.layout.dp_rank,
+                eos_token_ids=eos,
+                export_root=str(Path(cfg.trainer.output_dir) / "sync"),  # where sync_adapters exports
             )
         else:
             from miles_multilora.rollout.embedded import EmbeddedEngine
@@ -768,6 +770,7 @@ class TrainerWorker(TrainingPrimitives):
             "checkpoint_s": t5 - t_eval,
             "step_s": t5 - t0,
             "tokens_per_s": n_tokens / max(t5 - t0, 1e-9),
+            **self.engine.step_stats(),  # an HTTP engine's adapter loads/unloads of this step (lora_*)
         }
         for name in results:
             results[name]["metrics"]["tokens_per_s"] = timing["tokens_per_s"]

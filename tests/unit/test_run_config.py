@@ -17,6 +17,9 @@ def test_default_configs_compose_and_validate():
     assert {s.reward.type for s in specs} == {"reasoning_gym", "exact_match", "math_verify"}
     service = load_run_config("service")
     assert service.adapters == [] and service.controller.port > 0
+    vllm = load_run_config("train", ["rollout=vllm", "rollout.vllm_url='http://a:8000,http://b:8000'"])
+    assert vllm.rollout.engine == "vllm" and vllm.rollout.max_versions_per_adapter == 2
+    assert vllm.rollout.vllm_url == "http://a:8000,http://b:8000"
 
 
 @pytest.mark.parametrize(
@@ -33,6 +36,10 @@ def test_default_configs_compose_and_validate():
         (["lora.max_rank=12"], "adapters[2].rank", "max_rank 12"),
         (["lora.kernels=cuda"], "lora.kernels", "auto, triton or torch"),
         (["rollout.kv_cache_fraction=1.5"], "rollout.kv_cache_fraction", "(0, 1)"),
+        (["rollout=vllm", "rollout.vllm_url=null"], "rollout.vllm_url", "comma-separated URLs"),
+        (["rollout=vllm", "rollout.max_versions_per_adapter=0"], "rollout.max_versions_per_adapter", ">= 1"),
+        (["rollout=vllm", "rollout.vllm_logprobs_mode=raw"], "rollout.vllm_logprobs_mode", "--logprobs-mode"),
+        (["rollout.engine=tgi"], "rollout.engine", "embedded, sglang or vllm"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, key, text):

@@ -1,4 +1,5 @@
-"""SGLangEngine (HTTP client) against the SGLang stand-in server (a real HTTP server on 127.0.0.1)."""
+"""SGLangEngine (HTTP client) against the SGLang stand-in server (a real HTTP server on 127.0.0.1).
+The adapter-version lifecycle both HTTP engines share is tested in test_adapter_versions.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, RolloutError, SGLangEngine
-from miles_multilora.rollout.sglang_standin import SGLangStandIn
+from tests.standins.sglang_standin import SGLangStandIn
 
 
 def _peft_dir(root, name: str) -> str:
@@ -18,10 +19,17 @@ def _peft_dir(root, name: str) -> str:
     return str(path)
 
 
-@pytest.fixture
-def servers():
+@pytest.fixture(scope="module")
+def shared_servers():
     with SGLangStandIn() as a, SGLangStandIn() as b:
         yield a, b
+
+
+@pytest.fixture
+def servers(shared_servers):
+    for server in shared_servers:
+        server.reset()
+    return shared_servers
 
 
 def test_generate_tags_results_and_routes_to_the_served_version(servers, tmp_path):
@@ -68,7 +76,7 @@ def test_finish_reasons_are_mapped(servers, tmp_path):
     assert len(by_reason["length"].output_ids) == 40
 
 
-def test_version_change_unloads_old_then_loads_new_on_every_server(servers, tmp_path):
+def test_version_change_loads_new_then_unloads_old_on_every_server(servers, tmp_path):
     a, b = servers
     engine = SGLangEngine([a.url, b.url])
     engine.update_adapters(
@@ -78,8 +86,8 @@ def test_version_change_unloads_old_then_loads_new_on_every_server(servers, tmp_
         }
     )
     engine.update_adapters({"math": AdapterVersion(0, 2, _peft_dir(tmp_path, "m2"))})
-    expected = [("load", "math@v1"), ("load", "code@v1"), ("unload", "math@v1"), ("load", "math@v2")]
-    assert a.events == expected and b.events == expected
+    expected = [("load", "math@v1"), ("load", "code@v1"), ("load", "math@v2"), ("unload", "math@v1")]
+    assert a.events == expected and b.events == expected  # two versions at most: the next, then the old goes
     assert engine.adapter_versions() == {"math": 2, "code": 1}
     assert set(a.loaded) == {"math@v2", "code@v1"} and a.loaded["math@v2"].endswith("m2")
     with pytest.raises(RolloutError, match="version 1"):
@@ -88,29 +96,41 @@ def test_version_change_unloads_old_then_loads_new_on_every_server(servers, tmp_
     assert a.events[-1] == ("unload", "code@v1") and engine.adapter_versions() == {"math": 2}
 
 
+def test_one_version_at_a_time_unloads_old_first(servers, tmp_path):
+    a, _ = servers
+    engine = SGLangEngine(a.url, max_versions_per_adapter=1)
+    engine.update_adapters({"math": AdapterVersion(0, 1, _peft_dir(tmp_path, "m1"))})
+    engine.update_adapters({"math": AdapterVersion(0, 2, _peft_dir(tmp_path, "m2"))})
+    assert a.events == [("load", "math@v1"), ("unload", "math@v1"), ("load", "math@v2")]
+
+
 def test_errors_are_surfaced_with_the_server_message(servers, tmp_path):
     a, _ = servers
     engine = SGLangEngine(a.url, timeout_s=5)
     with pytest.raises(RolloutError, match="needs AdapterVersion.path"):
         engine.update_adapters({"math": AdapterVersion(0, 1)})
-    with pytest.raises(RolloutError, match="no adapter_config.json"):
-        engine.update_adapters({"math": AdapterVersion(0, 1, str(tmp_path / "missing"))})
+    engine.update_adapters({"math": AdapterVersion(0, 1, str(tmp_path / "missing"))})  # refused: not served
     assert engine.adapter_versions() == {} and a.loaded == {}
+    with pytest.raises(RolloutError, match="no adapter_config.json.*same path"):
+        engine.check_request(GenerationRequest("math", 0, 1, [1, 2]))
     engine.update_adapters({"math": AdapterVersion(0, 1, _peft_dir(tmp_path, "m1"))})
-    a.loaded.clear()  # the server lost the adapter (e.g. restarted): the client must say so
-    with pytest.raises(RolloutError, match="math@v1 is not loaded"):
-        engine.generate([GenerationRequest("math", 0, 1, [1, 2])])
+    a.loaded.clear()  # the server lost the adapter (e.g. restarted): the client loads it again
+    [res] = engine.generate([GenerationRequest("math", 0, 1, [1, 2])])
+    assert res.tag == ("math", 1) and a.events[-1] == ("load", "math@v1") and a.served[-1] == "math@v1"
+    assert engine.step_stats()["lora_reloads"] == 1
     a.fail_generate = "CUDA out of memory"
     with pytest.raises(RolloutError, match="500.*CUDA out of memory"):
         engine.generate([GenerationRequest.for_base([1, 2])])
     with pytest.raises(RolloutError, match="not loaded in this engine"):
         engine.generate([GenerationRequest("other", 3, 0, [1])])
-    a.stop()
+    gone = SGLangStandIn().start()
+    gone.stop()  # a server that went away
+    lost = SGLangEngine(gone.url, timeout_s=5)
     with pytest.raises(RolloutError, match="unreachable"):
-        engine.generate([GenerationRequest.for_base([1, 2])])
-    assert not engine.is_healthy()
+        lost.generate([GenerationRequest.for_base([1, 2])])
+    assert engine.is_healthy() and not lost.is_healthy()
     with pytest.raises(RolloutError, match="not healthy"):
-        engine.wait_until_healthy(timeout_s=0.2, poll_s=0.05)
+        lost.wait_until_healthy(timeout_s=0.2, poll_s=0.05)
 
 
 def test_data_parallel_clients_share_servers_and_one_manages_adapters(servers, tmp_path):
