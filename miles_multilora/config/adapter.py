@@ -125,6 +125,11 @@ class SamplingSpec:
 class EvalSpec:
     """Held-out evaluation, run at the end of a step on the new weights; it never trains.
 
+    ``at_start``: also evaluate the adapter once before its first training step (its step-0 eval,
+    on the fresh slot, i.e. the base model): that step of the run only evaluates it, and it trains
+    from the next one. An adapter resumed from a checkpoint (step > 0) is not evaluated at start
+    again; its step-0 eval is in the metrics of the run it continues.
+
     HF datasets: held-out rows from ``split`` of ``dataset.path`` or from another ``path`` (the
     first ``size`` rows; ``prompt_key`` / ``answer_key`` default to the dataset's). Reasoning-gym:
     the same task and params generated from seeds ``seed, seed + 1, ...`` (default
@@ -134,6 +139,7 @@ class EvalSpec:
 
     size: int = 32  # held-out items (fewer when an HF eval split has fewer rows)
     every: int = 5  # evaluate every N of the adapter's steps; 0 = only at the end (always at the end)
+    at_start: bool = True  # also evaluate at step 0, before the first training step
     samples: int = 1  # k per item: 1 = greedy (temperature 0); k > 1 = the adapter's sampling, pass@k
     path: str | None = None  # HF: a held-out file/dir/hub id (default dataset.path)
     split: str | None = None  # HF: a held-out split (default dataset.split)
