@@ -183,10 +183,12 @@ def read_metrics(jsonl_path: str | Path) -> list[dict[str, Any]]:
 
 
 Series = dict[str, list[tuple[int, float]]]
+# The plot's panels: a metric of the training samples and its held-out counterpart ``eval/<metric>``.
+PANELS = (("reward_mean", "mean reward"), ("accuracy", "accuracy"))
 
 
 class EvalPoint(NamedTuple):
-    """One held-out eval of an adapter: its step, ``eval/reward_mean`` and that mean's standard error."""
+    """One held-out eval of an adapter: its step, the eval mean and that mean's standard error."""
 
     step: int
     mean: float
@@ -197,11 +199,23 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def eval_points(rows: list[dict[str, Any]]) -> dict[str, list[EvalPoint]]:
-    """Per adapter, its held-out evals sorted by step (the SE is None where the row has none)."""
+def train_series(rows: list[dict[str, Any]], key: str = "reward_mean") -> Series:
+    """Per adapter, (step, value) points of training metric ``key``, sorted by step."""
+    out: Series = {}
+    for row in rows:
+        value = row.get(key)
+        if _finite(value):
+            out.setdefault(row["adapter"], []).append((int(row["step"]), float(value)))
+    for points in out.values():
+        points.sort()
+    return out
+
+
+def eval_points(rows: list[dict[str, Any]], key: str = "eval/reward_mean") -> dict[str, list[EvalPoint]]:
+    """Per adapter, its held-out evals of ``key`` sorted by step (SE None where the row has none)."""
     out: dict[str, list[EvalPoint]] = {}
     for row in rows:
-        value, se = row.get("eval/reward_mean"), row.get("eval/reward_mean" + SE_SUFFIX)
+        value, se = row.get(key), row.get(key + SE_SUFFIX)
         if _finite(value):
             point = EvalPoint(int(row["step"]), float(value), float(se) if _finite(se) else None)
             out.setdefault(row["adapter"], []).append(point)
@@ -213,33 +227,37 @@ def eval_points(rows: list[dict[str, Any]]) -> dict[str, list[EvalPoint]]:
 def reward_series(rows: list[dict[str, Any]]) -> tuple[Series, Series]:
     """Per adapter, (step, value) points sorted by step: training ``reward_mean`` and held-out
     ``eval/reward_mean``."""
-    train: Series = {}
-    for row in rows:
-        value = row.get("reward_mean")
-        if _finite(value):
-            train.setdefault(row["adapter"], []).append((int(row["step"]), float(value)))
-    for points in train.values():
-        points.sort()
     held_out = {a: [(p.step, p.mean) for p in points] for a, points in eval_points(rows).items()}
-    return train, held_out
+    return train_series(rows), held_out
+
+
+def plot_panels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The (metric, label) panels of :data:`PANELS` that ``rows`` have data for."""
+    return [
+        (key, label)
+        for key, label in PANELS
+        if train_series(rows, key) or eval_points(rows, EVAL_PREFIX + key)
+    ]
 
 
 def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
-    """A PNG with every adapter's reward curve (reward_mean against its own step) and, for adapters
-    with an eval section, its held-out reward (dashed, markers, same colour) with a shaded band and
-    error bars of +/- one standard error over the eval items."""
+    """A PNG with a panel per metric of :data:`PANELS` that the run logged (the reward; the
+    accuracy when a reward reports correctness): each adapter's training curve against its own
+    step and, for adapters with an eval section, its held-out curve (dashed, same colour) with
+    error bars and a band of +/- one standard error over the eval items."""
     rows = read_metrics(jsonl_path)
-    if not rows:
+    panels = plot_panels(rows)
+    if not panels:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if not draw_rewards(ax, rows):
-        plt.close(fig)
-        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    colors = {a: f"C{i % 10}" for i, a in enumerate(sorted({r["adapter"] for r in rows if "adapter" in r}))}
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        draw_panel(ax, rows, key, label, colors)
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=120)
@@ -247,23 +265,27 @@ def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
     return out_png
 
 
-def draw_rewards(ax: Any, rows: list[dict[str, Any]]) -> bool:
-    """Draw the curves of :func:`plot_rewards` from metrics ``rows`` on matplotlib axes ``ax``;
-    False when the rows hold no reward to draw."""
-    series, _ = reward_series(rows)
-    held_out = eval_points(rows)
-    if not series and not held_out:
+def draw_panel(
+    ax: Any, rows: list[dict[str, Any]], key: str, label: str, colors: dict[str, str] | None = None
+) -> bool:
+    """Draw training metric ``key`` (solid) and held-out ``eval/<key>`` (dashed, +/- SE) of every
+    adapter in ``rows`` on matplotlib axes ``ax``; False when there is nothing to draw."""
+    series, held_out = train_series(rows, key), eval_points(rows, EVAL_PREFIX + key)
+    adapters = sorted(set(series) | set(held_out))
+    if not adapters:
         return False
-    for i, adapter in enumerate(sorted(set(series) | set(held_out))):
-        color = f"C{i % 10}"
+    colors = colors or {a: f"C{i % 10}" for i, a in enumerate(adapters)}
+    for adapter in adapters:
+        color = colors.get(adapter, "C0")
         points = series.get(adapter, [])
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], color=color, marker="o", label=adapter)
         if held_out.get(adapter):
             _plot_held_out(ax, held_out[adapter], color, f"{adapter} (held-out eval ± SE)")
     ax.set_xlabel("adapter step")
-    ax.set_ylabel("mean reward")
-    ax.set_title("reward per adapter" + (" (dashed: held-out eval, band: ± 1 SE)" if held_out else ""))
+    ax.set_ylabel(label)
+    title = f"{label} per adapter" + (" (dashed: held-out eval, band: ± 1 SE)" if held_out else "")
+    ax.set_title(title, fontsize="medium")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return True

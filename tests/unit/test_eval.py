@@ -20,8 +20,9 @@ from miles_multilora.data.validation import validate_adapter_resources
 from miles_multilora.errors import SpecError
 from miles_multilora.trainer.metrics import (
     MetricsLogger,
-    draw_rewards,
+    draw_panel,
     eval_points,
+    plot_panels,
     plot_rewards,
     reward_series,
 )
@@ -258,7 +259,8 @@ def test_the_reward_plot_draws_the_eval_curve(tmp_path: Path) -> None:
     assert png is not None and png.stat().st_size > 0
 
 
-def test_the_plot_draws_a_standard_error_band_and_bars_around_the_eval_curve() -> None:
+@pytest.mark.parametrize("key", ["reward_mean", "accuracy"])
+def test_the_plot_draws_a_standard_error_band_and_bars_around_the_eval_curve(key: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,16 +268,15 @@ def test_the_plot_draws_a_standard_error_band_and_bars_around_the_eval_curve() -
     from matplotlib.container import ErrorbarContainer
 
     evals = {0: (0.2, 0.05), 4: (0.5, 0.08), 8: (0.6, 0.04)}
-    rows = [
-        {"adapter": "a", "step": s, "eval/reward_mean": m, "eval/reward_mean_se": e}
-        for s, (m, e) in evals.items()
-    ]
-    rows += [{"adapter": "a", "step": s, "reward_mean": 0.1 * s} for s in range(1, 9)]
-    rows += [{"adapter": "b", "step": 0, "eval/reward_mean": 0.3}]  # an eval without its SE: no band
-    assert eval_points(rows)["a"][0] == (0, 0.2, 0.05) and eval_points(rows)["b"] == [(0, 0.3, None)]
+    rows = [{"adapter": "a", "step": s, f"eval/{key}": m, f"eval/{key}_se": e} for s, (m, e) in evals.items()]
+    rows += [{"adapter": "a", "step": s, key: 0.1 * s} for s in range(1, 9)]
+    rows += [{"adapter": "b", "step": 0, f"eval/{key}": 0.3}]  # an eval without its SE: no band
+    points = eval_points(rows, f"eval/{key}")
+    assert points["a"][0] == (0, 0.2, 0.05) and points["b"] == [(0, 0.3, None)]
+    assert [k for k, _ in plot_panels(rows)] == [key]  # a panel only for the metric logged
     fig, ax = plt.subplots()
     try:
-        assert draw_rewards(ax, rows)
+        assert draw_panel(ax, rows, key, key)
         bands = [
             c for c in ax.collections if type(c).__name__ in ("PolyCollection", "FillBetweenPolyCollection")
         ]
@@ -291,5 +292,24 @@ def test_the_plot_draws_a_standard_error_band_and_bars_around_the_eval_curve() -
             (round(m - e, 6), round(m + e, 6)) for m, e in evals.values()
         ]
         assert "held-out eval ± SE" in " ".join(t.get_text() for t in ax.get_legend().get_texts())
+        assert not draw_panel(ax, rows, "kl", "kl")  # nothing logged: nothing drawn
     finally:
         plt.close(fig)
+
+
+def test_the_plot_has_an_accuracy_panel_beside_the_reward_when_the_reward_knows_correctness(
+    tmp_path: Path,
+) -> None:
+    import matplotlib.image
+
+    rows = [{"adapter": "a", "step": s, "reward_mean": 0.3 * s, "accuracy": 0.2 * s} for s in (1, 2)]
+    rows += [{"adapter": "a", "step": 0, "eval/reward_mean": 0.1, "eval/accuracy": 0.0}]
+    assert [k for k, _ in plot_panels(rows)] == ["reward_mean", "accuracy"]
+    path = tmp_path / "metrics.jsonl"
+    widths = []
+    for lines in (rows, [{k: v for k, v in r.items() if "accuracy" not in k} for r in rows]):
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        png = plot_rewards(path, tmp_path / "rewards.png")
+        assert png is not None
+        widths.append(matplotlib.image.imread(png).shape[1])
+    assert widths[0] == 2 * widths[1]  # two panels side by side, then one
