@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from miles_multilora.config.run import LoggingConfig
 from miles_multilora.data.evaluation import SE_SUFFIX
@@ -113,7 +114,8 @@ class MetricsLogger:
 
     def _table(
         self, global_step: int, per_adapter: dict[str, dict[str, Any]], step_info: dict[str, float]
-    ) -> Table:
+    ) -> Table | Text:
+        """The step's training metrics, one row per adapter that trained (or tried to)."""
         timing = "  ".join(
             f"{k.removesuffix('_s')}={v:.1f}s"
             for k, v in step_info.items()
@@ -121,11 +123,15 @@ class MetricsLogger:
         )
         if "tokens_per_s" in step_info:
             timing += f"  tokens/s={step_info['tokens_per_s']:.1f}"
-        table = Table(title=f"step {global_step}   {timing}", title_justify="left")
+        title = f"step {global_step}   {timing}"
+        trained = {a: m for a, m in per_adapter.items() if not _eval_only(m)}
+        if not trained:  # every adapter only had its step-0 eval: the eval table follows
+            return Text(title)
+        table = Table(title=title, title_justify="left")
         table.add_column("adapter", no_wrap=True)
         for col in CONSOLE_COLUMNS:
             table.add_column(col, justify="right")
-        for adapter, m in per_adapter.items():
+        for adapter, m in trained.items():
             table.add_row(adapter, *(_fmt(m.get(col)) for col in CONSOLE_COLUMNS))
         return table
 
@@ -160,6 +166,12 @@ def _fmt(value: Any) -> str:
             return "nan"
         return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.3e}"
     return str(value)
+
+
+def _eval_only(metrics: dict[str, Any]) -> bool:
+    """True for an adapter's step-0 row: held-out metrics and no training column besides the step."""
+    training = {c for c in CONSOLE_COLUMNS if c not in ("step", "tokens_per_s") and c in metrics}
+    return not training and any(k.startswith(EVAL_PREFIX) for k in metrics)
 
 
 def _fmt_mean(value: Any, se: Any) -> str:

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rich.table import Table
+from rich.text import Text
 
 from miles_multilora.config.adapter import eval_pool_size, eval_seed, parse_adapter_spec
 from miles_multilora.config.run import LoggingConfig
@@ -238,6 +240,18 @@ def test_console_prints_an_eval_table_only_in_steps_with_an_eval(tmp_path: Path)
     assert table is not None
     assert [c.header for c in table.columns] == ["adapter", "step", "accuracy", "reward_mean", "size"]
     assert [list(c.cells) for c in table.columns][2:] == [["0.5 ± 0.13"], ["0.25 ± 0.062"], ["16"]]
+
+
+def test_the_step_table_leaves_out_adapters_that_only_had_their_step_0_eval(tmp_path: Path) -> None:
+    logger = MetricsLogger(LoggingConfig(wandb_mode="disabled", console=False), tmp_path)
+    step0 = {"step": 0, "version": 0, "eval/accuracy": 0.0, "eval/size": 64, "tokens_per_s": 0.0}
+    trained = {"step": 1, "reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 9.0}
+    table = logger._table(3, {"new": step0, "old": trained}, {"step_s": 2.0})
+    assert isinstance(table, Table) and list(table.columns[0].cells) == ["old"]
+    only_evals = logger._table(0, {"new": step0}, {"eval_s": 4.0, "step_s": 4.0})
+    assert isinstance(only_evals, Text) and only_evals.plain.startswith("step 0   eval=4.0s")
+    evals = logger._eval_table({"new": step0, "old": trained})
+    assert evals is not None and list(evals.columns[0].cells) == ["new"]
 
 
 def test_the_reward_plot_draws_the_eval_curve(tmp_path: Path) -> None:
