@@ -8,6 +8,7 @@ skipped. The set is built once per adapter start and is the same at every eval, 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from miles_multilora.data.datasets import (
 from miles_multilora.data.prompts import render_prompt
 from miles_multilora.data.records import PromptItem
 from miles_multilora.errors import SpecError
+
+SE_SUFFIX = "_se"  # eval/<metric>_se: the standard error of eval/<metric> over items
 
 
 @dataclass
@@ -116,10 +119,20 @@ def _eval_spec(spec: AdapterSpec) -> EvalSpec:
 def pass_at_k(correct: Sequence[Sequence[bool | None]]) -> float | None:
     """Share of items with at least one correct sample among their k; items whose correctness is
     unknown (a reward that does not say) are left out; ``None`` when no item is known."""
-    known = [c for c in correct if c and all(x is not None for x in c)]
-    if not known:
+    known = _pass_flags(correct)
+    return statistics.fmean(known) if known else None
+
+
+def standard_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean of ``values``: sample standard deviation / sqrt(n); ``None`` for n < 2."""
+    if len(values) < 2:
         return None
-    return sum(any(c) for c in known) / len(known)
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
+def _pass_flags(correct: Sequence[Sequence[bool | None]]) -> list[float]:
+    """Per item with known correctness: 1.0 when any of its samples is correct, else 0.0."""
+    return [float(any(c)) for c in correct if c and all(x is not None for x in c)]
 
 
 def eval_metrics(
@@ -128,17 +141,29 @@ def eval_metrics(
     """``eval/*`` metrics from per-item lists of k rewards and correctness flags.
 
     ``eval/reward_mean`` over all samples, ``eval/accuracy`` (share of correct samples, when the
-    reward knows correctness), ``eval/pass@k`` for k > 1, ``eval/size`` (items).
+    reward knows correctness), ``eval/pass@k`` for k > 1, ``eval/size`` (items). Each mean has a
+    ``<name>_se``: the standard error over items (the item is the unit drawn from the task, its k
+    samples are averaged first), so it measures how much the mean would move on another eval set.
     """
     flat = [r for item in rewards for r in item]
     out: dict[str, float | int] = {"eval/size": len(rewards)}
     if flat:
         out["eval/reward_mean"] = statistics.fmean(flat)
+        _add_se(out, "eval/reward_mean", [statistics.fmean(item) for item in rewards if item])
     known = [c for item in correct for c in item if c is not None]
     if known:
         out["eval/accuracy"] = sum(known) / len(known)
+        per_item = [[float(c) for c in item if c is not None] for item in correct]
+        _add_se(out, "eval/accuracy", [statistics.fmean(item) for item in per_item if item])
     if k > 1:
-        value = pass_at_k(correct)
-        if value is not None:
-            out[f"eval/pass@{k}"] = value
+        flags = _pass_flags(correct)
+        if flags:
+            out[f"eval/pass@{k}"] = statistics.fmean(flags)
+            _add_se(out, f"eval/pass@{k}", flags)
     return out
+
+
+def _add_se(out: dict[str, float | int], key: str, per_item: Sequence[float]) -> None:
+    se = standard_error(per_item)
+    if se is not None:
+        out[f"{key}{SE_SUFFIX}"] = se

@@ -2,7 +2,8 @@
 
 Every metric is namespaced by adapter name (``<adapter>/reward_mean``) in wandb; the JSONL file
 holds one line per (step, adapter). Held-out eval metrics (``eval/*``) appear in the steps where
-the adapter was evaluated; the plot draws them as a dashed curve next to the training reward.
+the adapter was evaluated; the plot draws them as a dashed curve next to the training reward, with a
+band of +/- one standard error (``eval/reward_mean_se``), and the console shows each as mean +/- SE.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from miles_multilora.config.run import LoggingConfig
+from miles_multilora.data.evaluation import SE_SUFFIX
 
 CONSOLE_COLUMNS = (
     "step",
@@ -111,7 +114,8 @@ class MetricsLogger:
 
     def _table(
         self, global_step: int, per_adapter: dict[str, dict[str, Any]], step_info: dict[str, float]
-    ) -> Table:
+    ) -> Table | Text:
+        """The step's training metrics, one row per adapter that trained (or tried to)."""
         timing = "  ".join(
             f"{k.removesuffix('_s')}={v:.1f}s"
             for k, v in step_info.items()
@@ -119,11 +123,15 @@ class MetricsLogger:
         )
         if "tokens_per_s" in step_info:
             timing += f"  tokens/s={step_info['tokens_per_s']:.1f}"
-        table = Table(title=f"step {global_step}   {timing}", title_justify="left")
+        title = f"step {global_step}   {timing}"
+        trained = {a: m for a, m in per_adapter.items() if not _eval_only(m)}
+        if not trained:  # every adapter only had its step-0 eval: the eval table follows
+            return Text(title)
+        table = Table(title=title, title_justify="left")
         table.add_column("adapter", no_wrap=True)
         for col in CONSOLE_COLUMNS:
             table.add_column(col, justify="right")
-        for adapter, m in per_adapter.items():
+        for adapter, m in trained.items():
             table.add_row(adapter, *(_fmt(m.get(col)) for col in CONSOLE_COLUMNS))
         return table
 
@@ -133,13 +141,15 @@ class MetricsLogger:
         evaluated = {a: m for a, m in per_adapter.items() if any(k.startswith(EVAL_PREFIX) for k in m)}
         if not evaluated:
             return None
-        keys = sorted({k for m in evaluated.values() for k in m if k.startswith(EVAL_PREFIX)})
+        found = {k for m in evaluated.values() for k in m if k.startswith(EVAL_PREFIX)}
+        keys = sorted(k for k in found if not k.endswith(SE_SUFFIX))  # an SE is shown beside its mean
         keys = [k for k in keys if k != "eval/error"] + (["eval/error"] if "eval/error" in keys else [])
-        table = Table(title="held-out eval", title_justify="left")
+        table = Table(title="held-out eval (mean ± standard error over items)", title_justify="left")
         for col in ("adapter", "step", *(k.removeprefix(EVAL_PREFIX) for k in keys)):
             table.add_column(col, justify="left" if col in ("adapter", "error") else "right")
         for adapter, m in evaluated.items():
-            table.add_row(adapter, _fmt(m.get("step")), *(_fmt(m.get(k)) for k in keys))
+            cells = (_fmt_mean(m.get(k), m.get(k + SE_SUFFIX)) for k in keys)
+            table.add_row(adapter, _fmt(m.get("step")), *cells)
         return table
 
     def finish(self) -> None:
@@ -158,6 +168,19 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _eval_only(metrics: dict[str, Any]) -> bool:
+    """True for an adapter's step-0 row: held-out metrics and no training column besides the step."""
+    training = {c for c in CONSOLE_COLUMNS if c not in ("step", "tokens_per_s") and c in metrics}
+    return not training and any(k.startswith(EVAL_PREFIX) for k in metrics)
+
+
+def _fmt_mean(value: Any, se: Any) -> str:
+    """``value`` with its standard error (``0.625 ± 0.121``) when it has one."""
+    if isinstance(se, int | float) and math.isfinite(se):
+        return f"{_fmt(value)} ± {se:.2g}"
+    return _fmt(value)
+
+
 def next_global_step(jsonl_path: str | Path) -> int:
     """The global step after the last one logged in ``jsonl_path`` (0 for a new run)."""
     rows = read_metrics(jsonl_path)
@@ -172,52 +195,120 @@ def read_metrics(jsonl_path: str | Path) -> list[dict[str, Any]]:
 
 
 Series = dict[str, list[tuple[int, float]]]
+# The plot's panels: a metric of the training samples and its held-out counterpart ``eval/<metric>``.
+PANELS = (("reward_mean", "mean reward"), ("accuracy", "accuracy"))
+
+
+class EvalPoint(NamedTuple):
+    """One held-out eval of an adapter: its step, the eval mean and that mean's standard error."""
+
+    step: int
+    mean: float
+    se: float | None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def train_series(rows: list[dict[str, Any]], key: str = "reward_mean") -> Series:
+    """Per adapter, (step, value) points of training metric ``key``, sorted by step."""
+    out: Series = {}
+    for row in rows:
+        value = row.get(key)
+        if _finite(value):
+            out.setdefault(row["adapter"], []).append((int(row["step"]), float(value)))
+    for points in out.values():
+        points.sort()
+    return out
+
+
+def eval_points(rows: list[dict[str, Any]], key: str = "eval/reward_mean") -> dict[str, list[EvalPoint]]:
+    """Per adapter, its held-out evals of ``key`` sorted by step (SE None where the row has none)."""
+    out: dict[str, list[EvalPoint]] = {}
+    for row in rows:
+        value, se = row.get(key), row.get(key + SE_SUFFIX)
+        if _finite(value):
+            point = EvalPoint(int(row["step"]), float(value), float(se) if _finite(se) else None)
+            out.setdefault(row["adapter"], []).append(point)
+    for points in out.values():
+        points.sort(key=lambda p: p.step)
+    return out
 
 
 def reward_series(rows: list[dict[str, Any]]) -> tuple[Series, Series]:
     """Per adapter, (step, value) points sorted by step: training ``reward_mean`` and held-out
     ``eval/reward_mean``."""
-    train: Series = {}
-    held_out: Series = {}
-    for row in rows:
-        for key, series in (("reward_mean", train), ("eval/reward_mean", held_out)):
-            value = row.get(key)
-            if isinstance(value, int | float) and math.isfinite(value):
-                series.setdefault(row["adapter"], []).append((int(row["step"]), float(value)))
-    for series in (train, held_out):
-        for points in series.values():
-            points.sort()
-    return train, held_out
+    held_out = {a: [(p.step, p.mean) for p in points] for a, points in eval_points(rows).items()}
+    return train_series(rows), held_out
+
+
+def plot_panels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The (metric, label) panels of :data:`PANELS` that ``rows`` have data for."""
+    return [
+        (key, label)
+        for key, label in PANELS
+        if train_series(rows, key) or eval_points(rows, EVAL_PREFIX + key)
+    ]
 
 
 def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
-    """A PNG with every adapter's reward curve (reward_mean against its own step) and, for adapters
-    with an eval section, its held-out reward (dashed, markers, same colour)."""
-    series, held_out = reward_series(read_metrics(jsonl_path))
-    if not series and not held_out:
+    """A PNG with a panel per metric of :data:`PANELS` that the run logged (the reward; the
+    accuracy when a reward reports correctness): each adapter's training curve against its own
+    step and, for adapters with an eval section, its held-out curve (dashed, same colour) with
+    error bars and a band of +/- one standard error over the eval items."""
+    rows = read_metrics(jsonl_path)
+    panels = plot_panels(rows)
+    if not panels:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, adapter in enumerate(sorted(set(series) | set(held_out))):
-        color = f"C{i % 10}"
-        points = series.get(adapter, [])
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], color=color, marker="o", label=adapter)
-        points = held_out.get(adapter, [])
-        if points:
-            xs, ys = [p[0] for p in points], [p[1] for p in points]
-            ax.plot(xs, ys, color=color, linestyle="--", marker="s", label=f"{adapter} (held-out eval)")
-    ax.set_xlabel("adapter step")
-    ax.set_ylabel("mean reward")
-    ax.set_title("reward per adapter" + (" (dashed: held-out eval)" if held_out else ""))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    colors = {a: f"C{i % 10}" for i, a in enumerate(sorted({r["adapter"] for r in rows if "adapter" in r}))}
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        draw_panel(ax, rows, key, label, colors)
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return out_png
+
+
+def draw_panel(
+    ax: Any, rows: list[dict[str, Any]], key: str, label: str, colors: dict[str, str] | None = None
+) -> bool:
+    """Draw training metric ``key`` (solid) and held-out ``eval/<key>`` (dashed, +/- SE) of every
+    adapter in ``rows`` on matplotlib axes ``ax``; False when there is nothing to draw."""
+    series, held_out = train_series(rows, key), eval_points(rows, EVAL_PREFIX + key)
+    adapters = sorted(set(series) | set(held_out))
+    if not adapters:
+        return False
+    colors = colors or {a: f"C{i % 10}" for i, a in enumerate(adapters)}
+    for adapter in adapters:
+        color = colors.get(adapter, "C0")
+        points = series.get(adapter, [])
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=color, marker="o", label=adapter)
+        if held_out.get(adapter):
+            _plot_held_out(ax, held_out[adapter], color, f"{adapter} (held-out eval ± SE)")
+    ax.set_xlabel("adapter step")
+    ax.set_ylabel(label)
+    title = f"{label} per adapter" + (" (dashed: held-out eval, band: ± 1 SE)" if held_out else "")
+    ax.set_title(title, fontsize="medium")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return True
+
+
+def _plot_held_out(ax: Any, points: list[EvalPoint], color: str, label: str) -> None:
+    """A dashed held-out curve; where the points have standard errors, error bars and a band."""
+    xs, ys = [p.step for p in points], [p.mean for p in points]
+    errors = [p.se or 0.0 for p in points]
+    ax.errorbar(xs, ys, yerr=errors, color=color, linestyle="--", marker="s", capsize=3, label=label)
+    if any(p.se is not None for p in points):
+        low = [y - e for y, e in zip(ys, errors, strict=True)]
+        high = [y + e for y, e in zip(ys, errors, strict=True)]
+        ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)

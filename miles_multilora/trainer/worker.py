@@ -483,6 +483,18 @@ class TrainerWorker(TrainingPrimitives):
             return False
         return done or (trained and ev.every > 0 and self.steps[spec.name] % ev.every == 0)
 
+    def _start_eval_due(self, spec: AdapterSpec) -> bool:
+        """``eval.at_start``: an adapter at step 0 not yet evaluated there gets its step-0 eval first
+        (a resumed adapter is past step 0, so it is not evaluated at start again)."""
+        ev = spec.eval
+        return (
+            ev is not None
+            and ev.at_start
+            and spec.name in self.eval_sets
+            and self.steps[spec.name] == 0
+            and self.evaluated.get(spec.name) != 0
+        )
+
     def _eval_requests(self, groups: list[Group]) -> list[GenerationRequest]:
         """k requests per eval item: greedy for k = 1, else the adapter's sampling; fixed seeds."""
         requests = []
@@ -700,8 +712,11 @@ class TrainerWorker(TrainingPrimitives):
                         results[a.name]["resumed"] = resumed[a.name]
                 continue
             running.append(a)
+        # adapters due for their step-0 eval only evaluate this step (with the others' evals, below)
+        starting = {a.name for a in running if self._start_eval_due(a.spec)}
+        training = [a for a in running if a.name not in starting]
         t1 = time.perf_counter()
-        groups, report, ds_metrics = self._rollout(running, failures) if running else ([], {}, {})
+        groups, report, ds_metrics = self._rollout(training, failures) if training else ([], {}, {})
         t2 = time.perf_counter()
         train_metrics = self._train(groups)
         t3 = time.perf_counter()
@@ -714,10 +729,13 @@ class TrainerWorker(TrainingPrimitives):
             a.name
             for a in running
             if a.name not in failures
-            and self._eval_due(
-                a.spec,
-                a.name in train_metrics and not train_metrics[a.name].get("skipped"),
-                self._budget_reached(a.spec),
+            and (
+                a.name in starting
+                or self._eval_due(
+                    a.spec,
+                    a.name in train_metrics and not train_metrics[a.name].get("skipped"),
+                    self._budget_reached(a.spec),
+                )
             )
         ]
         evals = self._evaluate(due, failures) if due else {}  # after training: the new weights

@@ -7,17 +7,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from rich.table import Table
+from rich.text import Text
 
 from miles_multilora.config.adapter import eval_pool_size, eval_seed, parse_adapter_spec
 from miles_multilora.config.run import LoggingConfig
 from miles_multilora.controller import ControllerCore
 from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.data.datasets import load_adapter_dataset
-from miles_multilora.data.evaluation import build_held_out, eval_metrics, pass_at_k
+from miles_multilora.data.evaluation import build_held_out, eval_metrics, pass_at_k, standard_error
 from miles_multilora.data.validation import validate_adapter_resources
 from miles_multilora.errors import SpecError
-from miles_multilora.trainer.metrics import MetricsLogger, plot_rewards, reward_series
+from miles_multilora.trainer.metrics import (
+    MetricsLogger,
+    draw_panel,
+    eval_points,
+    plot_panels,
+    plot_rewards,
+    reward_series,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_ADAPTERS = sorted((REPO_ROOT / "examples" / "multi_lora" / "adapters").glob("*.yaml"))
@@ -165,7 +175,31 @@ def test_pass_at_k_and_eval_metrics_on_a_hand_made_case() -> None:
     assert m["eval/accuracy"] == pytest.approx(5 / 11)
     assert m["eval/pass@3"] == pytest.approx(2 / 3)
     greedy = eval_metrics([[1.0], [0.0]], [[None], [None]], k=1)
-    assert greedy == {"eval/size": 2, "eval/reward_mean": 0.5}  # no accuracy, no pass@k
+    # no accuracy, no pass@k; the SE of rewards 1 and 0: their standard deviation 0.707 / sqrt(2)
+    assert greedy == {"eval/size": 2, "eval/reward_mean": 0.5, "eval/reward_mean_se": pytest.approx(0.5)}
+
+
+def _numpy_se(values: list[float]) -> float:
+    return float(np.std(values, ddof=1) / np.sqrt(len(values)))
+
+
+def test_standard_errors_are_over_items_not_samples() -> None:
+    rng = np.random.default_rng(0)
+    correct = (rng.random((40, 4)) < np.linspace(0.1, 0.9, 40)[:, None]).tolist()
+    rewards = [[float(c) + 0.25 * (j % 2) for j, c in enumerate(item)] for item in correct]
+    m = eval_metrics(rewards, correct, k=4)
+    item_rewards = [float(np.mean(r)) for r in rewards]
+    item_accuracy = [float(np.mean(c)) for c in correct]
+    assert m["eval/reward_mean_se"] == pytest.approx(_numpy_se(item_rewards))
+    assert m["eval/accuracy_se"] == pytest.approx(_numpy_se(item_accuracy))
+    assert m["eval/pass@4_se"] == pytest.approx(_numpy_se([float(any(c)) for c in correct]))
+    # the items' k samples are not independent draws: a per-sample SE would be smaller here
+    assert m["eval/accuracy_se"] > _numpy_se([float(c) for item in correct for c in item])
+    # greedy (k = 1): the binomial SE sqrt(p (1 - p) / (n - 1)) of n items
+    greedy = eval_metrics([[1.0], [0.0], [1.0], [1.0]], [[True], [False], [True], [True]], k=1)
+    assert greedy["eval/accuracy_se"] == pytest.approx(np.sqrt(0.75 * 0.25 / 3))
+    assert standard_error([0.5]) is None and standard_error([]) is None
+    assert not any(k.endswith("_se") for k in eval_metrics([[1.0, 0.0]], [[True, False]], k=2))
 
 
 def test_the_controller_record_keeps_the_last_eval(tmp_path: Path) -> None:
@@ -201,6 +235,23 @@ def test_console_prints_an_eval_table_only_in_steps_with_an_eval(tmp_path: Path)
     assert table is not None
     assert [c.header for c in table.columns] == ["adapter", "step", "accuracy", "reward_mean", "size"]
     assert [list(c.cells) for c in table.columns] == [["a"], ["2"], ["0.5"], ["0.25"], ["16"]]
+    with_se = {**evaluated, "eval/accuracy_se": 0.129, "eval/reward_mean_se": 0.0625}
+    table = logger._eval_table({"a": with_se})
+    assert table is not None
+    assert [c.header for c in table.columns] == ["adapter", "step", "accuracy", "reward_mean", "size"]
+    assert [list(c.cells) for c in table.columns][2:] == [["0.5 ± 0.13"], ["0.25 ± 0.062"], ["16"]]
+
+
+def test_the_step_table_leaves_out_adapters_that_only_had_their_step_0_eval(tmp_path: Path) -> None:
+    logger = MetricsLogger(LoggingConfig(wandb_mode="disabled", console=False), tmp_path)
+    step0 = {"step": 0, "version": 0, "eval/accuracy": 0.0, "eval/size": 64, "tokens_per_s": 0.0}
+    trained = {"step": 1, "reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 9.0}
+    table = logger._table(3, {"new": step0, "old": trained}, {"step_s": 2.0})
+    assert isinstance(table, Table) and list(table.columns[0].cells) == ["old"]
+    only_evals = logger._table(0, {"new": step0}, {"eval_s": 4.0, "step_s": 4.0})
+    assert isinstance(only_evals, Text) and only_evals.plain.startswith("step 0   eval=4.0s")
+    evals = logger._eval_table({"new": step0, "old": trained})
+    assert evals is not None and list(evals.columns[0].cells) == ["new"]
 
 
 def test_the_reward_plot_draws_the_eval_curve(tmp_path: Path) -> None:
@@ -220,3 +271,59 @@ def test_the_reward_plot_draws_the_eval_curve(tmp_path: Path) -> None:
     assert held_out == {"a": [(2, 0.1), (4, 0.2)]}
     png = plot_rewards(path, tmp_path / "rewards.png")
     assert png is not None and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("key", ["reward_mean", "accuracy"])
+def test_the_plot_draws_a_standard_error_band_and_bars_around_the_eval_curve(key: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    evals = {0: (0.2, 0.05), 4: (0.5, 0.08), 8: (0.6, 0.04)}
+    rows = [{"adapter": "a", "step": s, f"eval/{key}": m, f"eval/{key}_se": e} for s, (m, e) in evals.items()]
+    rows += [{"adapter": "a", "step": s, key: 0.1 * s} for s in range(1, 9)]
+    rows += [{"adapter": "b", "step": 0, f"eval/{key}": 0.3}]  # an eval without its SE: no band
+    points = eval_points(rows, f"eval/{key}")
+    assert points["a"][0] == (0, 0.2, 0.05) and points["b"] == [(0, 0.3, None)]
+    assert [k for k, _ in plot_panels(rows)] == [key]  # a panel only for the metric logged
+    fig, ax = plt.subplots()
+    try:
+        assert draw_panel(ax, rows, key, key)
+        bands = [
+            c for c in ax.collections if type(c).__name__ in ("PolyCollection", "FillBetweenPolyCollection")
+        ]
+        assert len(bands) == 1  # adapter a only
+        vertices = bands[0].get_paths()[0].vertices
+        for step, (mean, se) in evals.items():
+            ys = vertices[np.isclose(vertices[:, 0], step), 1]
+            assert min(ys) == pytest.approx(mean - se) and max(ys) == pytest.approx(mean + se)
+        bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        assert len(bars) == 2
+        segments = bars[0].lines[2][0].get_segments()  # adapter a's vertical error bars
+        assert [tuple(np.round(seg[:, 1], 6)) for seg in segments] == [
+            (round(m - e, 6), round(m + e, 6)) for m, e in evals.values()
+        ]
+        assert "held-out eval ± SE" in " ".join(t.get_text() for t in ax.get_legend().get_texts())
+        assert not draw_panel(ax, rows, "kl", "kl")  # nothing logged: nothing drawn
+    finally:
+        plt.close(fig)
+
+
+def test_the_plot_has_an_accuracy_panel_beside_the_reward_when_the_reward_knows_correctness(
+    tmp_path: Path,
+) -> None:
+    import matplotlib.image
+
+    rows = [{"adapter": "a", "step": s, "reward_mean": 0.3 * s, "accuracy": 0.2 * s} for s in (1, 2)]
+    rows += [{"adapter": "a", "step": 0, "eval/reward_mean": 0.1, "eval/accuracy": 0.0}]
+    assert [k for k, _ in plot_panels(rows)] == ["reward_mean", "accuracy"]
+    path = tmp_path / "metrics.jsonl"
+    widths = []
+    for lines in (rows, [{k: v for k, v in r.items() if "accuracy" not in k} for r in rows]):
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        png = plot_rewards(path, tmp_path / "rewards.png")
+        assert png is not None
+        widths.append(matplotlib.image.imread(png).shape[1])
+    assert widths[0] == 2 * widths[1]  # two panels side by side, then one
