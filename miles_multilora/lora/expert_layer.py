@@ -55,6 +55,7 @@ class MultiLoRAExpertLinear(MultiLoRALinear):
         order: str = SLOT_MAJOR,
         kernels: str = "auto",
         ep_group=None,
+        expert_dp_group=None,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -80,6 +81,9 @@ class MultiLoRAExpertLinear(MultiLoRALinear):
         self.batch_first = False
         self.tp_group, self.tp_size, self.tp_rank = None, 1, 0  # experts are whole on each rank
         self.ep_group = ep_group
+        # the data-parallel replicas of these experts, over which their gradients are summed
+        # (Megatron's expert-data-parallel group; it differs from the dense layers' DP group when EP > 1)
+        self.expert_dp_group = expert_dp_group
         self.in_features = self.full_in_features = in_features
         self.out_features = self.full_out_features = out_features
         a_experts = 1 if shared_a else num_local_experts

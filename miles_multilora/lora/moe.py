@@ -268,6 +268,14 @@ class MultiLoRAMoELayer(MoELayer):
         return self.postprocess(out, None)
 
 
+def _expert_dp_group() -> Any:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_expert_data_parallel_group(check_initialized=False)
+
+
 def inject_moe(
     model: nn.Module,
     targets: tuple[str, ...],
@@ -306,6 +314,7 @@ def inject_moe(
                 order=order,
                 kernels=kernels,
                 ep_group=moe.ep_group if moe.token_dispatcher.ep_size > 1 else None,
+                expert_dp_group=_expert_dp_group(),
                 device=weight.device,
                 dtype=weight.dtype,
             )

@@ -335,3 +335,33 @@ def patch_bridge_contiguous_scatter() -> None:
 
     scatter_to_tp_ranks._miles_contiguous = True  # type: ignore[attr-defined]
     cls.scatter_to_tp_ranks = scatter_to_tp_ranks
+
+
+# 12. megatron-bridge 0.3.1 turns a rank's local expert numbers into global ones (expert
+#     parallelism) only for grouped-GEMM expert names (``experts.linear_fc1.weight{i}``); the local
+#     spec's SequentialMLP names its experts ``experts.local_experts.{i}``, so every EP rank would load
+#     (and export) the first experts. We translate those names the same way.
+def patch_bridge_sequential_experts() -> None:
+    import re
+
+    from megatron.bridge.models.conversion import model_bridge
+
+    original = model_bridge._megatron_local_name_to_global
+    if getattr(original, "_miles_local_experts", False):
+        return
+    local_expert = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+    def local_name_to_global(models: Any, config: Any, param_name: str, vp_stage: Any = None) -> str:
+        param_name = original(models, config, param_name, vp_stage)
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_expert_model_parallel_group()
+        match = local_expert.search(param_name)
+        if match is None or group is None or group.size() == 1:
+            return param_name
+        per_rank = config.num_moe_experts // group.size()
+        number = per_rank * group.rank() + int(match.group(1))
+        return f"{param_name[: match.start()]}.mlp.experts.local_experts.{number}.{param_name[match.end() :]}"
+
+    local_name_to_global._miles_local_experts = True  # type: ignore[attr-defined]
+    model_bridge._megatron_local_name_to_global = local_name_to_global

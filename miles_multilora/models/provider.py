@@ -250,6 +250,7 @@ def load_hf_model(
 
     auto_bridge_cls = compat.import_auto_bridge()
     compat.patch_bridge_contiguous_scatter()
+    compat.patch_bridge_sequential_experts()
     torch_dtype = _dtype(dtype)
     bridge = auto_bridge_cls.from_hf_pretrained(str(path), torch_dtype=torch_dtype)
     provider = bridge.to_megatron_provider(load_weights=False)
