@@ -319,11 +319,19 @@ def inject_moe(
                 dtype=weight.dtype,
             )
             new.append(lora[proj])
-        moe.__class__ = MultiLoRAMoELayer
-        experts.__class__ = LoRAExperts
-        experts.lora = lora
-        experts.row_slots = None
-        for proj in EXPERT_PROJECTIONS:
-            experts.stacked(proj)
-            experts.stacked(proj, "bias")
+        as_lora_moe(moe, lora)
     return new
+
+
+def as_lora_moe(moe: MoELayer, lora: nn.ModuleDict | None = None) -> MultiLoRAMoELayer:
+    """``moe`` as a :class:`MultiLoRAMoELayer` (in place: same modules and parameters) whose experts
+    hold the expert LoRA layers ``lora`` (none: base only) and their weights as grouped-GEMM stacks."""
+    experts = moe.experts
+    moe.__class__ = MultiLoRAMoELayer
+    experts.__class__ = LoRAExperts
+    experts.lora = lora if lora is not None else nn.ModuleDict()
+    experts.row_slots = None
+    for proj in EXPERT_PROJECTIONS:
+        experts.stacked(proj)
+        experts.stacked(proj, "bias")
+    return moe  # type: ignore[return-value]

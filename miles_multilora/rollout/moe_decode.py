@@ -18,12 +18,25 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from torch import Tensor
 
 from miles_multilora.lora.expert_layer import MultiLoRAExpertLinear
-from miles_multilora.lora.moe import LoRAExperts, expert_activation
+from miles_multilora.lora.moe import LoRAExperts, MultiLoRAMoELayer, as_lora_moe, check_moe, expert_activation
 from miles_multilora.lora.row_routing import RowRouting, build_row_routing, tile_sizes
 
 
 def is_moe(mlp: torch.nn.Module) -> bool:
     return isinstance(mlp, MoELayer)
+
+
+def prepare_moe(moe: MoELayer) -> None:
+    """Before any capture: a model without MultiLoRA gets the grouped-GEMM experts too (checked as
+    for multi-LoRA, :func:`~miles_multilora.lora.moe.as_lora_moe`), and the experts' weight stacks
+    exist (after a ``model.to`` a step's eager warm-up restacks them, which changes the graphs'
+    fingerprint once)."""
+    if not isinstance(moe, MultiLoRAMoELayer):
+        check_moe(moe)
+        as_lora_moe(moe)
+    for proj in ("linear_fc1", "linear_fc2"):
+        moe.experts.stacked(proj)
+        moe.experts.stacked(proj, "bias")
 
 
 def _pairs(moe: MoELayer, x2d: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -26,7 +26,7 @@ from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
 from miles_multilora.rollout.kv_cache import PagedKVCache
-from miles_multilora.rollout.moe_decode import is_moe, moe_decode
+from miles_multilora.rollout.moe_decode import is_moe, moe_decode, prepare_moe
 from miles_multilora.rollout.paged_attention import paged_decode_attention, write_decode_kv, write_prefill_kv
 from miles_multilora.rollout.rope_kv import fused_rope_kv_supported, rope_and_write_kv
 
@@ -86,6 +86,8 @@ class PagedModel:
             for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
                 self.fused[id(norm)] = fusable(norm, layer.mlp, self.device)[0]
             moe = is_moe(layer.mlp)  # its own static decode (rollout.moe_decode), no fused SwiGLU
+            if moe:
+                prepare_moe(layer.mlp)
             self.fused[id(layer.mlp)] = not moe and fusable(layer.input_layernorm, layer.mlp, self.device)[1]
         final = gpt.decoder.final_layernorm
         self.fused[id(final)] = fusable(final, self.layers[0].mlp, self.device)[0]

@@ -8,7 +8,7 @@ import torch
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.lora import init_slot
-from miles_multilora.rollout import compute_logprobs
+from miles_multilora.rollout import EmbeddedEngine, GenerationRequest, compute_logprobs
 from miles_multilora.rollout.paged_model import PagedModel
 from tests.moe_helpers import randomize_b, tiny_moe_gpt
 from tests.unit.test_rollout_embedded import (
@@ -75,3 +75,16 @@ def test_engine_refuses_expert_parallelism(monkeypatch, model):
     monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
     with pytest.raises(RolloutError, match="expert parallelism"):
         PagedModel(model, MAX_SEQ_LEN)
+
+
+def test_a_model_without_lora_decodes_its_base(tokenizer):
+    """No MultiLoRA at all: the engine still runs the static MoE decode (base experts only)."""
+    plain = tiny_moe_gpt(lora=False, vocab_size=128, max_seq_len=96)
+    with torch.no_grad():
+        plain.output_layer.weight.mul_(20.0)
+    engine = EmbeddedEngine(plain, vocab_size=len(tokenizer), max_seq_len=MAX_SEQ_LEN, tokenizer=tokenizer)
+    ids = tokenizer.encode("What is 2+3?")
+    result = engine.generate(
+        [GenerationRequest.for_base(ids, SamplingSpec(temperature=0.0, max_new_tokens=6))]
+    )
+    assert result[0].output_ids == _greedy_by_full_forwards(plain, ids, 6, len(tokenizer))
