@@ -81,8 +81,8 @@ class MultiLoRAExpertLinear(MultiLoRALinear):
         self.batch_first = False
         self.tp_group, self.tp_size, self.tp_rank = None, 1, 0  # experts are whole on each rank
         self.ep_group = ep_group
-        # the data-parallel replicas of these experts, over which their gradients are summed
-        # (Megatron's expert-data-parallel group; it differs from the dense layers' DP group when EP > 1)
+        # the replicas of these experts that see other tokens, over which their gradients are summed:
+        # the dense layers' DP group without expert parallelism, else the expert-data-parallel group
         self.expert_dp_group = expert_dp_group
         self.in_features = self.full_in_features = in_features
         self.out_features = self.full_out_features = out_features

@@ -268,12 +268,18 @@ class MultiLoRAMoELayer(MoELayer):
         return self.postprocess(out, None)
 
 
-def _expert_dp_group() -> Any:
+def _expert_dp_group(expert_parallel: bool) -> Any:
+    """The replicas of a rank's experts that see other tokens, over which the experts' LoRA gradients
+    are summed: without expert parallelism every TP rank runs the MoE layer on the same tokens, so
+    that is the data-parallel group (the dense layers'); with it, Megatron's expert-data-parallel
+    group (the TP ranks route their own shares of the tokens)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return None
-    return parallel_state.get_expert_data_parallel_group(check_initialized=False)
+    if expert_parallel:
+        return parallel_state.get_expert_data_parallel_group(check_initialized=False)
+    return parallel_state.get_data_parallel_group()
 
 
 def inject_moe(
@@ -314,7 +320,7 @@ def inject_moe(
                 order=order,
                 kernels=kernels,
                 ep_group=moe.ep_group if moe.token_dispatcher.ep_size > 1 else None,
-                expert_dp_group=_expert_dp_group(),
+                expert_dp_group=_expert_dp_group(moe.token_dispatcher.ep_size > 1),
                 device=weight.device,
                 dtype=weight.dtype,
             )

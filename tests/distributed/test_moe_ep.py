@@ -57,24 +57,21 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, world: int, tp: int, ep: int, batch: int, root: str, dispatcher: str) -> None:
+def _job(rank: int, tp: int, ep: int, batch: int, root: Path, dispatcher: str) -> None:
+    """One forward, backward and clipped optimizer step; the results of this layout under ``root``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from miles_multilora.config.adapter import OptimizerSpec
     from miles_multilora.lora import apply_multi_lora, export_slot, load_slot
     from miles_multilora.lora.testing import lm_logits, per_row_lm_loss
-    from miles_multilora.models import compat
     from miles_multilora.models.provider import load_hf_model
     from miles_multilora.optim import SlotAdamW
 
-    torch.set_num_threads(1)
-    compat.init_distributed(tp=tp, pp=1, seed=0, rank=rank, world_size=world, ep=ep)
-    root_dir = Path(root)
-    model = load_hf_model(root_dir / "hf", moe_token_dispatcher=dispatcher).model
+    model = load_hf_model(root / "hf", moe_token_dispatcher=dispatcher).model
     apply_multi_lora(model, "all-linear", num_slots=2, max_rank=4)
     for s in (0, 1):
-        load_slot(model, s, root_dir / f"adapter{s}")
+        load_slot(model, s, root / f"adapter{s}")
     opt = SlotAdamW(model)
     opt.configure_slot(0, OptimizerSpec(lr=1e-2, clip_grad=1e-3))
     opt.configure_slot(1, OptimizerSpec(lr=2e-2, clip_grad=0.0))
@@ -93,13 +90,36 @@ def _worker(rank: int, world: int, tp: int, ep: int, batch: int, root: str, disp
         dist.all_gather_object(gathered, logits.detach(), group=dp_group)
         logits = torch.cat(gathered)
     stats = opt.step([0, 1])
-    out = root_dir / f"{dispatcher}_tp{tp}_ep{ep}_b{batch}"
+    out = _out(root, tp, ep, batch, dispatcher)
     for s in (0, 1):
         export_slot(model, s, out / f"slot{s}")
     if rank == 0:
         norms = {s: st.grad_norm for s, st in stats.items()}
         torch.save({"logits": logits.detach(), "grads": grads, "norms": norms}, out / "result.pt")
+
+
+def _worker(rank: int, world: int, tp: int, ep: int, root: str, jobs: list[tuple[int, str]]) -> None:
+    """The ``(batch, dispatcher)`` jobs of one TP x EP layout, in one process group."""
+    from miles_multilora.models import compat
+
+    torch.set_num_threads(1)
+    compat.init_distributed(tp=tp, pp=1, seed=0, rank=rank, world_size=world, ep=ep)
+    for batch, dispatcher in jobs:
+        _job(rank, tp, ep, batch, Path(root), dispatcher)
     compat.destroy_distributed()
+
+
+def _out(root: Path, tp: int, ep: int, batch: int, dispatcher: str) -> Path:
+    return root / f"{dispatcher}_tp{tp}_ep{ep}_b{batch}"
+
+
+# one process group per layout (world, tp, ep) runs all of its (batch, dispatcher) jobs
+LAYOUTS = {
+    (1, 1, 1): [(4, "allgather"), (3, "allgather")],  # the references: no token moves at EP=1
+    (2, 1, 2): [(4, "allgather"), (4, "alltoall")],
+    (2, 2, 2): [(3, "allgather"), (3, "alltoall")],
+    (2, 2, 1): [(3, "alltoall")],
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +142,9 @@ def root(tmp_path_factory) -> Path:
 
 
 def _run(root: Path, world: int, tp: int, ep: int, batch: int, dispatcher: str) -> tuple[dict, Path]:
-    out = root / f"{dispatcher}_tp{tp}_ep{ep}_b{batch}"
-    if not (out / "result.pt").exists():  # one run per layout (the EP=1 references are shared)
-        run_distributed(_worker, world, (tp, ep, batch, str(root), dispatcher))
+    out = _out(root, tp, ep, batch, dispatcher)
+    if not (out / "result.pt").exists():
+        run_distributed(_worker, world, (tp, ep, str(root), LAYOUTS[(world, tp, ep)]))
     return torch.load(out / "result.pt"), out
 
 
@@ -162,3 +182,9 @@ def test_ep2_equals_ep1(root, dispatcher):
 def test_tp2_ep2_equals_tp1_ep1(root, dispatcher):
     """TP=2 x EP=2 on two ranks: each TP rank routes its share of the (odd: padded) tokens."""
     _compare(_reference(root, 3), _run(root, 2, 2, 2, 3, dispatcher))
+
+
+def test_tp2_without_expert_parallelism_equals_tp1(root):
+    """TP=2, EP=1: every TP rank runs the whole MoE layer on the (replicated) tokens; the experts'
+    gradients are complete on each rank (their replicas with other tokens: the DP group)."""
+    _compare(_reference(root, 3), _run(root, 2, 2, 1, 3, "alltoall"))

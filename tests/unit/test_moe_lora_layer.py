@@ -27,9 +27,15 @@ def _model(**kw):
 def _layer_io(model, seq: int = 6, seed: int = 1):
     moe = model.decoder.layers[0].mlp
     batch = ROW_SLOTS.numel()
-    x = torch.randn(seq, batch, 32, generator=torch.Generator().manual_seed(seed), requires_grad=True)
-    slots = ROW_SLOTS[:, None].expand(batch, seq)
+    device = next(model.parameters()).device
+    x = torch.randn(seq, batch, 32, generator=torch.Generator().manual_seed(seed)).to(device).requires_grad_()
+    slots = ROW_SLOTS[:, None].expand(batch, seq).to(device)
     return moe, x, slots
+
+
+def _rel(model) -> float:
+    """fp32 rounding of the same sums in another order (more on a GPU: other GEMM kernels)."""
+    return 1e-4 if next(model.parameters()).is_cuda else 1e-5
 
 
 def _grads(moe, x):
@@ -52,17 +58,18 @@ def test_moe_layer_matches_token_by_token_reference(dispatcher, order, shared_a)
     with token_slots(model, slots) as plan:
         out, bias = moe(x)
         assert bias is None
-        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
         (out * weights).sum().backward()
         got = [g.clone() for g in _grads(moe, x)]
         _zero(moe, x)
-        flat_slots = torch.full((x.shape[0] * x.shape[1],), -1).index_copy_(0, plan.order, plan.sorted_slots)
+        flat_slots = torch.full_like(plan.order.new_empty(x.shape[0] * x.shape[1]), -1)
+        flat_slots.index_copy_(0, plan.order, plan.sorted_slots)
     ref = reference_moe(moe, x.reshape(-1, 32), flat_slots).view_as(out)
     (ref * weights).sum().backward()
-    assert_close_at_scale(out, ref, 1e-6, "output")
+    assert_close_at_scale(out, ref, _rel(model) / 10, "output")
     for g, r, name in zip(got, _grads(moe, x), ["x", "fc1.A", "fc1.B", "fc2.A", "fc2.B"], strict=True):
         assert r.abs().max() > 0, name
-        assert_close_at_scale(g, r, 1e-5, name)  # fp32: only the order of the sums differs
+        assert_close_at_scale(g, r, _rel(model), name)  # fp32: only the order of the sums differs
 
 
 def test_triton_kernels_and_orders_give_the_torch_path():
@@ -77,7 +84,7 @@ def test_triton_kernels_and_orders_give_the_torch_path():
         results.append([out.detach()] + [g.clone() for g in _grads(moe, x)])
     for other in results[1:]:
         for a, b in zip(other, results[0], strict=True):
-            assert_close_at_scale(a, b, 1e-5)
+            assert_close_at_scale(a, b, _rel(model))
 
 
 def test_base_only_tokens_give_megatrons_moe_layer():
@@ -90,11 +97,12 @@ def test_base_only_tokens_give_megatrons_moe_layer():
     from miles_multilora.lora import apply_multi_lora
 
     apply_multi_lora(plain, "all-linear", num_slots=2, max_rank=2)
-    x = torch.randn(5, 3, 32, generator=torch.Generator().manual_seed(0))
-    with token_slots(plain, torch.full((3, 5), -1)):
+    device = next(plain.parameters()).device
+    x = torch.randn(5, 3, 32, generator=torch.Generator().manual_seed(0)).to(device)
+    with token_slots(plain, torch.full((3, 5), -1, device=device)):
         ours, _ = moe(x)
     theirs, _ = ref_moe(x)
-    assert_close_at_scale(ours, theirs, 1e-6)
+    assert_close_at_scale(ours, theirs, _rel(plain) / 10)
 
 
 def test_expert_plan_groups_rows_by_slot_and_expert():
@@ -115,23 +123,25 @@ def test_expert_plan_groups_rows_by_slot_and_expert():
 
 
 def test_many_slots_times_experts_have_no_group_cap():
-    """64 slots x 32 experts = 2048 weight groups (more than a 1,023-group grouped GEMM allows)."""
-    model = tiny_moe_gpt(num_slots=64, max_rank=2, num_experts=32, moe_router_topk=4, kernels="triton")
+    """64 slots x 17 experts = 1,088 weight groups (more than a 1,023-group grouped GEMM allows), in
+    the Triton kernels' one pass (the benchmark runs 64 x 128)."""
+    model = tiny_moe_gpt(num_slots=64, max_rank=2, num_experts=17, moe_router_topk=4, kernels="triton")
     layers = multi_lora_layers(model)
     for s in (0, 40, 63):
         init_slot(model, s, rank=2, alpha=4.0, seed=s)
         randomize_b(model, s, seed=s)
     moe, x, _ = _layer_io(model)
-    slots = torch.tensor([0, 40, 63, -1, 40])[:, None].expand(5, x.shape[0])
+    slots = torch.tensor([0, 40, 63, -1, 40], device=x.device)[:, None].expand(5, x.shape[0])
     with token_slots(model, slots) as plan:
         out, _ = moe(x)
         out.sum().backward()
-        flat_slots = torch.full((x.numel() // 32,), -1).index_copy_(0, plan.order, plan.sorted_slots)
+        flat_slots = torch.full_like(plan.order.new_empty(x.numel() // 32), -1)
+        flat_slots.index_copy_(0, plan.order, plan.sorted_slots)
     expert_layers = [la for la in layers if la.key.startswith("layers.0.experts")]
-    assert expert_layers[0].lora_A.shape[:2] == (64, 32)
+    assert expert_layers[0].lora_A.shape[:2] == (64, 17)
     with torch.no_grad():
         ref = reference_moe(moe, x.reshape(-1, 32), flat_slots).view_as(out)
-    assert_close_at_scale(out, ref, 1e-5)
+    assert_close_at_scale(out, ref, _rel(model))
 
 
 @pytest.mark.parametrize(

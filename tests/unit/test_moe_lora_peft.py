@@ -55,7 +55,7 @@ def _peft_logits(hf, adapter_dir) -> torch.Tensor:
 
 def _logits(model, slot: int) -> torch.Tensor:
     with torch.no_grad():
-        return lm_logits(model, _ids(), torch.full((BATCH, SEQ), slot))
+        return lm_logits(model, _ids(), torch.full((BATCH, SEQ), slot)).cpu()
 
 
 def test_exported_slot_gives_peft_logits_and_loads_back(arch_models, tmp_path):

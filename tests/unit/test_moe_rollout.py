@@ -22,10 +22,9 @@ from tests.unit.test_rollout_embedded import (
 MAX_SEQ_LEN = 96
 
 
-@pytest.fixture(scope="module", params=["torch", "triton"])
-def model(request):
+def _model(kernels: str):
     model = tiny_moe_gpt(
-        num_slots=4, max_rank=8, kernels=request.param, dispatcher="alltoall", vocab_size=128, max_seq_len=96
+        num_slots=4, max_rank=8, kernels=kernels, dispatcher="alltoall", vocab_size=128, max_seq_len=96
     )
     with torch.no_grad():
         model.output_layer.weight.mul_(20.0)  # peaked next-token distributions: no near-ties in argmax
@@ -33,6 +32,16 @@ def model(request):
         init_slot(model, slot, rank=rank, alpha=16.0, seed=slot)
         randomize_b(model, slot, seed=slot, scale=0.2)
     return model
+
+
+@pytest.fixture(scope="module", params=["torch", "triton"])
+def model(request):
+    return _model(request.param)
+
+
+@pytest.fixture(scope="module")
+def torch_model():
+    return _model("torch")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +68,8 @@ def test_mixed_adapter_rollout_logprobs_equal_recomputed(model, tokenizer):
         assert (other[start:].cpu() - torch.tensor(res.logprobs)).abs().max() > 1e-3
 
 
-def test_mixed_adapter_greedy_equals_full_forwards(model, tokenizer):
+def test_mixed_adapter_greedy_equals_full_forwards(torch_model, tokenizer):
+    model = torch_model
     engine = _engine(model, tokenizer)
     engine.update_adapters(ADAPTERS)
     reqs = _mixed_requests(tokenizer, SamplingSpec(temperature=0.0, max_new_tokens=8))
