@@ -72,11 +72,12 @@ def test_moe_layer_matches_token_by_token_reference(dispatcher, order, shared_a)
         assert_close_at_scale(g, r, _rel(model), name)  # fp32: only the order of the sums differs
 
 
-def test_triton_kernels_and_orders_give_the_torch_path():
+@pytest.mark.parametrize("shared_a", [False, True], ids=["per-expert-A", "shared-A"])
+def test_triton_kernels_and_orders_give_the_torch_path(shared_a):
     """The Triton kernels (Triton's interpreter on a CPU) over (slot, expert) groups, in both orders."""
     results = []
     for kernels, order in (("torch", SLOT_MAJOR), ("triton", SLOT_MAJOR), ("triton", EXPERT_MAJOR)):
-        model = _model(kernels=kernels, order=order)
+        model = _model(kernels=kernels, order=order, shared_expert_a=shared_a)
         moe, x, slots = _layer_io(model)
         with token_slots(model, slots):
             out, _ = moe(x)
