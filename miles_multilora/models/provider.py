@@ -147,6 +147,7 @@ def build_tiny_gpt(
             moe_router_topk=moe_router_topk,
             moe_ffn_hidden_size=moe_ffn_hidden_size or ffn_hidden_size,
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=1,  # experts whole on each rank (compat.init_distributed)
             **moe_settings(moe_token_dispatcher),
         )
     config = TransformerConfig(
