@@ -40,6 +40,10 @@ from miles_multilora.trainer.worker import TrainerWorker
 
 SHAPE = dict(layers=24, hidden=2048, ffn=5632, heads=16, groups=4, vocab=151936)
 CPU_SHAPE = dict(layers=2, hidden=128, ffn=256, heads=4, groups=2, vocab=512)
+# --moe: Qwen3-30B-A3B's layer shape (128 experts of 768, 8 per token) with fewer layers (MFU counts
+# every expert's parameters, not the active ones)
+MOE_SHAPE = dict(layers=8, hidden=2048, ffn=768, heads=32, groups=4, vocab=151936, experts=128, topk=8)
+MOE_CPU_SHAPE = dict(CPU_SHAPE, ffn=64, experts=8, topk=2)
 PHASES = ("generate_reward_s", "train_s", "sync_s", "checkpoint_s", "setup_s", "step_s")
 
 
@@ -100,6 +104,7 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
                     "num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": args.ffn,
                     "num_attention_heads": args.heads, "num_query_groups": args.groups,
                     "vocab_size": args.vocab, "max_seq_len": args.context,
+                    "num_experts": args.experts, "moe_router_topk": args.topk,
                 },
             },
             "lora": {"num_slots": args.adapters, "max_rank": args.rank},
@@ -213,6 +218,9 @@ def add_workload_args(
 ) -> None:
     """The model shape, the step's workload and the training settings (shared with dp_step.py)."""
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--moe", action="store_true", help="a mixture-of-experts model (MOE_SHAPE)")
+    parser.add_argument("--experts", type=int, default=None, help="experts per MoE layer (0: dense)")
+    parser.add_argument("--topk", type=int, default=None, help="experts per token")
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key}", type=int, default=None, help=f"default {value}")
     parser.add_argument("--adapters", type=int, default=16)
@@ -242,7 +250,9 @@ def add_workload_args(
 def finish_workload_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill in the shape preset (the tiny one and a small workload with ``--cpu``), dtype and context."""
     preset = CPU_SHAPE if args.cpu else SHAPE
-    for key, value in preset.items():
+    if args.moe:
+        preset = MOE_CPU_SHAPE if args.cpu else MOE_SHAPE
+    for key, value in {"experts": 0, "topk": 2, **preset}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.cpu:

@@ -31,6 +31,9 @@ class TinyModelConfig:
     num_query_groups: int = 2
     vocab_size: int = 128
     max_seq_len: int = 256
+    num_experts: int = 0  # > 0: every MLP is a mixture of this many experts (lora targets their fc1/fc2)
+    moe_router_topk: int = 2  # experts per token
+    moe_ffn_hidden_size: int | None = None  # each expert's hidden size (None: ffn_hidden_size)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class ModelConfig:
     tp: int = 1
     pp: int = 1
     dp: int | None = None  # data-parallel replicas; None: trainer.world_size / (tp * pp), else 1
+    moe_token_dispatcher: str = "alltoall"  # mixture-of-experts models: allgather | alltoall
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -53,6 +57,10 @@ class LoRAConfig:
     max_rank: int = 16
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     kernels: str = "auto"  # auto (Triton on CUDA when installed) | triton | torch
+    # mixture-of-experts models: one fc1 A per slot shared by all experts (B stays per expert), and
+    # the order of the (slot, expert) groups' rows in the expert LoRA kernels (slot_major | expert_major)
+    shared_expert_a: bool = False
+    expert_routing: str = "slot_major"
 
 
 @dataclass
@@ -221,6 +229,22 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.tp >= 1 and m.pp >= 1, "model.tp", "tp and pp must be >= 1")
     _check(cfg.lora.num_slots >= 1, "lora.num_slots", "must be >= 1")
     _check(cfg.lora.max_rank >= 1, "lora.max_rank", "must be >= 1")
+    _check(
+        m.moe_token_dispatcher in ("allgather", "alltoall"),
+        "model.moe_token_dispatcher",
+        f"must be allgather or alltoall, got {m.moe_token_dispatcher!r}",
+    )
+    _check(m.tiny.num_experts >= 0, "model.tiny.num_experts", "must be >= 0 (0: dense MLPs)")
+    _check(
+        m.tiny.num_experts == 0 or 1 <= m.tiny.moe_router_topk <= m.tiny.num_experts,
+        "model.tiny.moe_router_topk",
+        f"must be in 1..model.tiny.num_experts ({m.tiny.num_experts}), got {m.tiny.moe_router_topk}",
+    )
+    _check(
+        cfg.lora.expert_routing in ("slot_major", "expert_major"),
+        "lora.expert_routing",
+        f"must be slot_major or expert_major, got {cfg.lora.expert_routing!r}",
+    )
     _check(
         cfg.lora.kernels in ("auto", "triton", "torch"),
         "lora.kernels",

@@ -1,5 +1,6 @@
-"""Resident multi-slot LoRA: layers, routing, injection, slot lifecycle and PEFT I/O."""
+"""Resident multi-slot LoRA: layers (dense and MoE experts), routing, injection, slot lifecycle and PEFT I/O."""
 
+from miles_multilora.lora.expert_layer import MultiLoRAExpertLinear
 from miles_multilora.lora.inject import ALL_LINEAR, apply_multi_lora, multi_lora_layers
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.routing import RoutingPlan, build_routing_plan, set_token_slots, token_slots
@@ -15,6 +16,7 @@ from miles_multilora.lora.slots import (
 
 __all__ = [
     "ALL_LINEAR",
+    "MultiLoRAExpertLinear",
     "MultiLoRALinear",
     "RoutingPlan",
     "apply_multi_lora",

@@ -52,21 +52,37 @@ def apply_multi_lora(
     num_slots: int = 8,
     max_rank: int = 16,
     kernels: str = "auto",
+    shared_expert_a: bool = False,
+    expert_routing: str = "slot_major",
 ) -> list[MultiLoRALinear]:
     """Replace the targeted linear layers with :class:`MultiLoRALinear` and freeze every base param.
 
     ``target_modules``: ``"all-linear"`` (qkv, proj, fc1, fc2) or a list of those names, plus
     ``"output_layer"`` to adapt the LM head. ``kernels``: see :class:`MultiLoRALinear`.
+    In a mixture-of-experts layer fc1/fc2 are the experts' (one
+    :class:`~miles_multilora.lora.expert_layer.MultiLoRAExpertLinear` each for all local experts,
+    :mod:`~miles_multilora.lora.moe`; ``shared_expert_a``: fc1's A shared by the experts;
+    ``expert_routing``: ``slot_major`` or ``expert_major``); the router is never a target.
     Every target is checked before the model changes: on error the model is exactly as before.
     Returns the new layers in module order.
     """
+    from miles_multilora.lora.expert_routing import check_order
+    from miles_multilora.lora.moe import inject_moe, validate_moe
+
     check_kernels(kernels)
+    check_order(expert_routing)
     targets = _resolve_targets(target_modules)
     if any(isinstance(m, MultiLoRALinear) for m in model.modules()):
         raise ConfigError("model", "already has MultiLoRA layers (apply_multi_lora was called twice)")
     offset = _layer_offset(model)
-    found = [(name, mod) for name, mod in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
-    if not found:
+    moes = validate_moe(model, shared_expert_a)
+    found = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if name.rsplit(".", 1)[-1] in targets and ".experts." not in f".{name}."
+    ]
+    experts_targeted = bool(moes) and any(t in targets for t in ("linear_fc1", "linear_fc2"))
+    if not found and not experts_targeted:
         raise ConfigError("target_modules", f"none of {targets} exist in {type(model).__name__}")
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:  # building a layer validates its base (type, own weight, TP settings) and freezes that base
@@ -84,7 +100,8 @@ def apply_multi_lora(
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, layer)
-    return layers
+    inject_moe(model, targets, num_slots, max_rank, kernels, shared_expert_a, expert_routing)
+    return multi_lora_layers(model)
 
 
 def multi_lora_layers(model: nn.Module) -> list[MultiLoRALinear]:

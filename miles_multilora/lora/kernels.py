@@ -34,7 +34,8 @@ class SegmentedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:  # type: ignore[override]
         ctx.plan = plan
-        ctx.use_grouped = grouped_mm_supported(x, weight)
+        # the grouped GEMM takes groups in weight order: a plan in another order loops
+        ctx.use_grouped = grouped_mm_supported(x, weight) and plan.segment_slots is None
         ctx.save_for_backward(x, weight)
         if ctx.use_grouped:
             return _grouped(x, weight.transpose(-2, -1), plan.offsets)

@@ -57,6 +57,8 @@ class MultiLoRALinear(nn.Module):
     ``TRITON_INTERPRET=1``); ``"torch"`` never does.
     """
 
+    stacks_shrink = True  # lora.stacked_shrink may put the slots' A rows under the base weight
+
     def __init__(
         self,
         base: nn.Module,

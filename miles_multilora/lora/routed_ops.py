@@ -36,7 +36,9 @@ def tile_schedule(plan: RoutingPlan, block_m: int, device: torch.device) -> torc
     """``[3, tiles]`` int32 (slot, start, end) for the shrink / expand kernels (cached on the plan)."""
     key = ("tiles", block_m, str(device))
     if key not in plan.schedules:
-        slot, start, end, _ = _split_segments(torch.tensor(plan.counts), block_m)
+        counts, ids = plan.segment_counts()
+        slot, start, end, _ = _split_segments(counts, block_m)
+        slot = slot if ids is None else ids[slot]
         plan.schedules[key] = torch.stack([slot, start, end]).to(torch.int32).to(device, non_blocking=True)
     return plan.schedules[key]
 
@@ -58,7 +60,7 @@ def weight_grad_schedule(
     reductions ``[3, m]`` (slot, first partial, count) and the number of partials (cached on the plan)."""
     key = ("chunks", cfg["BLOCK_T"], cfg["MIN_CHUNK"], cfg["CHUNKS_PER_SLOT"], str(device))
     if key not in plan.schedules:
-        counts = torch.tensor(plan.counts)
+        counts, ids = plan.segment_counts()  # per segment of the grouped order
         slot, start, end, pieces = _split_segments(counts, chunk_lengths(counts, cfg))
         multi = pieces[slot] > 1
         dest = torch.full_like(slot, -1)
@@ -72,6 +74,8 @@ def weight_grad_schedule(
         red_slots = torch.nonzero(pieces > 1).flatten()
         red_count = pieces[red_slots]
         red_first = red_count.cumsum(0) - red_count
+        if ids is not None:  # segments -> the slots (weights) they are
+            slot, red_slots = ids[slot], ids[red_slots]
         chunks = torch.stack([slot, start, end, dest]).to(torch.int32).to(device, non_blocking=True)
         reductions = (
             torch.stack([red_slots, red_first, red_count]).to(torch.int32).to(device, non_blocking=True)

@@ -32,6 +32,9 @@ class RoutingPlan:
     # [batch] long: set when every sequence's tokens share one slot (training rows, decode steps);
     # the layers then take the per-sequence path (batched GEMMs on strided views, no row gather).
     seq_slots: torch.Tensor | None = None
+    # the slot of each segment in the grouped order, when it is not slot order (expert-major MoE
+    # routing: slots are (slot, expert) groups; lora.expert_routing). A permutation of all slots.
+    segment_slots: tuple[int, ...] | None = None
     _batch_first_order: torch.Tensor | None = field(default=None, repr=False)
     # Kernel schedules derived from ``counts`` (see lora.routed_ops), built once per plan.
     schedules: dict = field(default_factory=dict, repr=False)
@@ -52,11 +55,21 @@ class RoutingPlan:
     def segments(self) -> list[tuple[int, int, int]]:
         """``(slot, start, end)`` in the grouped order, for non-empty slots only."""
         out, start = [], 0
-        for slot, count in enumerate(self.counts):
+        for slot in self.segment_slots if self.segment_slots is not None else range(self.num_slots):
+            count = self.counts[slot]
             if count:
                 out.append((slot, start, start + count))
                 start += count
         return out
+
+    def segment_counts(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens per segment in the grouped order (host) and the slot of each segment (None: the
+        segments are the slots in order)."""
+        counts = torch.tensor(self.counts, dtype=torch.long)
+        if self.segment_slots is None:
+            return counts, None
+        ids = torch.tensor(self.segment_slots, dtype=torch.long)
+        return counts[ids], ids
 
     def token_order(self, batch_first: bool = False) -> torch.Tensor:
         """Indices of the routed tokens into a flattened ``[seq, batch]`` (or ``[batch, seq]``) tensor."""

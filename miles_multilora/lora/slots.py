@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +18,20 @@ from safetensors.torch import load_file
 from torch import nn
 
 from miles_multilora.errors import ConfigError, SpecError
-from miles_multilora.lora import layout
+from miles_multilora.lora import expert_slots, layout
+from miles_multilora.lora.expert_layer import MultiLoRAExpertLinear
 from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.peft_format import (
     ADAPTER_WEIGHTS,
     hf_model_name,
-    leaf_name,
     module_rank_alpha,
     parse_weight_key,
     peft_form,
     read_adapter_config,
     write_adapter,
 )
+from miles_multilora.lora.peft_parts import PartShape, SlotShape, fuse_parts, peft_scale
 
 
 def _check_slot(layers: list[MultiLoRALinear], slot: int) -> None:
@@ -43,49 +43,6 @@ def _check_slot(layers: list[MultiLoRALinear], slot: int) -> None:
 def _layer_generator(seed: int, key: str) -> torch.Generator:
     digest = hashlib.sha256(f"{int(seed)}:{key}".encode()).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
-def _scale(alpha: float, rank: int, rslora: bool) -> float:
-    """PEFT's scaling: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
-    return float(alpha) / (math.sqrt(rank) if rslora else rank)
-
-
-@dataclass(frozen=True)
-class PartShape:
-    """One HF module a layer's slot holds: its columns ``[start, end)`` of the slot's ``A`` rows
-    (= ``B`` columns) and its PEFT alpha. Its ``B`` rows are stored times ``scale / layer scale``."""
-
-    start: int
-    end: int
-    alpha: float
-
-    @property
-    def rank(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class SlotShape:
-    """What a layer's slot holds as a PEFT adapter: one :class:`PartShape` (``None``: not held) per
-    entry of :func:`layout.hf_parts`, and whether the adapter is rsLoRA."""
-
-    parts: tuple[PartShape | None, ...]
-    rslora: bool = False
-
-    @classmethod
-    def uniform(cls, n_parts: int, rank: int, alpha: float) -> SlotShape:
-        """Every part at columns ``[0, rank)`` with one alpha (``init_slot``, old checkpoints)."""
-        return cls((PartShape(0, rank, float(alpha)),) * n_parts)
-
-    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plain tensors for checkpoints: ``[n_parts, 3]`` (start, end, alpha; end = start: not held), rslora."""
-        rows = [(p.start, p.end, p.alpha) if p else (0, 0, 0.0) for p in self.parts]
-        return torch.tensor(rows, dtype=torch.float64), torch.tensor(self.rslora)
-
-    @classmethod
-    def from_tensors(cls, parts: torch.Tensor, rslora: torch.Tensor) -> SlotShape:
-        rows = [(int(s), int(e), float(a)) for s, e, a in parts.tolist()]
-        return cls(tuple(PartShape(s, e, a) if e > s else None for s, e, a in rows), bool(rslora))
 
 
 def _shapes(layer: MultiLoRALinear) -> list[SlotShape | None]:
@@ -115,11 +72,11 @@ def _write_slot(
     scale: float,
     shape: SlotShape | None,
 ) -> None:
-    rank = a_local.shape[0]
+    rank = a_local.shape[-2]  # [rank, in], or [experts, rank, in] for an expert layer
     layer.lora_A[slot].zero_()
     layer.lora_B[slot].zero_()
-    layer.lora_A[slot, :rank].copy_(a_local)
-    layer.lora_B[slot, :, :rank].copy_(b_local)
+    layer.lora_A[slot][..., :rank, :].copy_(a_local)
+    layer.lora_B[slot][..., :rank].copy_(b_local)
     for p in (layer.lora_A, layer.lora_B):
         if p.grad is not None:
             p.grad[slot].zero_()
@@ -149,6 +106,14 @@ def init_slot(model: nn.Module, slot: int, rank: int, alpha: float, seed: int, o
     if not alpha > 0:
         raise SpecError("alpha", f"must be > 0, got {alpha!r}")
     for layer in layers:
+        if isinstance(layer, MultiLoRAExpertLinear):
+            a_experts = expert_slots.init_a(layer, rank, seed).to(layer.lora_A.dtype)
+            b_experts = torch.zeros(
+                layer.num_local_experts, layer.out_features, rank, dtype=layer.lora_B.dtype
+            )
+            shape = SlotShape.uniform(len(expert_slots.part_rows(layer)), rank, alpha)
+            _write_slot(layer, slot, a_experts, b_experts, float(alpha) / rank, shape)
+            continue
         bound = 1.0 / math.sqrt(layer.full_in_features)  # kaiming_uniform_(a=sqrt(5)), as PEFT/nn.Linear
         a_full = torch.empty(rank, layer.full_in_features, dtype=torch.float32)
         a_full.uniform_(-bound, bound, generator=_layer_generator(seed, layer.key))
@@ -204,8 +169,8 @@ def load_slot_state(model: nn.Module, slot: int, state: dict[str, torch.Tensor])
     _check_slot(layers, slot)
     for layer in layers:
         rank = int(state[f"{layer.key}.rank"])
-        a = state[f"{layer.key}.lora_A"][:rank].to(layer.lora_A.dtype)
-        b = state[f"{layer.key}.lora_B"][:, :rank].to(layer.lora_B.dtype)
+        a = state[f"{layer.key}.lora_A"][..., :rank, :].to(layer.lora_A.dtype)
+        b = state[f"{layer.key}.lora_B"][..., :rank].to(layer.lora_B.dtype)
         parts = state.get(f"{layer.key}.peft_parts")
         shape = None if parts is None else SlotShape.from_tensors(parts, state[f"{layer.key}.peft_rslora"])
         _write_slot(layer, slot, a, b, float(state[f"{layer.key}.scale"]), shape)
@@ -239,7 +204,7 @@ def _export_layer(
         if not cols:  # a module the adapter does not hold, and training never reached
             continue
         start, end = min(cols), max(cols) + 1
-        scale = _scale(part.alpha, part.rank, shape.rslora) if part else layer_scale
+        scale = peft_scale(part.alpha, part.rank, shape.rslora) if part else layer_scale
         if part is not None and (start, end) == (part.start, part.end) and shape.rslora == rslora:
             alpha = part.alpha
         else:
@@ -270,15 +235,26 @@ def export_slot(
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, tuple[int, float]] = {}
     for layer in held:
-        for name, a, b, alpha in _export_layer(layer, slot, rslora):
+        export = expert_slots.export_layer if isinstance(layer, MultiLoRAExpertLinear) else _export_layer
+        for name, a, b, alpha in export(layer, slot, rslora):
+            name = expert_slots.hf_name(name, hf_config)
             tensors[f"{layout.HF_PREFIX}{name}.lora_A.weight"] = a
             tensors[f"{layout.HF_PREFIX}{name}.lora_B.weight"] = b
             modules[name] = (a.shape[0], alpha)
     out_dir = Path(out_dir)
     if write if write is not None else _is_writer():
-        all_names = [name for layer in layers for name in layout.hf_parts(layer)]
+        all_names = [
+            expert_slots.hf_name(name, hf_config) for layer in layers for name in _module_names(layer)
+        ]
         write_adapter(out_dir, tensors, peft_form(modules, all_names, rslora), hf_model_name(hf_config))
     return out_dir
+
+
+def _module_names(layer: MultiLoRALinear) -> list[str]:
+    """Every HF module (canonical names) whose LoRA the layer holds: an expert layer's of all EP ranks."""
+    if isinstance(layer, MultiLoRAExpertLinear):
+        return expert_slots.all_module_names(layer)
+    return layout.hf_parts(layer)
 
 
 # ----- load -----
@@ -288,62 +264,28 @@ def _fuse_layer(
     modules: dict[str, tuple[int, float]],
     rslora: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, float, SlotShape]:
-    """Full ``A`` [rank, in], canonical ``B`` [out, rank], the layer's scale and the slot's shape, exact.
+    """Full ``A`` [rank, in], canonical ``B`` [out, rank], the layer's scale and the slot's shape, exact
+    (:func:`~miles_multilora.lora.peft_parts.fuse_parts` over the layer's HF modules)."""
+    a_full, blocks, scale, shape = fuse_parts(
+        layer.key, layout.hf_parts(layer), layout.part_rows(layer), layer.full_in_features, layer.max_rank,
+        found, modules, rslora,
+    )  # fmt: skip
+    return a_full, layout.join_rows(layer, blocks), scale, shape
 
-    Parts sharing one ``A`` (what :func:`export_slot` writes for a fresh slot) keep rank r; distinct
-    ``A``s (what PEFT makes) are stacked with a block-diagonal ``B``. A part whose scale differs from
-    the layer's (first part's) has its ``B`` block scaled by the ratio.
-    """
-    names, rows = layout.hf_parts(layer), layout.part_rows(layer)
-    present = [n for n in names if n in found]
-    for name, n_rows in zip(names, rows, strict=True):
-        if name not in found:
-            continue
-        a, b = found[name]["A"], found[name]["B"]
-        key = f"{layout.HF_PREFIX}{name}"
-        if a.dim() != 2 or a.shape[1] != layer.full_in_features:
-            raise SpecError(
-                f"{key}.lora_A.weight", f"shape {tuple(a.shape)}, expected [r, {layer.full_in_features}]"
-            )
-        if b.dim() != 2 or b.shape != (n_rows, a.shape[0]):
-            raise SpecError(
-                f"{key}.lora_B.weight", f"shape {tuple(b.shape)}, expected [{n_rows}, {a.shape[0]}]"
-            )
-        if a.shape[0] != modules[name][0]:
-            raise SpecError(
-                f"{key}.lora_A.weight",
-                f"rank {a.shape[0]}, but adapter_config.json gives this module r={modules[name][0]} "
-                "(r / rank_pattern)",
-            )
-    first = found[present[0]]["A"]
-    shared = all(found[n]["A"].shape == first.shape and torch.equal(found[n]["A"], first) for n in present)
-    a_full = first if shared else torch.cat([found[n]["A"] for n in present], dim=0)
-    if a_full.shape[0] > layer.max_rank:
-        parts = "+".join(leaf_name(n) for n in present)
-        raise SpecError(
-            "rank",
-            f"{layer.key}: {parts} have different lora_A matrices, so the fused layer needs rank "
-            f"{a_full.shape[0]} > max_rank {layer.max_rank}; raise max_rank to at least {a_full.shape[0]}",
-        )
-    scales = {n: _scale(modules[n][1], modules[n][0], rslora) for n in present}
-    layer_scale = scales[present[0]]
-    blocks, shape, col = [], [], 0
-    for name, n_rows in zip(names, rows, strict=True):
-        block = a_full.new_zeros(n_rows, a_full.shape[0])
-        if name not in found:
-            blocks.append(block)
-            shape.append(None)
-            continue
-        r = found[name]["A"].shape[0]
-        start = 0 if shared else col
-        b = found[name]["B"]
-        if scales[name] != layer_scale:
-            b = (b.double() * (scales[name] / layer_scale)).to(b.dtype)
-        block[:, start : start + r] = b
-        blocks.append(block)
-        shape.append(PartShape(start, start + r, modules[name][1]))
-        col += r
-    return a_full, layout.join_rows(layer, blocks), layer_scale, SlotShape(tuple(shape), rslora)
+
+def _fuse(
+    layer: MultiLoRALinear,
+    found: dict[str, dict[str, torch.Tensor]],
+    modules: dict[str, tuple[int, float]],
+    rslora: bool,
+) -> tuple[torch.Tensor, torch.Tensor, float, SlotShape]:
+    if not isinstance(layer, MultiLoRAExpertLinear):
+        return _fuse_layer(layer, found, modules, rslora)
+    a, b, scale = expert_slots.fuse_layer(layer, found, modules, rslora)
+    rank = a.shape[-2]
+    alpha = scale * (math.sqrt(rank) if rslora else rank)
+    parts = len(expert_slots.part_rows(layer))
+    return a, b, scale, SlotShape((PartShape(0, rank, alpha),) * parts, rslora)
 
 
 def load_slot(model: nn.Module, slot: int, adapter_dir: str | Path, optimizer: Any = None) -> None:
@@ -358,12 +300,15 @@ def load_slot(model: nn.Module, slot: int, adapter_dir: str | Path, optimizer: A
     adapter_dir = Path(adapter_dir)
     cfg = read_adapter_config(adapter_dir)
     weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    owner = {name: layer for layer in layers for name in layout.hf_parts(layer)}
+    owner = {name: layer for layer in layers for name in _module_names(layer)}
     found: dict[MultiLoRALinear, dict[str, dict[str, torch.Tensor]]] = {}
+    file_name: dict[str, str] = {}  # canonical -> as in the adapter (its rank/alpha patterns match that)
     for key, tensor in weights.items():
-        module, which = parse_weight_key(key)
+        named, which = parse_weight_key(key)
+        module = expert_slots.canonical_name(named)
+        file_name[module] = named
         if module not in owner:
-            raise SpecError(key, f"module {module!r} is not a MultiLoRA target of this model")
+            raise SpecError(key, f"module {named!r} is not a MultiLoRA target of this model")
         found.setdefault(owner[module], {}).setdefault(module, {})[which] = tensor.float()
     for parts in found.values():
         for module, pair in parts.items():
@@ -377,11 +322,15 @@ def load_slot(model: nn.Module, slot: int, adapter_dir: str | Path, optimizer: A
         raise SpecError(str(adapter_dir), "the adapter has no LoRA weights")
     rslora = bool(cfg.get("use_rslora"))
     plan = {  # validate every layer before writing any
-        layer: _fuse_layer(layer, parts, {n: module_rank_alpha(cfg, n) for n in parts}, rslora)
+        layer: _fuse(layer, parts, {n: module_rank_alpha(cfg, file_name[n]) for n in parts}, rslora)
         for layer, parts in found.items()
     }
     for layer in layers:
-        if layer in plan:
+        if layer in plan and isinstance(layer, MultiLoRAExpertLinear):
+            a_experts, b_experts, scale, shape = plan[layer]
+            a_experts, b_experts = a_experts.to(layer.lora_A.dtype), b_experts.to(layer.lora_B.dtype)
+            _write_slot(layer, slot, a_experts, b_experts, scale, shape)
+        elif layer in plan:
             a_full, b_full, scale, shape = plan[layer]
             a_local = layout.shard_A(layer, a_full).to(layer.lora_A.dtype)
             b_local = layout.shard_B(layer, b_full).to(layer.lora_B.dtype)

@@ -29,6 +29,8 @@ MAX_EXTRA_FRACTION = 0.25
 def stackable(layer: MultiLoRALinear) -> bool:
     """Whether ``layer``'s base weight can carry its slots' A rows (see the module docstring; the
     caller decides on the device: only decode steps with the Triton kernels read the stack)."""
+    if not layer.stacks_shrink:
+        return False
     weight = layer.base.weight
     extra = layer.num_slots * layer.max_rank
     return (

@@ -104,6 +104,40 @@ def install_fused_rope() -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
+# 10. megatron-core 0.16's MoE router names Transformer Engine's GEMM (``te_general_gemm``) in its
+#     gating function but defines it only when TE imports; without TE (this project's local spec,
+#     CPU or GPU) the name is missing. We define it as None, the value its own check expects.
+def patch_moe_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# 11. Megatron's all-to-all MoE token dispatcher copies its split sizes to the host on a CUDA side
+#     stream (created when the first dispatcher is built). On CPU every tensor is already on the
+#     host: there is no stream, and the sizes become NumPy arrays as the GPU path makes them.
+def patch_moe_alltoall_cpu() -> None:
+    if not is_cpu():
+        return
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
+
+    if getattr(Dispatcher._maybe_dtoh_and_synchronize, "_miles_cpu_patch", False):
+        return
+
+    def to_host(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    to_host._miles_cpu_patch = True  # type: ignore[attr-defined]
+    Dispatcher._maybe_dtoh_and_synchronize = to_host
+    Dispatcher.cuda_dtoh_stream = "cpu"  # no side stream is made (the class builds one when None)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,27 +187,41 @@ def _rendezvous_store(host: str, port: int, rank: int, world_size: int) -> dist.
 
 
 def init_distributed(
-    tp: int = 1, pp: int = 1, seed: int = 0, rank: int | None = None, world_size: int | None = None
+    tp: int = 1,
+    pp: int = 1,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    ep: int = 1,
 ) -> None:
-    """Set up torch.distributed, megatron parallel_state and the model-parallel RNG (idempotent)."""
+    """Set up torch.distributed, megatron parallel_state and the model-parallel RNG (idempotent).
+
+    ``ep``: expert parallelism (MoE experts split over ``ep`` ranks of the data-parallel group,
+    expert tensor parallelism 1)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     patch_cuda_current_device()
     patch_causal_mask()
     patch_checkpoint_rng()
+    patch_moe_without_te()
+    patch_moe_alltoall_cpu()
     init_process_group(rank, world_size)
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != tp
             or parallel_state.get_pipeline_model_parallel_world_size() != pp
+            or parallel_state.get_expert_model_parallel_world_size() != ep
         ):
-            raise RuntimeError("model parallel already initialised with a different tp/pp")
+            raise RuntimeError("model parallel already initialised with a different tp/pp/ep")
     else:
         # 3. On CPU the gloo backend carries every group (megatron creates its NCCL-style groups
         #    with the default backend, which is gloo here).
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,  # experts whole on each rank (module docstring: MoE)
         )
     # 4. The model-parallel RNG tracker forks CUDA RNG states; the "inference" tracker keeps
     #    plain CPU generators, which is what a CPU run needs. On GPU the normal tracker is used.
@@ -287,3 +335,33 @@ def patch_bridge_contiguous_scatter() -> None:
 
     scatter_to_tp_ranks._miles_contiguous = True  # type: ignore[attr-defined]
     cls.scatter_to_tp_ranks = scatter_to_tp_ranks
+
+
+# 12. megatron-bridge 0.3.1 turns a rank's local expert numbers into global ones (expert
+#     parallelism) only for grouped-GEMM expert names (``experts.linear_fc1.weight{i}``); the local
+#     spec's SequentialMLP names its experts ``experts.local_experts.{i}``, so every EP rank would load
+#     (and export) the first experts. We translate those names the same way.
+def patch_bridge_sequential_experts() -> None:
+    import re
+
+    from megatron.bridge.models.conversion import model_bridge
+
+    original = model_bridge._megatron_local_name_to_global
+    if getattr(original, "_miles_local_experts", False):
+        return
+    local_expert = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+    def local_name_to_global(models: Any, config: Any, param_name: str, vp_stage: Any = None) -> str:
+        param_name = original(models, config, param_name, vp_stage)
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_expert_model_parallel_group()
+        match = local_expert.search(param_name)
+        if match is None or group is None or group.size() == 1:
+            return param_name
+        per_rank = config.num_moe_experts // group.size()
+        number = per_rank * group.rank() + int(match.group(1))
+        return f"{param_name[: match.start()]}.mlp.experts.local_experts.{number}.{param_name[match.end() :]}"
+
+    local_name_to_global._miles_local_experts = True  # type: ignore[attr-defined]
+    model_bridge._megatron_local_name_to_global = local_name_to_global

@@ -26,7 +26,37 @@ from miles_multilora.models.sdpa_attention import set_fused_attention, with_sdpa
 
 # Architectures whose dense decoder maps onto the local GPT spec (what megatron-bridge converts
 # and what our MultiLoRA layers target). Others are refused with a clear message.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+MOE_DISPATCHERS = ("allgather", "alltoall")
+
+
+def moe_settings(dispatcher: str = "alltoall") -> dict[str, Any]:
+    """TransformerConfig fields of a mixture-of-experts model under multi-LoRA (lora.moe): dropless
+    routing with no auxiliary or z-loss and no jitter (each would couple the adapters of a batch), the
+    experts as Megatron's SequentialMLP (its weights become grouped-GEMM stacks at injection), no
+    Transformer Engine permutation, and ``dispatcher`` moving the tokens (allgather or alltoall)."""
+    if dispatcher not in MOE_DISPATCHERS:
+        raise ConfigError(
+            "model.moe_token_dispatcher", f"must be one of {MOE_DISPATCHERS}, got {dispatcher!r}"
+        )
+    return {
+        "moe_token_dispatcher_type": dispatcher,
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_z_loss_coeff": None,
+        "moe_input_jitter_eps": None,
+        "moe_expert_capacity_factor": None,
+    }
 
 
 @dataclass
@@ -95,14 +125,31 @@ def build_tiny_gpt(
     seed: int = 0,
     dtype: str = "float32",
     recompute: str = "none",
+    num_experts: int = 0,
+    moe_router_topk: int = 2,
+    moe_ffn_hidden_size: int | None = None,
+    moe_token_dispatcher: str = "allgather",
 ) -> GPTModel:
     """A small Llama-style GPTModel (RMSNorm, SwiGLU, RoPE, GQA, untied) with random init.
-    ``recompute``: activation recompute in backward (:func:`recompute_settings`).
+    ``recompute``: activation recompute in backward (:func:`recompute_settings`). ``num_experts`` > 0:
+    every MLP is a mixture of that many SwiGLU experts of ``moe_ffn_hidden_size`` (default
+    ``ffn_hidden_size``), ``moe_router_topk`` per token (softmax over the chosen experts' logits, as
+    Mixtral and Qwen3-MoE with ``norm_topk_prob``), moved by ``moe_token_dispatcher``.
 
-    Requires ``compat.init_distributed`` to have run (TP/PP come from parallel_state).
+    Requires ``compat.init_distributed`` to have run (TP/PP/EP come from parallel_state).
     """
     compat.patch_cuda_current_device()
     torch.manual_seed(seed)
+    moe: dict[str, Any] = {}
+    if num_experts:
+        moe = dict(
+            num_moe_experts=num_experts,
+            moe_router_topk=moe_router_topk,
+            moe_ffn_hidden_size=moe_ffn_hidden_size or ffn_hidden_size,
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=1,  # experts whole on each rank (compat.init_distributed)
+            **moe_settings(moe_token_dispatcher),
+        )
     config = TransformerConfig(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -127,10 +174,12 @@ def build_tiny_gpt(
         params_dtype=_dtype(dtype),
         layernorm_epsilon=1e-6,
         **recompute_settings(recompute),
+        **moe,
     )
+    layer_spec = get_gpt_layer_local_spec(num_experts=num_experts or None, normalization="RMSNorm")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=with_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm")),
+        transformer_layer_spec=with_sdpa_attention(layer_spec),
         vocab_size=vocab_size,
         max_sequence_length=max_seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -179,14 +228,30 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def _moe_router(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """How the checkpoint's router weighs its top-k experts: a softmax over the chosen experts' logits
+    (Mixtral; Qwen3-MoE with ``norm_topk_prob``) or the full softmax's top-k, not renormalised."""
+    renormalised = hf_config.get("model_type") == "mixtral" or bool(hf_config.get("norm_topk_prob", False))
+    return {"moe_router_pre_softmax": not renormalised}
+
+
 def load_hf_model(
-    path: str | Path, dtype: str = "float32", load_weights: bool = True, recompute: str = "none"
+    path: str | Path,
+    dtype: str = "float32",
+    load_weights: bool = True,
+    recompute: str = "none",
+    moe_token_dispatcher: str = "alltoall",
 ) -> LoadedModel:
-    """Build a GPTModel (local spec, TP/PP from parallel_state) from an HF checkpoint dir via AutoBridge;
-    ``recompute``: activation recompute in backward (:func:`recompute_settings`)."""
+    """Build a GPTModel (local spec, TP/PP/EP from parallel_state) from an HF checkpoint dir via
+    AutoBridge; ``recompute``: activation recompute in backward (:func:`recompute_settings`); a
+    mixture-of-experts checkpoint gets :func:`moe_settings` (``moe_token_dispatcher``)."""
     hf_config = read_hf_config(path)
+    if "MixtralForCausalLM" in hf_config.get("architectures", []):
+        from miles_multilora.models import mixtral_bridge  # noqa: F401 - registers the bridge
+
     auto_bridge_cls = compat.import_auto_bridge()
     compat.patch_bridge_contiguous_scatter()
+    compat.patch_bridge_sequential_experts()
     torch_dtype = _dtype(dtype)
     bridge = auto_bridge_cls.from_hf_pretrained(str(path), torch_dtype=torch_dtype)
     provider = bridge.to_megatron_provider(load_weights=False)
@@ -209,6 +274,12 @@ def load_hf_model(
     provider.parallel_output = False  # full-vocab logits on every TP rank (sampling and logprobs need them)
     for key, value in recompute_settings(recompute).items():
         setattr(provider, key, value)
+    if getattr(provider, "num_moe_experts", None):
+        moe = {**moe_settings(moe_token_dispatcher), **_moe_router(hf_config)}
+        moe["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+        moe["expert_tensor_parallel_size"] = 1
+        for key, value in moe.items():
+            setattr(provider, key, value)
     provider.finalize()
     from megatron.core.process_groups_config import ProcessGroupCollection
 

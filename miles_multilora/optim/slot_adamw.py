@@ -75,6 +75,8 @@ class SlotAdamW:
         self.tp_group = (
             tp_group if tp_group is not None else next((la.tp_group for la in layers if la.tp_size > 1), None)
         )
+        # expert LoRA split over expert-parallel ranks (lora.expert_layer): their norms sum over this group
+        self.ep_group = next((g for la in layers if (g := getattr(la, "ep_group", None)) is not None), None)
         self.pp_group = pp_group if pp_group is not None else self._default_pp_group()
         self.specs: list[OptimizerSpec | None] = [None] * self.num_slots
         self.total_steps: list[int | None] = [None] * self.num_slots
@@ -157,17 +159,22 @@ class SlotAdamW:
         idx = torch.tensor(slots, device=device)
         sharded = torch.zeros(len(slots), dtype=torch.float32, device=device)
         replicated = torch.zeros_like(sharded)
+        experts = torch.zeros_like(sharded)
         for p in self.params:
             if p.grad is None:
                 continue
             sq = p.grad.index_select(0, idx).float().pow(2).flatten(1).sum(1)
-            if getattr(p, "tp_sharded", False):
+            if getattr(p, "ep_sharded", False):
+                experts += sq
+            elif getattr(p, "tp_sharded", False):
                 sharded += sq
             else:
                 replicated += sq
         if self.tp_group is not None:
             dist.all_reduce(sharded, group=self.tp_group)
-        total = sharded + replicated
+        if self.ep_group is not None:
+            dist.all_reduce(experts, group=self.ep_group)
+        total = sharded + replicated + experts
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
         return total.sqrt().tolist()
@@ -199,8 +206,8 @@ class SlotAdamW:
     ) -> None:
         device = self.params[0].device
 
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1, 1)
+        def column(values: list[float]) -> torch.Tensor:  # one value per slot, broadcast over its tensors
+            return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
 
         b1 = [specs[s].beta1 for s in slots]
         b2 = [specs[s].beta2 for s in slots]
@@ -212,9 +219,14 @@ class SlotAdamW:
         step_size = column([lr_ / (1.0 - b**n) for lr_, b, n in zip(lrs, b1, t, strict=True)])
         bias2_sqrt = column([math.sqrt(1.0 - b**n) for b, n in zip(b2, t, strict=True)])
         idx = torch.tensor(slots, device=device)
+        columns = (clip, beta1, beta2, eps, decay, step_size, bias2_sqrt)
         for p, m_all, v_all, master in zip(
             self.params, self.exp_avg, self.exp_avg_sq, self.master, strict=True
         ):
+            # [slots, 1, 1, 1] -> one trailing 1 per dim of a slot's tensor (3 for expert LoRA's [E, R, in])
+            clip, beta1, beta2, eps, decay, step_size, bias2_sqrt = (
+                c.view(-1, *([1] * (p.dim() - 1))) for c in columns
+            )
             target = master if master is not None else p.data
             g = p.grad.index_select(0, idx).float() * clip if p.grad is not None else None
             m = m_all.index_select(0, idx)

@@ -26,6 +26,7 @@ from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
 from miles_multilora.rollout.kv_cache import PagedKVCache
+from miles_multilora.rollout.moe_decode import is_moe, moe_decode, prepare_moe
 from miles_multilora.rollout.paged_attention import paged_decode_attention, write_decode_kv, write_prefill_kv
 from miles_multilora.rollout.rope_kv import fused_rope_kv_supported, rope_and_write_kv
 
@@ -53,6 +54,7 @@ class PagedModel:
             (bool(getattr(cfg, "attention_output_gate", False)), "gated attention output"),
             (not (gpt.pre_process and gpt.post_process), "pipeline parallelism"),
             (parallel_state.get_context_parallel_world_size() > 1, "context parallelism"),
+            (parallel_state.get_expert_model_parallel_world_size() > 1, "expert parallelism"),
         ]
         unsupported = [what for bad, what in problems if bad]
         if unsupported:
@@ -83,7 +85,10 @@ class PagedModel:
         for layer in self.layers:
             for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
                 self.fused[id(norm)] = fusable(norm, layer.mlp, self.device)[0]
-            self.fused[id(layer.mlp)] = fusable(layer.input_layernorm, layer.mlp, self.device)[1]
+            moe = is_moe(layer.mlp)  # its own static decode (rollout.moe_decode), no fused SwiGLU
+            if moe:
+                prepare_moe(layer.mlp)
+            self.fused[id(layer.mlp)] = not moe and fusable(layer.input_layernorm, layer.mlp, self.device)[1]
         final = gpt.decoder.final_layernorm
         self.fused[id(final)] = fusable(final, self.layers[0].mlp, self.device)[0]
         self.cp_group = parallel_state.get_context_parallel_group()
@@ -147,8 +152,11 @@ class PagedModel:
 
     def _mlp(self, layer: Any, x: Tensor) -> tuple[Tensor, RowDelta | RowShrink | None]:
         """The layer's MLP output (bias added) and fc2's deferred LoRA term; the SwiGLU is fused
-        (and runs fc1's LoRA expand) when the config allows it."""
+        (and runs fc1's LoRA expand) when the config allows it. A mixture of experts runs its static
+        decode step (:func:`~miles_multilora.rollout.moe_decode.moe_decode`)."""
         mlp = layer.mlp
+        if is_moe(mlp):
+            return moe_decode(mlp, x), None
         if self.fused[id(mlp)]:
             out, lora = self._linear(mlp.linear_fc1, x, consumer_expands=True)
             return self._linear(mlp.linear_fc2, swiglu(out, lora))

@@ -109,11 +109,19 @@ class TrainerWorker(TrainingPrimitives):
                 seed=cfg.trainer.seed,
                 dtype=cfg.model.dtype,
                 recompute=cfg.trainer.recompute,
+                # MoE (issue 30): the tiny model's experts
+                num_experts=t.num_experts,
+                moe_router_topk=t.moe_router_topk,
+                moe_ffn_hidden_size=t.moe_ffn_hidden_size,
+                moe_token_dispatcher=cfg.model.moe_token_dispatcher,
             )
             self.vocab_size, self.max_seq_len, self.hf_config = t.vocab_size, t.max_seq_len, None
         else:
             loaded = provider.load_hf_model(
-                model_path, dtype=cfg.model.dtype, recompute=cfg.trainer.recompute
+                model_path,
+                dtype=cfg.model.dtype,
+                recompute=cfg.trainer.recompute,
+                moe_token_dispatcher=cfg.model.moe_token_dispatcher,  # MoE (issue 30)
             )
             self.model, self.vocab_size, self.hf_config = loaded.model, loaded.vocab_size, loaded.hf_config
             self.max_seq_len = int(
@@ -127,6 +135,8 @@ class TrainerWorker(TrainingPrimitives):
             num_slots=cfg.lora.num_slots,
             max_rank=cfg.lora.max_rank,
             kernels=cfg.lora.kernels,
+            shared_expert_a=cfg.lora.shared_expert_a,  # MoE (issue 30)
+            expert_routing=cfg.lora.expert_routing,  # MoE (issue 30)
         )
         self.optimizer = SlotAdamW(self.model)
         eos = getattr(self.tokenizer, "eos_token_id", None)
