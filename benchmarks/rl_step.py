@@ -41,10 +41,19 @@ from miles_multilora.trainer.worker import TrainerWorker
 SHAPE = dict(layers=24, hidden=2048, ffn=5632, heads=16, groups=4, vocab=151936)
 CPU_SHAPE = dict(layers=2, hidden=128, ffn=256, heads=4, groups=2, vocab=512)
 # --moe: Qwen3-30B-A3B's layer shape (128 experts of 768, 8 per token) with fewer layers (MFU counts
-# every expert's parameters, not the active ones)
+# the parameters a token uses: each expert's weights times top-k / experts)
 MOE_SHAPE = dict(layers=8, hidden=2048, ffn=768, heads=32, groups=4, vocab=151936, experts=128, topk=8)
 MOE_CPU_SHAPE = dict(CPU_SHAPE, ffn=64, experts=8, topk=2)
 PHASES = ("generate_reward_s", "train_s", "sync_s", "checkpoint_s", "setup_s", "step_s")
+
+
+def active_base_params(model: torch.nn.Module, expert_share: float) -> float:
+    """Base (non-LoRA) parameters one token uses: an MoE expert's count times its routing share."""
+    return sum(
+        p.numel() * (expert_share if ".local_experts." in n else 1.0)
+        for n, p in model.named_parameters()
+        if "lora_" not in n
+    )
 
 
 def hash_reward(prompt: str, completion: str, answer: Any, metadata: dict) -> float:
@@ -281,7 +290,7 @@ def main() -> None:
     vocab = worker.vocab_size
     rng = random.Random(1)
     worker.engine.eos_token_ids = set(rng.sample(range(vocab), max(1, vocab // args.mean_len)))
-    base_params = sum(p.numel() for n, p in worker.model.named_parameters() if "lora_" not in n)
+    base_params = active_base_params(worker.model, args.topk / args.experts if args.moe else 1.0)
     total = args.adapters * args.prompts
     plans = {
         "a": (f"(a) {args.adapters} adapters mixed", [[spec(f"a{i}", args.prompts, args) for i in range(args.adapters)]]),
@@ -291,7 +300,7 @@ def main() -> None:
     if args.profile:
         profile_last_train(worker, args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"{base_params / 1e9:.2f} B base parameters on {device}; {args.adapters} x {args.prompts} prompts x "
+    print(f"{base_params / 1e9:.2f} B base parameters{' active per token' if args.moe else ''} on {device}; {args.adapters} x {args.prompts} prompts x "
           f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len}); "
           f"micro-batch {args.micro_batch} rows / {args.max_tokens or '-'} tokens, recompute {args.recompute}")  # fmt: skip
     results: dict[str, dict[str, float]] = {}
