@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rl_step  # noqa: E402  (the shared model shape and workload flags)
 
 from miles_multilora.algo import chunked_logprobs  # noqa: E402
-from miles_multilora.algo.losses import adapter_normalizers  # noqa: E402
+from miles_multilora.algo.losses import slot_normalizers  # noqa: E402
 from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
 from miles_multilora.lora import init_slot, stacked_shrink  # noqa: E402
 from miles_multilora.lora.inject import multi_lora_layers  # noqa: E402
@@ -84,7 +84,7 @@ def step_rows(
     mask = torch.zeros(len(rows), max(r.width for r in rows))
     for i, r in enumerate(rows):
         mask[i, : r.width] = 1
-    normalizers = adapter_normalizers(mask, torch.tensor([r.slot for r in rows]), worker.algo.aggregation)
+    normalizers = slot_normalizers(mask, torch.tensor([r.slot for r in rows]), worker.algo.aggregation)
     return rows, normalizers, sum(len(r.tokens) for r in rows)
 
 

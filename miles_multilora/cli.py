@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     third_party_noise.install()
     try:
         if args.command in (*CLIENT_COMMANDS, "schedule"):
-            from miles_multilora.controller.token import read_token
+            from miles_multilora.api_token import read_token
 
             args.token = read_token(args.token_file, key="--token-file")
         if args.command in CLIENT_COMMANDS:

@@ -1,8 +1,14 @@
 """Resident multi-slot LoRA: layers, routing, injection, slot lifecycle and PEFT I/O."""
 
-from miles_multilora.lora.inject import ALL_LINEAR, apply_multi_lora, multi_lora_layers
+from miles_multilora.lora.inject import (
+    ALL_LINEAR,
+    apply_multi_lora,
+    multi_lora_layers,
+    set_token_slots,
+    token_slots,
+)
 from miles_multilora.lora.layer import MultiLoRALinear
-from miles_multilora.lora.routing import RoutingPlan, build_routing_plan, set_token_slots, token_slots
+from miles_multilora.lora.routing import RoutingPlan, build_routing_plan
 from miles_multilora.lora.slots import (
     clear_slot,
     export_slot,

@@ -28,9 +28,9 @@ from typing import Any
 import ray
 from rich.console import Console
 
+from miles_multilora.api_token import read_token
 from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
-from miles_multilora.controller.token import read_token
 from miles_multilora.errors import ConfigError
 from miles_multilora.trainer.cluster import placement_lines, start_ray
 from miles_multilora.trainer.loop import run_loop

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_multilora.algo import adapter_normalizers, dynamic_sampling, group_advantages, policy_loss
+from miles_multilora.algo import dynamic_sampling, group_advantages, policy_loss, slot_normalizers
 from miles_multilora.config.adapter import AdapterSpec, SamplingSpec
 from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
@@ -555,7 +555,7 @@ class TrainerWorker(TrainingPrimitives):
                 ref_logprobs=batch.reference,
                 normalizers=normalizers,
             )
-            return out.loss, out.per_adapter
+            return out.loss, out.per_slot
 
         return loss
 
@@ -590,9 +590,7 @@ class TrainerWorker(TrainingPrimitives):
         full_mask = torch.zeros(len(all_rows), max(r.width for r in all_rows))
         for i, r in enumerate(all_rows):
             full_mask[i, : r.width] = 1
-        normalizers = adapter_normalizers(
-            full_mask, torch.tensor([r.slot for r in all_rows]), algo.aggregation
-        )
+        normalizers = slot_normalizers(full_mask, torch.tensor([r.slot for r in all_rows]), algo.aggregation)
         owner = balance([sum(len(r.tokens) for r in rs) for rs in group_rows], self.layout.dp_size)
         rows = [r for rs, o in zip(group_rows, owner, strict=True) if o == self.layout.dp_rank for r in rs]
         self.last_train_tokens = sum(len(r.tokens) for r in all_rows)
