@@ -9,7 +9,7 @@ request itself got wrong, ``server`` otherwise). Ownership lives in
 :class:`~miles_multilora.tinker.registry.Registry`, results in
 :class:`~miles_multilora.tinker.futures.FutureStore`.
 
-Saved states live under ``<state_dir>/<tenant>/weights/<run>/<name>.pt`` and are addressed as
+Saved states live in ``<state_dir>/<tenant>/weights/<run>/<name>/`` and are addressed as
 ``tinker://<run>/weights/<name>``: a tenant can only ever reach its own. A sampler serves a model's
 live slot at the version it was saved for (no export).
 """
@@ -82,8 +82,8 @@ class ServerState:
             max_pending=s.max_pending_requests,
         )
 
-    def weights_file(self, tenant: str, run: str, name: str) -> Path:
-        return self.state_dir / tenant / "weights" / run / f"{name}.pt"
+    def weights_dir(self, tenant: str, run: str, name: str) -> Path:
+        return self.state_dir / tenant / "weights" / run / name
 
     def end_session(self, tenant: str, session_id: str, why: str) -> None:
         """End a session: its queued work fails, its samplers go and its models unload (in the
@@ -238,7 +238,7 @@ def create_app(
 
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        model = {"model_name": state.base_model, "max_context_length": backend.worker.max_seq_len}
+        model = {"model_name": state.base_model, "max_context_length": backend.rank.max_seq_len}
         return {"supported_models": [{**model, "trainable": True, "sampleable": True}]}
 
     @app.post(f"{API}/create_session")
@@ -299,11 +299,11 @@ def create_app(
     async def get_info(request: Request) -> Any:
         body = await body_of(request)
         owned = registry.model(tenant_of(request), params.text(body, "model_id"))
-        entry = backend.models.get(owned.model_id)
-        if entry is None:  # created, not yet in its slot
+        if owned.model_id not in backend.models:  # created, not yet in its slot
             raise Unknown("model_id", f"unknown model {owned.model_id!r}")
+        entry = backend.model(owned.model_id)
         data = {"arch": "llama", "model_name": state.base_model, "tokenizer_id": state.tokenizer_id}
-        return {"type": "get_info", "model_id": entry.model_id, "model_data": data, "is_lora": True,
+        return {"type": "get_info", "model_id": owned.model_id, "model_data": data, "is_lora": True,
                 "lora_rank": entry.rank, "model_name": state.base_model}  # fmt: skip
 
     @app.post(f"{API}/unload_model")
@@ -363,7 +363,7 @@ def create_app(
         name = _name(params.text(body, "path"))
         overwrite, seq = params.flag(body, "overwrite"), params.integer(body, "seq_id", None)
         path = f"tinker://{owned.run_id}/weights/{name}"
-        target = state.weights_file(tenant, owned.run_id, name)
+        target = state.weights_dir(tenant, owned.run_id, name)
 
         def save() -> dict[str, Any]:
             if target.exists() and not overwrite:
@@ -383,7 +383,7 @@ def create_app(
             raise TinkerError(
                 "path", f"expected tinker://<run>/weights/<name> (from save_state), got {path!r}"
             )
-        target = state.weights_file(tenant, match.group(1), match.group(3))
+        target = state.weights_dir(tenant, match.group(1), match.group(3))
         with_optimizer = params.flag(body, "optimizer")
         if body.get("model_id") is not None:
             owned = registry.model(tenant, params.text(body, "model_id"))
@@ -397,11 +397,11 @@ def create_app(
             key = (tenant, session_id, "create_model", seq)
 
         def load() -> dict[str, Any]:
-            if not target.is_file():
+            if not target.is_dir():
                 raise TinkerError("path", f"no saved state at {path}")
             if session_id is not None:
-                meta = read_state(target)["meta"]
-                _create(state, tenant, session_id, model_id, int(meta["rank"]), int(meta["seed"]))
+                meta = read_state(target)
+                _create(state, tenant, session_id, model_id, meta.rank, meta.seed)
             backend.load_state(model_id, target, optimizer=with_optimizer)
             return {"type": "load_weights", "path": path, "model_id": model_id}
 
@@ -420,7 +420,7 @@ def create_app(
             sampler_id = f"{owned.session_id}:sample:{sampler_seq}"
 
         def snapshot() -> dict[str, Any]:
-            version = backend.model(owned.model_id).steps
+            version = backend.model(owned.model_id).version
             if name is not None:
                 registry.add_snapshot(tenant, path, owned.model_id, version)
                 return {"type": "save_weights_for_sampler", "path": path}
@@ -464,7 +464,7 @@ def create_app(
         prompt = params.prompt_tokens(body)
         n, spec, seed = params.sampling(body)
         seq = params.integer(body, "seq_id", None)
-        room = max(backend.worker.max_seq_len - len(prompt), 1)
+        room = max(backend.rank.max_seq_len - len(prompt), 1)
         each = min(spec.max_new_tokens, room)  # what one sample can cost
         if n * each > s.max_sample_tokens:
             raise TinkerError(
@@ -479,7 +479,7 @@ def create_app(
         def part(first: int, count: int) -> Callable[[], Any]:
             def run() -> Any:
                 if sampler.model_id is not None:
-                    live = backend.model(sampler.model_id).steps
+                    live = backend.model(sampler.model_id).version
                     if live != sampler.version:
                         raise TinkerError(
                             "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, "

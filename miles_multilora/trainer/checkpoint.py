@@ -4,6 +4,7 @@ Layout: ``<output_dir>/checkpoints/<adapter>/<run_id>/step_000012/`` holding
 
 - ``adapter/``                     PEFT adapter (adapter_model.safetensors + adapter_config.json)
 - ``slot_rank{r}.pt``              this TP rank's exact slot tensors (A/B shards) + optimizer state
+                                   (:mod:`miles_multilora.trainer.shard`)
 - ``state.json``                   step, version, spec, data-source offsets, RNG seed
 - ``COMPLETE``                     written last: a dir without it is never read
 
@@ -21,10 +22,6 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
-
-import torch
-
-from miles_multilora.lora.slots import slot_state
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -68,20 +65,6 @@ def latest_run_dir(output_dir: str | Path, adapter: str) -> Path | None:
     root = adapter_dir(output_dir, adapter)
     runs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
     return max(runs, key=_run_seq) if runs else None
-
-
-def write_rank_shard(
-    stage: Path, rank: int, model: torch.nn.Module, slot: int, optimizer_state: dict
-) -> None:
-    stage.mkdir(parents=True, exist_ok=True)
-    payload = {"slot": slot_state(model, slot), "optimizer": optimizer_state}
-    tmp = stage / f".slot_rank{rank}.pt.part"
-    torch.save(payload, tmp)
-    os.replace(tmp, stage / f"slot_rank{rank}.pt")
-
-
-def read_rank_shard(path: Path, rank: int) -> dict[str, Any]:
-    return torch.load(path / f"slot_rank{rank}.pt", weights_only=True)
 
 
 def finalize(stage: Path, state: dict[str, Any], keep: int) -> Path:

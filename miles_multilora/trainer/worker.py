@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from miles_multilora.algo import dynamic_sampling, group_advantages, policy_loss, slot_normalizers
 from miles_multilora.config.adapter import AdapterSpec, SamplingSpec
@@ -33,29 +32,14 @@ from miles_multilora.data.records import PromptItem
 from miles_multilora.data.reward_process import RewardProcessLimits
 from miles_multilora.data.reward_registry import check_remote_reward, import_reward_modules
 from miles_multilora.errors import SpecError
-from miles_multilora.lora import (
-    apply_multi_lora,
-    clear_slot,
-    export_slot,
-    init_slot,
-    load_slot_state,
-)
-from miles_multilora.models import compat, provider
-from miles_multilora.models.paths import MAX_CONTEXT, resolve_model_path
-from miles_multilora.optim import SlotAdamW
-from miles_multilora.rollout import (
-    AdapterVersion,
-    GenerationRequest,
-    GenerationResult,
-    RolloutEngine,
-    RolloutError,
-)
+from miles_multilora.models import compat
+from miles_multilora.rollout import GenerationRequest, GenerationResult
 from miles_multilora.trainer import checkpoint as ckpt
-from miles_multilora.trainer.data_parallel import DPLayout, balance, generate_sharded
 from miles_multilora.trainer.faults import AdapterFailures, failure_reason
-from miles_multilora.trainer.primitives import MicroBatch, ScoredRow, TrainingPrimitives, finish_metrics
+from miles_multilora.trainer.primitives import MicroBatch, ScoredRow, finish_metrics
+from miles_multilora.trainer.rank import TrainerRank
 from miles_multilora.trainer.resume import check_run_dir_is_ours, load_resume_point
-from miles_multilora.trainer.tokenizer import encode_prompt, load_tokenizer
+from miles_multilora.trainer.tokenizer import encode_prompt
 
 
 @dataclass
@@ -82,7 +66,7 @@ def _seed(*parts: Any) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-class TrainerWorker(TrainingPrimitives):
+class TrainerWorker:
     """The state and the step of one trainer rank."""
 
     def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
@@ -90,76 +74,7 @@ class TrainerWorker(TrainingPrimitives):
         self.algo = cfg.algo.resolved()  # GRPO/DAPO defaults filled in once
         self.rank = rank
         self.world_size = world_size
-        torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", os.cpu_count() or 1))))
-        compat.init_distributed(
-            tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
-        )
-        self.layout = DPLayout.from_megatron(world_size)
-        model_path = resolve_model_path(cfg)
-        if model_path is None:
-            t = cfg.model.tiny
-            self.model = provider.build_tiny_gpt(
-                t.num_layers,
-                t.hidden_size,
-                t.ffn_hidden_size,
-                t.num_attention_heads,
-                t.num_query_groups,
-                t.vocab_size,
-                t.max_seq_len,
-                seed=cfg.trainer.seed,
-                dtype=cfg.model.dtype,
-                recompute=cfg.trainer.recompute,
-            )
-            self.vocab_size, self.max_seq_len, self.hf_config = t.vocab_size, t.max_seq_len, None
-        else:
-            loaded = provider.load_hf_model(
-                model_path, dtype=cfg.model.dtype, recompute=cfg.trainer.recompute
-            )
-            self.model, self.vocab_size, self.hf_config = loaded.model, loaded.vocab_size, loaded.hf_config
-            self.max_seq_len = int(
-                min(getattr(self.hf_config, "max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT)
-            )
-        self.tokenizer = load_tokenizer(model_path, self.vocab_size)
-        targets = list(cfg.lora.target_modules)
-        apply_multi_lora(
-            self.model,
-            targets[0] if targets == ["all-linear"] else targets,
-            num_slots=cfg.lora.num_slots,
-            max_rank=cfg.lora.max_rank,
-            kernels=cfg.lora.kernels,
-        )
-        self.optimizer = SlotAdamW(self.model)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        self.pad_id = int(pad if pad is not None else 0)
-        self.engine: RolloutEngine
-        if cfg.rollout.engine != "embedded":  # sglang | vllm: HTTP servers
-            from miles_multilora.rollout.factory import remote_engine
-
-            self.engine = remote_engine(
-                cfg.rollout,
-                manages_adapters=self._is_writer(),  # one rank loads adapters on the servers
-                first_server=self.layout.dp_rank,
-                eos_token_ids=eos,
-                export_root=str(Path(cfg.trainer.output_dir) / "sync"),  # where sync_adapters exports
-            )
-        else:
-            from miles_multilora.rollout.embedded import EmbeddedEngine
-
-            self.engine = EmbeddedEngine(
-                self.model,
-                vocab_size=self.vocab_size,
-                max_seq_len=self.max_seq_len,
-                tokenizer=self.tokenizer,
-                eos_token_ids=eos,
-                max_batch_size=cfg.rollout.max_batch_size,
-                pad_id=self.pad_id,
-                page_size=cfg.rollout.page_size,
-                kv_cache_tokens=cfg.rollout.kv_cache_tokens,
-                kv_cache_fraction=cfg.rollout.kv_cache_fraction,
-                cuda_graphs=cfg.rollout.cuda_graphs,
-                sync_interval=cfg.rollout.sync_interval,
-            )
+        self.trainer = TrainerRank(cfg, rank, world_size)
         import_reward_modules(cfg.controller.reward_modules)  # the operator's registered rewards
         t = cfg.trainer
         self.data = MultiLoRADataSource(
@@ -174,11 +89,24 @@ class TrainerWorker(TrainingPrimitives):
         self.no_update: dict[tuple[str, str], int] = {}  # (adapter, run id) -> steps in a row without one
         self.evaluated: dict[str, int] = {}  # adapter -> version last evaluated
         self.resident: dict[str, SlotAssignment] = {}  # adapter -> assignment it was initialised with
-        self.steps: dict[str, int] = {}  # adapter -> optimizer steps applied (== weights version)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.last_train_tokens = 0  # tokens (prompt + response) of the last step's training rows
         self.last_rank_train_tokens = 0  # the share of them this rank trained
         self._warned_small_step = False
+
+    model = property(lambda self: self.trainer.model)
+    optimizer = property(lambda self: self.trainer.optimizer)
+    engine = property(lambda self: self.trainer.engine)
+    tokenizer = property(lambda self: self.trainer.tokenizer)
+    vocab_size = property(lambda self: self.trainer.vocab_size)
+    max_seq_len = property(lambda self: self.trainer.max_seq_len)
+    pad_id = property(lambda self: self.trainer.pad_id)
+    layout = property(lambda self: self.trainer.layout)
+
+    @property
+    def steps(self) -> dict[str, int]:
+        """adapter -> optimizer steps applied (== weights version, the rank's)."""
+        return {name: self.trainer.version(a.slot) for name, a in self.resident.items()}
 
     def placement(self) -> dict[str, Any]:
         """Where this rank runs: its ranks, host and device (the GPU's UUID on CUDA)."""
@@ -198,18 +126,14 @@ class TrainerWorker(TrainingPrimitives):
         return info
 
     # ----------------------------------------------------------------- slot lifecycle
-    def _is_writer(self) -> bool:
-        return self.rank == 0
-
     def clear_slots(self, slots: tuple[int, ...]) -> None:
         for slot in slots:
-            clear_slot(self.model, slot, self.optimizer)
             for name in [n for n, a in self.resident.items() if a.slot == slot]:
                 self._forget(name)
+            self.trainer.close_slot(slot)
 
     def _forget(self, name: str) -> None:
-        self.resident.pop(name, None)
-        self.steps.pop(name, None)
+        assignment = self.resident.pop(name, None)
         if name in self.data.names:
             self.data.remove_adapter(name)
         if name in self.rewards.names:
@@ -218,7 +142,8 @@ class TrainerWorker(TrainingPrimitives):
         self.evaluated.pop(name, None)
         if name in self.eval_rewards.names:
             self.eval_rewards.remove_adapter(name)
-        self.engine.remove_adapters([name])
+        if assignment is not None and assignment.slot in self.trainer.slots:
+            self.trainer.close_slot(assignment.slot)
 
     def ensure_resident(self, assignment: SlotAssignment) -> dict[str, Any] | None:
         """(Re)initialise ``assignment``'s slot: fresh init, or load its resume checkpoint.
@@ -247,63 +172,30 @@ class TrainerWorker(TrainingPrimitives):
         spec = assignment.spec
         if assignment.remote:  # the controller checked it too; this rank runs the code
             check_remote_reward(spec.reward.type, self.cfg.controller.reward_modules)
-        init_slot(self.model, assignment.slot, spec.rank, spec.alpha, spec.seed, self.optimizer)
-        self.optimizer.configure_slot(assignment.slot, spec.optimizer, total_steps=spec.num_steps)
         self.data.add_adapter(spec)
         self.rewards.add_adapter(spec, self.data.dataset(spec.name))
         if spec.eval is not None:  # built once per start; a failure fails this adapter's start
             held_out = build_held_out(spec, self.data.dataset(spec.name), self.tokenizer)
             self.eval_rewards.add_adapter(spec, held_out.dataset)
             self.eval_sets[spec.name] = held_out
-        step, resumed = 0, None
+        resumed, restore, state = None, None, None
         if assignment.resume_checkpoint:
-            path, state, shard = load_resume_point(assignment, self.layout.tp_rank, self.cfg.model.tp)
-            load_slot_state(self.model, assignment.slot, shard["slot"])
-            self.optimizer.load_slot_state_dict(assignment.slot, shard["optimizer"])
-            self.data.restore_adapter_state(spec.name, state["data"])
-            step = int(state["step"])
-            if path != Path(assignment.resume_checkpoint):
-                resumed = {"checkpoint": str(path), "step": step}
+            restore, state, _ = load_resume_point(assignment, self.layout.tp_rank, self.cfg.model.tp)
+            if restore != Path(assignment.resume_checkpoint):
+                resumed = {"checkpoint": str(restore), "step": int(state["step"])}
         else:
             check_run_dir_is_ours(self._run_dir(assignment), assignment)
         self.resident[spec.name] = assignment
-        self.steps[spec.name] = step
-        self.sync_adapters([spec.name])
+        self.trainer.open_slot(
+            assignment.slot, spec.rank, spec.alpha, spec.seed, spec.optimizer, spec.name,
+            total_steps=spec.num_steps, run=assignment.run_id, restore=restore,
+        )  # fmt: skip
+        if state is not None:
+            self.data.restore_adapter_state(spec.name, state["data"])
         return resumed
 
     def _run_dir(self, assignment: SlotAssignment) -> Path:
         return ckpt.run_dir(self.output_dir, assignment.name, assignment.run_id)
-
-    def sync_adapters(self, names: list[str]) -> None:
-        """Push the current version of ``names`` to the rollout engine.
-
-        The embedded engine serves the trainer's own weights: only the version tag changes. A remote
-        engine (SGLang) gets each changed adapter as a PEFT dir exported for that version.
-        """
-        changed = {}
-        for name in names:
-            slot, version = self.resident[name].slot, self.steps[name]
-            path = None
-            if self.cfg.rollout.engine != "embedded":
-                out = self.output_dir / "sync" / name / self.resident[name].run_id / f"v{version:06d}"
-                export_slot(self.model, slot, out, self.hf_config, write=self._is_writer())
-                if self.world_size > 1:
-                    dist.barrier()
-                path = str(out.resolve())
-            changed[name] = AdapterVersion(slot, version, path)
-        if not changed:
-            return
-        if self.world_size == 1 or self.cfg.rollout.engine == "embedded":
-            self.engine.update_adapters(changed)
-            return
-        error = None  # only rank 0 talks to the servers: every rank must see its failure
-        try:
-            self.engine.update_adapters(changed)
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(exc).__name__}: {exc}"
-        error = self._first_error(error)
-        if error is not None:
-            raise RolloutError(error)
 
     # ----------------------------------------------------------------- rollout + rewards
     def _requests(self, name: str, items: list[PromptItem]) -> list[Group]:
@@ -377,17 +269,7 @@ class TrainerWorker(TrainingPrimitives):
                     "(raise prompts_per_step or lower model.dp)", len(groups), self.layout.dp_size,
                 )  # fmt: skip
 
-        def generate(part: list[Group]) -> list[list[GenerationResult]]:
-            per_group = [requests_of([g]) for g in part]
-            results = self.engine.generate([r for rs in per_group for r in rs])
-            out, start = [], 0
-            for rs in per_group:
-                out.append(results[start : start + len(rs)])
-                start += len(rs)
-            return out
-
-        every_tp_rank = self.cfg.rollout.engine == "embedded"  # TP-sharded engine: every rank runs it
-        gathered = generate_sharded(groups, generate, self.layout, every_tp_rank=every_tp_rank)
+        gathered = self.trainer.sample([requests_of([g]) for g in groups])
         for g, results in zip(groups, gathered, strict=True):
             g.results.extend(results)
 
@@ -413,10 +295,7 @@ class TrainerWorker(TrainingPrimitives):
                 }
                 for name, s in scored.items()
             }
-        if self.world_size > 1:
-            box = [report]
-            dist.broadcast_object_list(box, src=0)
-            report = box[0]
+        report = self.trainer.broadcast(report)
         offsets: dict[str, int] = {}
         for g in groups:
             rep = report.get(g.adapter)
@@ -581,7 +460,11 @@ class TrainerWorker(TrainingPrimitives):
                     n = len(r.output_ids)
                     values = {"old_logprobs": list(r.logprobs[:n]), "advantages": [a] * n}
                     positions = list(range(prompt_len - 1, len(tokens) - 1))
-                    mine.append(ScoredRow(r.slot, tokens, positions, temperature=temp, values=values))
+                    mine.append(
+                        ScoredRow(
+                            r.slot, tokens, positions, temperature=temp, values=values, group=len(group_rows)
+                        )
+                    )
             if mine:
                 group_rows.append(mine)
         all_rows = [r for rs in group_rows for r in rs]
@@ -591,14 +474,13 @@ class TrainerWorker(TrainingPrimitives):
         for i, r in enumerate(all_rows):
             full_mask[i, : r.width] = 1
         normalizers = slot_normalizers(full_mask, torch.tensor([r.slot for r in all_rows]), algo.aggregation)
-        owner = balance([sum(len(r.tokens) for r in rs) for rs in group_rows], self.layout.dp_size)
-        rows = [r for rs, o in zip(group_rows, owner, strict=True) if o == self.layout.dp_rank for r in rs]
         self.last_train_tokens = sum(len(r.tokens) for r in all_rows)
-        self.last_rank_train_tokens = sum(len(r.tokens) for r in rows)
-        result = self.forward_backward(
-            rows, self._rl_loss(normalizers), reference=algo.kl_coef > 0, return_logprobs=False
+        result = self.trainer.forward_backward(
+            all_rows, self._rl_loss(normalizers), reference=algo.kl_coef > 0, return_logprobs=False
         )
-        stats, per_slot = self.optim_step(sorted({r.slot for r in all_rows}), result.per_slot)
+        self.last_rank_train_tokens = result.local_tokens
+        stats = self.trainer.optim_step(sorted({r.slot for r in all_rows}))
+        per_slot = result.per_slot
         out_metrics: dict[str, dict[str, float]] = {}
         slot_to_name = {a.slot: n for n, a in self.resident.items()}
         for slot, s in stats.items():
@@ -619,16 +501,13 @@ class TrainerWorker(TrainingPrimitives):
         stage = ckpt.staging_dir(self._run_dir(a), step)
         error = None
         try:
-            if self.layout.is_shard_writer:  # one shard per TP rank, written by DP rank 0
-                ckpt.write_rank_shard(
-                    stage, self.layout.tp_rank, self.model, a.slot, self.optimizer.slot_state_dict(a.slot)
-                )
-            export_slot(self.model, a.slot, stage / "adapter", self.hf_config, write=self._is_writer())
+            self.trainer.save_slot(a.slot, stage)  # one shard per TP rank, written by DP rank 0
+            self.trainer.export_peft(a.slot, stage / "adapter")
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = failure_reason(f"writing checkpoint step {step} on rank {self.rank}", exc)
         error = self._first_error(error)
         final = stage.parent / ckpt.step_name(step)
-        if error is None and self._is_writer():
+        if error is None and self.trainer.is_writer:
             state = {
                 "adapter": name,
                 "run_id": a.run_id,
@@ -649,15 +528,9 @@ class TrainerWorker(TrainingPrimitives):
 
     def _first_error(self, error: str | None, src_only: bool = False) -> str | None:
         """Every rank's view of an error: the first rank's (or rank 0's, ``src_only``)."""
-        if self.world_size == 1:
-            return error
         if src_only:
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-        gathered: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, error)
-        return next((e for e in gathered if e is not None), None)
+            return self.trainer.broadcast(error)
+        return next((e for e in self.trainer.gather(error) if e is not None), None)
 
     def _budget_reached(self, spec: AdapterSpec) -> bool:
         if spec.num_steps is not None:
@@ -718,10 +591,6 @@ class TrainerWorker(TrainingPrimitives):
         t2 = time.perf_counter()
         train_metrics = self._train(groups)
         t3 = time.perf_counter()
-        for name in train_metrics:
-            if not train_metrics[name].get("skipped"):
-                self.steps[name] += 1
-        self.sync_adapters(list(train_metrics))  # only adapters that changed
         t4 = time.perf_counter()
         due = [
             a.name
