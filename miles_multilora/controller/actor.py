@@ -39,7 +39,7 @@ from miles_multilora.controller.core import (
 from miles_multilora.controller.endpoint import write_endpoint
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.http_api import ControllerHTTPServer
-from miles_multilora.controller.snapshot import Snapshot
+from miles_multilora.controller.snapshot import AdapterResult, Snapshot
 from miles_multilora.errors import ConfigError
 
 DEFAULT_NAME = "multilora_controller"
@@ -106,7 +106,7 @@ class ControllerActor:
     def snapshot(self) -> Snapshot:
         return self._core.snapshot()
 
-    def report_step(self, results: Mapping[str, Mapping[str, Any]]) -> None:
+    def report_step(self, results: Mapping[str, AdapterResult]) -> None:
         self._core.report_step(results)
 
     def mark_done(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:

@@ -8,19 +8,16 @@ and only then changes state (errors change nothing), then persists the new state
 Who calls what:
 
 - users (HTTP API / CLI): :meth:`register`, :meth:`cancel`, :meth:`get`, :meth:`list`
-- the trainer, once per step on rank 0::
+- the driver, once per training step (``trainer/loop.py``)::
 
-      snap = core.snapshot()            # grants free slots to PENDING adapters (FIFO), then
-                                        # broadcast ``snap`` to every rank
-      for slot in snap.slots_to_clear:  # ... clear_slot(model, slot) ...
+      snap = core.snapshot()                  # grants free slots to PENDING adapters (FIFO)
+      report = ...                            # every trainer rank steps ``snap``: a StepReport
+      for slot in report.cleared:             # the slots of snap.slots_to_clear, now cleared
           core.slot_cleared(slot)
-      # (re)initialise every assignment with needs_init (fresh or from resume_checkpoint),
-      # train snap.running (+ in-flight rollouts of snap.draining), then:
-      core.report_step({name: {"trained": bool, "step": int, "checkpoint": str | None,
-                               "metrics": {...}} for name in resident adapters})
-      core.mark_done(name, final_checkpoint)      # budget reached
-      core.drained(name, final_checkpoint)        # DRAINING adapter finished its in-flight work
-      core.mark_failed(name, reason)              # its reward/data failed, ...
+      core.report_step(report.results)        # {name: AdapterResult} of the adapters it stepped
+      core.drained(name, checkpoint)          # report.drained: DRAINING adapters' final checkpoints
+      core.mark_done(name, checkpoint)        # report.finished: budget reached
+      core.mark_failed(name, reason)          # report.failed: its reward/data failed, ...
 
 - after a restart: ``ControllerCore.restore(state_dir, num_slots, max_rank)``.
 
@@ -58,7 +55,7 @@ from miles_multilora.controller.record import (
     jsonable_metrics,
     public_from_history,
 )
-from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
+from miles_multilora.controller.snapshot import AdapterResult, SlotAssignment, Snapshot
 from miles_multilora.controller.states import (
     AdapterState,
     SlotState,
@@ -295,32 +292,29 @@ class ControllerCore:
                 self._commit()
             return snap
 
-    def report_step(self, results: Mapping[str, Mapping[str, Any]]) -> None:
-        """Record one training step. ``results[name] = {"trained": bool, "step": int (optional,
-        checked), "checkpoint": str | None, "metrics": dict}`` for resident adapters.
+    def report_step(self, results: Mapping[str, AdapterResult]) -> None:
+        """Record one training step: the :class:`AdapterResult` of each resident adapter it reports.
 
-        Only adapters with ``trained=True`` advance their step; a reported ``step`` must equal the
+        Only adapters that ``trained`` advance their step; a reported ``step`` must equal the
         controller's count after this step. ``checkpoint`` (a complete checkpoint at that step)
         becomes the adapter's resume point. Reporting an adapter clears its ``needs_init``.
-        ``resumed: {"checkpoint": str, "step": int}`` says the trainer had to resume the adapter
-        from an older checkpoint than the controller's (the newer one was missing or unreadable):
-        the controller's count goes back to that step first.
+        ``resumed`` says the trainer had to resume the adapter from an older checkpoint than the
+        controller's (the newer one was missing or unreadable): the controller's count goes back to
+        that step first. Nothing changes unless every result checks out.
         """
         with self._lock:
-            updates = []
-            for name, result in results.items():
-                resumed = result.get("resumed") if isinstance(result, Mapping) else None
-                updates.append((self._check_result(name, result, resumed), resumed))
+            checked = [(self._check_result(name, result), result) for name, result in results.items()]
             now = time.time()
-            for (record, trained, checkpoint, metrics), resumed in updates:
-                if resumed:
-                    record.step = record.checkpoint_step = int(resumed["step"])
-                    record.last_checkpoint = str(resumed["checkpoint"])
-                if trained:
+            for record, result in checked:
+                if result.resumed is not None:
+                    record.step = record.checkpoint_step = result.resumed.step
+                    record.last_checkpoint = result.resumed.checkpoint
+                if result.trained:
                     record.step += 1
-                if checkpoint is not None:
-                    record.last_checkpoint = checkpoint
+                if result.checkpoint is not None:
+                    record.last_checkpoint = str(result.checkpoint)
                     record.checkpoint_step = record.step
+                metrics = jsonable_metrics(dict(result.metrics))
                 if metrics:
                     record.metrics.append({"step": record.step, "time": now, **metrics})
                     record.last_eval = eval_summary(record.step, now, metrics) or record.last_eval
@@ -534,44 +528,25 @@ class ControllerCore:
             remote=record.remote,
         )
 
-    def _check_result(
-        self, name: str, result: Mapping[str, Any], resumed: Any = None
-    ) -> tuple[AdapterRecord, bool, str | None, dict]:
+    def _check_result(self, name: str, result: AdapterResult) -> AdapterRecord:
+        """The record ``result`` is for, when it may be applied: a RUNNING or DRAINING adapter whose
+        reported step is the controller's count after this step."""
         record = self._record(name)
         if not record.state.owns_slot:
             raise IllegalTransitionError(
                 f"step reported for adapter {name!r}, which is {record.state.value}; only RUNNING or "
                 "DRAINING adapters train"
             )
-        if not isinstance(result, Mapping) or not isinstance(result.get("trained"), bool):
-            raise ControllerError(f"result for {name!r} needs a bool 'trained', got {result!r}")
-        if resumed is not None and not (
-            isinstance(resumed, Mapping)
-            and isinstance(resumed.get("step"), int)
-            and resumed.get("checkpoint")
-        ):
-            raise ControllerError(f"result for {name!r}: 'resumed' needs 'step' and 'checkpoint'")
-        trained = result["trained"]
-        base = int(resumed["step"]) if resumed else record.step
-        expected = base + int(trained)
-        reported = result.get("step")
-        if reported is not None and reported != expected:
+        if not isinstance(result, AdapterResult):
+            raise ControllerError(f"the result for {name!r} is not an AdapterResult: {result!r}")
+        base = result.resumed.step if result.resumed is not None else record.step
+        expected = base + int(result.trained)
+        if result.step is not None and result.step != expected:
             raise ControllerError(
-                f"adapter {name!r}: trainer reports step {reported} but the controller counts {expected} "
-                f"(trained={trained}); trainer and controller disagree"
+                f"adapter {name!r}: trainer reports step {result.step} but the controller counts {expected} "
+                f"(trained={result.trained}); trainer and controller disagree"
             )
-        checkpoint = result.get("checkpoint")
-        metrics = result.get("metrics") or {}
-        if not isinstance(metrics, Mapping):
-            raise ControllerError(
-                f"result for {name!r}: 'metrics' must be a dict, got {type(metrics).__name__}"
-            )
-        return (
-            record,
-            trained,
-            None if checkpoint is None else str(checkpoint),
-            jsonable_metrics(dict(metrics)),
-        )
+        return record
 
     # ------------------------------------------------------------ persistence
 

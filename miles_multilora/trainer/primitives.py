@@ -160,7 +160,7 @@ def forward_backward_rows(
             loss, metrics = loss_fn(MicroBatch(batch, lp, mask, ref))
             if backward:
                 loss.backward()
-        _accumulate(per_slot, metrics)
+        accumulate_metrics(per_slot, metrics)
         if return_logprobs:
             kept.append((picked, lp.detach()))
     logprobs: list[list[float]] = [[] for _ in rows]
@@ -170,7 +170,8 @@ def forward_backward_rows(
     return ForwardBackwardResult(logprobs, per_slot, sum(len(r.tokens) for r in rows))
 
 
-def _accumulate(acc_all: dict[int, dict[str, float]], metrics: dict[int, dict[str, float]]) -> None:
+def accumulate_metrics(acc_all: dict[int, dict[str, float]], metrics: dict[int, dict[str, float]]) -> None:
+    """Add one micro-batch's per-slot metrics to the sums ``acc_all`` (see :func:`finish_metrics`)."""
     for slot, m in metrics.items():
         acc = acc_all.setdefault(int(slot), {})
         n = float(m.get("num_tokens", 0.0))

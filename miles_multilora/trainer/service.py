@@ -108,9 +108,9 @@ def _checkpoint_moved_adapters(controller: Any, group: TrainerGroup, console: Co
             continue
         name = record["name"]
         try:
-            paths = group.call_all("save_checkpoint", name)
-            ray.get(controller.report_step.remote({name: {"trained": False, "checkpoint": paths[0]}}))
-            console.print(f"  checkpointed {name} at step {record['step']}: {paths[0]}")
+            result = group.call_all("checkpoint", name)[0]
+            ray.get(controller.report_step.remote({name: result}))
+            console.print(f"  checkpointed {name} at step {result.step}: {result.checkpoint}")
         except Exception as exc:  # noqa: BLE001 - it resumes from its older checkpoint instead
             console.print(f"  [yellow]could not checkpoint {name}: {exc}[/yellow]")
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.config.run import RunConfig, config_from_container
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.trainer.shard import read_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
 from tests.e2e.conftest import (
     REPO_ROOT,
     adapter_checkpoints,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.trainer.shard import read_shard
 from tests.e2e.conftest import final_checkpoint, max_abs_diff, tiny_run_config, toy_adapter
 

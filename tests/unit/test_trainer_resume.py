@@ -12,8 +12,8 @@ from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.data import MultiLoRADataSource
 from miles_multilora.errors import SpecError
-from miles_multilora.trainer import checkpoint as ckpt
-from miles_multilora.trainer.resume import ResumeError, check_run_dir_is_ours, load_resume_point
+from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl.resume import ResumeError, check_run_dir_is_ours, load_resume_point
 from miles_multilora.trainer.shard import read_shard
 
 SPEC = parse_adapter_spec({"name": "a", "dataset": {"task": "basic_arithmetic"}, "num_steps": 9})

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.controller.snapshot import SlotAssignment
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.trainer.shard import read_shard
 
 
