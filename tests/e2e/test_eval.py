@@ -16,10 +16,10 @@ import torch
 
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
+from miles_multilora.launch.metrics import eval_points, reward_series
 from miles_multilora.models import compat
 from miles_multilora.rl import RLStep
 from miles_multilora.rl import checkpoint as ckpt
-from miles_multilora.trainer.metrics import eval_points, reward_series
 from tests.e2e.conftest import REPO_ROOT, final_checkpoint, snapshot_of, tiny_run_config, toy_adapter
 
 TOY_EVAL = str(REPO_ROOT / "tests" / "e2e" / "data" / "toy_eval.jsonl")
@@ -207,7 +207,7 @@ def test_a_failing_eval_fails_only_its_adapter(make_worker: Any, tmp_path: Path)
 def test_training_run_reports_eval_in_metrics_the_record_and_the_plot(
     tmp_path: Path, ray_session: None
 ) -> None:
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     out = tmp_path / "run"
     cfg = tiny_run_config(out, [_lower(3, every=2), _digits(3)], logging={"plot": True})
@@ -232,7 +232,7 @@ def test_training_run_reports_eval_in_metrics_the_record_and_the_plot(
 
 
 def test_two_tensor_parallel_ranks_evaluate_in_agreement(tmp_path: Path, ray_session: None) -> None:
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     out = tmp_path / "tp2"
     adapters = [_lower(3, every=2, samples=2), _digits(3)]

@@ -103,7 +103,7 @@ def _reward_curve(rows: list[dict[str, Any]], adapter: str) -> list[float]:
 
 
 def test_rewards_rise_for_two_adapters_with_different_rewards(tmp_path: Any, ray_session: None) -> None:
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     out = tmp_path / "run"
     records = run_training(tiny_run_config(out, _two_adapters(STEPS)))

@@ -23,7 +23,7 @@ def _peft(path: Path) -> dict:
 
 
 def test_two_rank_tensor_parallel_run_matches_one_rank_run(tmp_path: Path, ray_session: None) -> None:
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     two = tmp_path / "tp2"
     records = run_training(

@@ -21,7 +21,7 @@ from miles_multilora.data.datasets import load_adapter_dataset
 from miles_multilora.data.evaluation import build_held_out, eval_metrics, pass_at_k, standard_error
 from miles_multilora.data.validation import validate_adapter_resources
 from miles_multilora.errors import SpecError
-from miles_multilora.trainer.metrics import (
+from miles_multilora.launch.metrics import (
     MetricsLogger,
     draw_panel,
     eval_points,

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from miles_multilora.config.run import RunConfig
 from miles_multilora.controller.snapshot import Snapshot, StepReport
-from miles_multilora.trainer.cluster import start_trainer_group
+from miles_multilora.launch.cluster import start_trainer_group
 
 TRAINER_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.WorkerCrashedError)
 MAX_BACKOFF_S = 60.0

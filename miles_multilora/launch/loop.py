@@ -15,8 +15,8 @@ from typing import Any
 import ray
 
 from miles_multilora.controller.snapshot import StepReport
-from miles_multilora.trainer.metrics import MetricsLogger
-from miles_multilora.trainer.trainer_group import TrainerGroup
+from miles_multilora.launch.metrics import MetricsLogger
+from miles_multilora.launch.trainer_group import TrainerGroup
 
 
 def apply_report(controller: Any, report: StepReport) -> None:
@@ -53,7 +53,7 @@ def run_loop(
     """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run.
 
     ``stop_timeout_s``: how long a step may still run once ``should_stop()`` is true (None: to its
-    end); past it :class:`~miles_multilora.trainer.trainer_group.StepAbandoned` is raised and the
+    end); past it :class:`~miles_multilora.launch.trainer_group.StepAbandoned` is raised and the
     step's results are never applied.
     """
     global_step = start_step  # a resumed run continues the global step count of its metrics
