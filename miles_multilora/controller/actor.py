@@ -29,13 +29,8 @@ import ray
 from ray.actor import ActorHandle
 
 from miles_multilora import child_process
-from miles_multilora.controller.admission import AdmissionRules
-from miles_multilora.controller.core import (
-    DEFAULT_HISTORY_RETENTION,
-    ControllerCore,
-    ResourceValidator,
-    SpecSource,
-)
+from miles_multilora.controller.admission import AdmissionRules, ResourceValidator
+from miles_multilora.controller.core import DEFAULT_HISTORY_RETENTION, ControllerCore, SpecSource
 from miles_multilora.controller.endpoint import write_endpoint
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.http_api import ControllerHTTPServer

@@ -14,7 +14,7 @@ from rich.console import Console
 from miles_multilora.api_token import read_token
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
-from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
+from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
 from miles_multilora.data.reward_registry import import_reward_modules
 from miles_multilora.data.spec_checks import SpecCheckLimits
 from miles_multilora.errors import ConfigError, SpecError

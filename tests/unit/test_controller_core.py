@@ -18,8 +18,7 @@ from miles_multilora.controller import (
     IllegalTransitionError,
     UnknownAdapterError,
 )
-from miles_multilora.controller.admission import AdmissionRules
-from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
+from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
 from miles_multilora.controller.snapshot import AdapterResult
 from miles_multilora.controller.states import FINISHED_STATES, check_transition
 from miles_multilora.errors import ConfigError, SpecError
