@@ -105,6 +105,8 @@ class Residents:
             return None
         if current is not None:
             self.forget(assignment.name)
+        for other in [n for n, a in self._adapters.items() if a.slot == assignment.slot]:
+            self.forget(other)  # its slot is this adapter's now (a restored controller granted slots anew)
         try:
             resumed = self._start(assignment)
         except BaseException:

@@ -204,3 +204,18 @@ def test_ranks_agree_on_every_adapter_failure(tmp_path: Path) -> None:
         "b": "FAILED",
         "c": "FAILED",
     }
+
+
+def test_adapters_that_swap_slots_start_again_in_their_new_ones(tmp_path: Path) -> None:
+    """A restored controller may grant the resident adapters other slots (all ``needs_init``): each
+    one starts in its new slot, and the one that held it before lets go first."""
+    from tests.e2e.conftest import snapshot_of
+
+    specs = [adapter("a", 5), adapter("b", 5)]
+    _, (rl,), (fake,) = start(tmp_path, specs)
+    first = rl.step(snapshot_of(1, specs))
+    assert {n: r.step for n, r in first.results.items()} == {"a": 1, "b": 1}
+    swapped = rl.step(snapshot_of(2, specs[::-1], init=True))  # b -> slot 0, a -> slot 1, fresh
+    assert not swapped.failed and {n: r.step for n, r in swapped.results.items()} == {"a": 1, "b": 1}
+    assert {s: o.name for s, o in fake.slots.items()} == {0: "b", 1: "a"}
+    assert (rl.residents["a"].slot, rl.residents["b"].slot) == (1, 0)
