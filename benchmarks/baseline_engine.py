@@ -21,8 +21,9 @@ from torch import Tensor
 
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
 from miles_multilora.rollout.routing import check_servable_slots, per_sequence_slots, slot_routing
-from miles_multilora.rollout.sampling import make_generator, sample_token, token_logprobs
+from miles_multilora.rollout.sampling import token_logprobs
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
+from miles_multilora.testing.sampling import make_generator, sample_token
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
 

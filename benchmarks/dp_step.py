@@ -1,7 +1,7 @@
 """Data-parallel RL step scaling: DP=n trainer ranks (one process and GPU each, NCCL; gloo on CPU)
 against DP=1 on the same per-rank work.
 
-Each rank is a :class:`TrainerWorker` built in-process by a spawned process (no Ray). Every step
+Each rank is an :class:`~miles_multilora.rl.RLStep` on a trainer rank built in-process by a spawned process (no Ray). Every step
 mixes ``--adapters`` adapters; each has ``--prompts`` prompts x ``--samples`` samples *per DP rank*
 (so DP=2 runs twice the global batch of DP=1). The layouts run one after another (a world per
 layout), DP=1 first and last as the control for drift; each runs ``--warmup`` untimed steps, then
@@ -41,7 +41,7 @@ def _rank_main(
     os.environ.setdefault(
         "MILES_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // world))
     )  # no oversubscription
-    from miles_multilora.trainer.worker import TrainerWorker
+    from miles_multilora.rl import RLStep
 
     if args.watchdog:  # a stuck rank prints every thread's stack and exits
         import faulthandler
@@ -49,10 +49,10 @@ def _rank_main(
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
 
     rl_step.use_synthetic_prompts(args.prompt_len)
-    worker = TrainerWorker(rl_step.run_config(Path(out) / "run", args, dp=dp, tp=tp), rank, world)
+    worker = RLStep.build(rl_step.run_config(Path(out) / "run", args, dp=dp, tp=tp), rank, world)
     rng = random.Random(1)
-    worker.engine.eos_token_ids = set(
-        rng.sample(range(worker.vocab_size), max(1, worker.vocab_size // args.mean_len))
+    worker.rank.engine.eos_token_ids = set(
+        rng.sample(range(worker.rank.vocab_size), max(1, worker.rank.vocab_size // args.mean_len))
     )
     specs = [[rl_step.spec(f"a{i}", args.prompts * dp, args) for i in range(args.adapters)]]
     rows = rl_step.schedule(worker, specs, args.steps, args.warmup)
@@ -110,7 +110,7 @@ def main() -> None:
         step = statistics.median(r["step_s"] for r in rows)
         agg = {
             "step_s": step,
-            "gen_s": statistics.median(r["generate_reward_s"] for r in rows),
+            "gen_s": statistics.median(r["rollout_s"] for r in rows),
             "train_s": statistics.median(r["train_s"] for r in rows),
             "tokens": statistics.median(r["generated"] + r["trained"] for r in rows),
             "rank_share": rows[-1]["rank_trained"] / max(rows[-1]["trained"], 1),
@@ -125,7 +125,7 @@ def main() -> None:
         if a["dp"] == 1:
             base.setdefault(a["tp"], []).append(a["tokens"] / a["step_s"])
     header = (
-        f"{'layout':>14} {'step s':>7} {'gen+rwd s':>9} {'train s':>8} {'tokens/step':>11} {'tokens/s':>9} "
+        f"{'layout':>14} {'step s':>7} {'rollout s':>9} {'train s':>8} {'tokens/step':>11} {'tokens/s':>9} "
         f"{'vs DP=1':>8} {'rank 0 share':>12} {'peak GB':>8}"
     )
     print("\n" + header)

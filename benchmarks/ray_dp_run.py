@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     from miles_multilora.config.run import config_from_container
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     data = REPO / "tests" / "e2e" / "data" / "toy_prompts.jsonl"
     adapters = [

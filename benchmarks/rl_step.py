@@ -9,7 +9,8 @@ prompts, up to ``--new-tokens`` new tokens; lengths vary as in a real run: a ran
 share of the vocabulary ends a sample (EOS at random points, decided on the device). Each schedule
 runs ``--warmup`` untimed steps (graph capture, kernel compiles), then ``--steps`` timed ones.
 Prints each timed generation (seconds, generated tokens/s, peak and mean rows decoding at once,
-preempted rows, peak KV pages held), then each phase (generate + reward, train, sync, checkpoint),
+preempted rows, peak KV pages held), then each phase (rollout: generate + reward, train: forward/backward +
+optimizer step + version sync, eval, checkpoint),
 tokens/s, the train phase's MFU (``4 x base parameters x trained tokens`` per second over
 ``--peak-tflops``, see docs/benchmarks.md), peak memory, and the ratios (a)/(b) and (c)/(a).
 
@@ -30,13 +31,14 @@ from typing import Any
 
 import torch
 
+import miles_multilora.rl.step as rl_step_module
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.config.run import config_from_container
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.data import source
 from miles_multilora.data.datasets import AdapterDataset
 from miles_multilora.data.records import DatasetRow
-from miles_multilora.trainer.worker import TrainerWorker
+from miles_multilora.rl import RLStep
 
 SHAPE = dict(layers=24, hidden=2048, ffn=5632, heads=16, groups=4, vocab=151936)
 CPU_SHAPE = dict(layers=2, hidden=128, ffn=256, heads=4, groups=2, vocab=512)
@@ -44,7 +46,7 @@ CPU_SHAPE = dict(layers=2, hidden=128, ffn=256, heads=4, groups=2, vocab=512)
 # the parameters a token uses: each expert's weights times top-k / experts)
 MOE_SHAPE = dict(layers=8, hidden=2048, ffn=768, heads=32, groups=4, vocab=151936, experts=128, topk=8)
 MOE_CPU_SHAPE = dict(CPU_SHAPE, ffn=64, experts=8, topk=2)
-PHASES = ("generate_reward_s", "train_s", "sync_s", "checkpoint_s", "setup_s", "step_s")
+PHASES = ("rollout_s", "train_s", "eval_s", "checkpoint_s", "setup_s", "step_s")
 
 
 def active_base_params(model: torch.nn.Module, expert_share: float) -> float:
@@ -143,7 +145,7 @@ def generation_report(engine: Any, before: dict[str, float], timing: dict[str, f
     cache = getattr(engine, "_cache", None)
     return {
         **delta,
-        "generation_s": timing["generate_reward_s"],
+        "generation_s": timing["rollout_s"],
         "peak_rows": stats["peak_rows"],
         "mean_rows": delta["row_steps"] / max(delta["decode_steps"], 1),
         "peak_pages": stats["peak_pages"],
@@ -163,17 +165,17 @@ def print_generation(step: int, gen: dict[str, float], generated: float, max_row
     )  # fmt: skip
 
 
-def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) -> list[dict[str, float]]:
+def schedule(worker: RLStep, specs: list[dict], steps: int, warmup: int) -> list[dict[str, float]]:
     """Run ``warmup + steps`` steps over ``specs`` (a list per step: who runs); timings of the last
     ``steps``, each with its generation's engine stats (:func:`generation_report`)."""
     rows = []
-    engine = worker.engine
+    engine = worker.rank.engine
     for i in range(warmup + steps):
         running = []
         for raw in specs[i % len(specs)]:
             parsed = parse_adapter_spec(raw, max_rank=64)
-            step = worker.steps.get(parsed.name, 0)
-            init = parsed.name not in worker.resident
+            step = worker.versions().get(parsed.name, 0)
+            init = parsed.name not in worker.residents
             slot = len(running)
             running.append(
                 SlotAssignment(parsed.name, f"{parsed.name}-1", slot, parsed, step, step, None, init)
@@ -184,12 +186,12 @@ def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) 
         if hasattr(engine, "reset_peaks"):
             engine.reset_peaks()
         out = worker.step(Snapshot(i + 1, worker.cfg.lora.num_slots, tuple(running), (), ()))
-        if out["failed"]:
-            raise RuntimeError(f"adapters failed in the step: {out['failed']}")
+        if out.failed:
+            raise RuntimeError(f"adapters failed in the step: {out.failed}")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if i >= warmup:
-            timing = dict(out["timing"])
+            timing = dict(out.timing)
             timing["generated"] = timing["tokens_per_s"] * timing["step_s"]
             timing["trained"] = worker.last_train_tokens
             timing["generation"] = generation_report(engine, before, timing)
@@ -200,26 +202,26 @@ def schedule(worker: TrainerWorker, specs: list[dict], steps: int, warmup: int) 
     return rows
 
 
-def profile_last_train(worker: TrainerWorker, calls: int) -> None:
-    """Wrap the worker's train phase: the ``calls``-th call runs under ``torch.profiler`` and prints
+def profile_last_train(calls: int) -> None:
+    """Wrap the RL step's train phase: the ``calls``-th call runs under ``torch.profiler`` and prints
     host and device time and the top device kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    train, count = worker._train, [0]
+    train, count = rl_step_module.train, [0]
 
-    def profiled(groups):  # noqa: ANN001, ANN202
+    def profiled(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         count[0] += 1
         if count[0] != calls:
-            return train(groups)
+            return train(*args, **kwargs)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=activities) as prof:
-            out = train(groups)
+            out = train(*args, **kwargs)
         events = prof.key_averages()
         sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(events.table(sort_by=sort, row_limit=30, max_name_column_width=60))
         return out
 
-    worker._train = profiled
+    rl_step_module.train = profiled
 
 
 def add_workload_args(
@@ -286,11 +288,11 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
     use_synthetic_prompts(args.prompt_len)
-    worker = TrainerWorker(run_config(tmp / "out", args))
-    vocab = worker.vocab_size
+    worker = RLStep.build(run_config(tmp / "out", args))
+    vocab = worker.rank.vocab_size
     rng = random.Random(1)
-    worker.engine.eos_token_ids = set(rng.sample(range(vocab), max(1, vocab // args.mean_len)))
-    base_params = active_base_params(worker.model, args.topk / args.experts if args.moe else 1.0)
+    worker.rank.engine.eos_token_ids = set(rng.sample(range(vocab), max(1, vocab // args.mean_len)))
+    base_params = active_base_params(worker.rank.model, args.topk / args.experts if args.moe else 1.0)
     total = args.adapters * args.prompts
     plans = {
         "a": (f"(a) {args.adapters} adapters mixed", [[spec(f"a{i}", args.prompts, args) for i in range(args.adapters)]]),
@@ -298,7 +300,7 @@ def main() -> None:
         "c": ("(c) 1 adapter at a time", [[spec("c0", args.prompts, args)]]),
     }  # fmt: skip
     if args.profile:
-        profile_last_train(worker, args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
+        profile_last_train(args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{base_params / 1e9:.2f} B base parameters{' active per token' if args.moe else ''} on {device}; {args.adapters} x {args.prompts} prompts x "
           f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len}); "
@@ -324,10 +326,10 @@ def main() -> None:
             agg["generation"]["peak_rows"] = max(g["peak_rows"] for g in gens)
             agg["generation"]["peak_pages"] = max(g["peak_pages"] for g in gens)
         results[key] = agg
-        worker.clear_slots(tuple(range(args.adapters)))  # the next schedule starts from empty slots
+        worker.residents.clear_slots(tuple(range(args.adapters)))  # the next schedule starts from empty slots
         print(f"  ran {title}: {len(rows)} timed steps in {agg['wall_s']:.1f} s")
     header = (
-        f"{'schedule':>26} {'round s':>8} {'gen+rwd s':>9} {'train s':>8} {'sync s':>7} {'ckpt s':>7} "
+        f"{'schedule':>26} {'round s':>8} {'rollout s':>9} {'train s':>8} {'eval s':>7} {'ckpt s':>7} "
         f"{'gen tok/s':>10} {'train tok/s':>11} {'train MFU':>9} {'peak GB':>8}"
     )
     print(
@@ -338,8 +340,8 @@ def main() -> None:
     for key, agg in results.items():
         mfu = 4 * base_params * agg["trained"] / max(agg["train_s"], 1e-9) / (args.peak_tflops * 1e12)
         print(
-            f"{plans[key][0]:>26} {agg['step_s']:>8.2f} {agg['generate_reward_s']:>9.2f} {agg['train_s']:>8.2f} "
-            f"{agg['sync_s']:>7.2f} {agg['checkpoint_s']:>7.2f} {agg['generated'] / agg['generate_reward_s']:>10.0f} "
+            f"{plans[key][0]:>26} {agg['step_s']:>8.2f} {agg['rollout_s']:>9.2f} {agg['train_s']:>8.2f} "
+            f"{agg['eval_s']:>7.2f} {agg['checkpoint_s']:>7.2f} {agg['generated'] / agg['rollout_s']:>10.0f} "
             f"{agg['trained'] / agg['train_s']:>11.0f} {mfu:>9.1%} {agg['peak_gb']:>8.1f}"
         )
     if any("generation" in agg for agg in results.values()):
@@ -357,8 +359,8 @@ def main() -> None:
                 continue
             g = agg["generation"]
             print(
-                f"{plans[key][0]:>26} {agg['generate_reward_s']:>7.2f} "
-                f"{agg['generated'] / agg['generate_reward_s']:>10.0f} "
+                f"{plans[key][0]:>26} {agg['rollout_s']:>7.2f} "
+                f"{agg['generated'] / agg['rollout_s']:>10.0f} "
                 f"{g['peak_rows']:>9.0f} {g['mean_rows']:>9.1f} {g['decode_steps']:>12.0f} "
                 f"{g['preemptions']:>9.1f} {g['peak_pages']:>10.0f} {g['cache_pages']:>9.0f}"
             )  # fmt: skip

@@ -72,7 +72,7 @@ def timing_table(steps: list[dict[str, float]], warmup: int) -> Table:
 def run(overrides: list[str], console: Console) -> Path:
     """Train with ``configs/train.yaml`` + ``overrides``; returns the run's metrics.jsonl."""
     from miles_multilora.config.run import load_run_config
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     if not any(o.startswith("trainer.output_dir=") for o in overrides):
         overrides = [*overrides, f"trainer.output_dir={tempfile.mkdtemp(prefix='step_time_')}"]

@@ -22,8 +22,8 @@ from torch import nn
 from miles_multilora.lora import MultiLoRALinear
 from miles_multilora.lora.row_delta import RowShrink
 from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
-from miles_multilora.lora.testing import randomize_slots
 from miles_multilora.rollout import decode_fusions
+from miles_multilora.testing.lora import randomize_slots
 
 CALLS = 24
 

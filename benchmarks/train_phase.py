@@ -4,7 +4,7 @@ built in-process (no Ray).
 A fixed RL-shaped row set (``--adapters`` x ``--prompts`` x ``--samples`` rows of a ``--prompt-len``
 prompt and a response whose length is geometric with mean ``--mean-len``, capped at
 ``--new-tokens``: EOS at random points) goes through the trainer's own ``forward_backward`` with the
-GRPO loss and ``optim_step``, exactly as in :meth:`TrainerWorker._train`. Each setting
+GRPO loss and ``optim_step``, exactly as in :func:`miles_multilora.rl.train.train`. Each setting
 ``KERNELS:TOKENS:ROWS`` (``fused``: the fused attention, RoPE, SwiGLU and LM-head reductions;
 ``megatron``: Megatron's attention, RoPE and MLP and PyTorch LM-head reductions, the path before them;
 a ``+stacked`` suffix: the base weights are views of the embedded engine's stacked buffers, as after
@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rl_step  # noqa: E402  (the shared model shape and workload flags)
 
 from miles_multilora.algo import chunked_logprobs  # noqa: E402
-from miles_multilora.algo.losses import adapter_normalizers  # noqa: E402
 from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
-from miles_multilora.lora import init_slot, stacked_shrink  # noqa: E402
+from miles_multilora.lora import stacked_shrink  # noqa: E402
 from miles_multilora.lora.inject import multi_lora_layers  # noqa: E402
 from miles_multilora.models import provider  # noqa: E402
+from miles_multilora.rl.train import rl_loss, step_normalizers  # noqa: E402
 from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
-from miles_multilora.trainer.worker import TrainerWorker  # noqa: E402
+from miles_multilora.trainer.rank import TrainerRank  # noqa: E402
 
 KERNELS = ("fused", "megatron", "fused+stacked", "megatron+stacked")
 
@@ -76,51 +76,46 @@ def rl_rows(args: argparse.Namespace, vocab: int, seed: int = 0) -> list[ScoredR
     return rows
 
 
-def step_rows(
-    args: argparse.Namespace, worker: TrainerWorker, seed: int
-) -> tuple[list[ScoredRow], dict, int]:
-    """One step's rows (lengths drawn with ``seed``), their per-adapter loss normalisers, their tokens."""
-    rows = rl_rows(args, worker.vocab_size, seed)
-    mask = torch.zeros(len(rows), max(r.width for r in rows))
-    for i, r in enumerate(rows):
-        mask[i, : r.width] = 1
-    normalizers = adapter_normalizers(mask, torch.tensor([r.slot for r in rows]), worker.algo.aggregation)
-    return rows, normalizers, sum(len(r.tokens) for r in rows)
+def step_rows(args: argparse.Namespace, rank: TrainerRank, seed: int) -> tuple[list[ScoredRow], dict, int]:
+    """One step's rows (lengths drawn with ``seed``), their per-slot loss normalisers, their tokens."""
+    rows = rl_rows(args, rank.vocab_size, seed)
+    return rows, step_normalizers(rows, rank.cfg.algo.resolved()), sum(len(r.tokens) for r in rows)
 
 
-def train_once(worker: TrainerWorker, rows: list[ScoredRow], normalizers: dict[int, float]) -> float:
+def train_once(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, float]) -> float:
     """One train phase (forward/backward of every row, then the optimizer step); seconds."""
+    loss = rl_loss(rank.cfg.algo.resolved(), normalizers)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    result = worker.forward_backward(rows, worker._rl_loss(normalizers), return_logprobs=False)
-    worker.optim_step(sorted({r.slot for r in rows}), result.per_slot)
+    rank.forward_backward(rows, loss, return_logprobs=False)
+    rank.optim_step(sorted({r.slot for r in rows}))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def apply_setting(worker: TrainerWorker, setting: tuple[str, int, int]) -> None:
+def apply_setting(rank: TrainerRank, setting: tuple[str, int, int]) -> None:
     kernels, tokens, micro_rows = setting
     kernels, stacked = kernels.removesuffix("+stacked"), kernels.endswith("+stacked")
-    layers = multi_lora_layers(worker.model)
+    layers = multi_lora_layers(rank.model)
     if stacked:  # the base weights as views of the rollout's stacked buffers (lora/stacked_shrink.py)
         stacked_shrink.sync_stacked(layers)
     else:
         stacked_shrink.unstack(layers)
-    provider.set_fused_kernels(worker.model, kernels == "fused")
+    provider.set_fused_kernels(rank.model, kernels == "fused")
     chunked_logprobs.FUSED = kernels == "fused"
-    worker.cfg.trainer.max_tokens_per_micro_batch = tokens
-    worker.cfg.trainer.micro_batch_size = micro_rows
+    rank.cfg.trainer.max_tokens_per_micro_batch = tokens
+    rank.cfg.trainer.micro_batch_size = micro_rows
 
 
-def profile(worker: TrainerWorker, rows: list[ScoredRow], normalizers: dict[int, float]) -> None:
+def profile(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, float]) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch_profile(activities=activities) as prof:
-        seconds = train_once(worker, rows, normalizers)
+        seconds = train_once(rank, rows, normalizers)
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events)
     print(f"\nprofile of one train phase: {seconds:.2f} s wall, {device_us / 1e6:.2f} s of device kernels")
@@ -141,13 +136,14 @@ def main() -> None:
         args.settings = "megatron:0:8,fused:0:8,fused:2048:32"
     settings = parse_settings(args.settings)
 
-    worker = TrainerWorker(rl_step.run_config(Path(tempfile.mkdtemp(prefix="train_phase_")) / "out", args))
+    rank = TrainerRank(rl_step.run_config(Path(tempfile.mkdtemp(prefix="train_phase_")) / "out", args))
     spec = parse_adapter_spec(rl_step.spec("a", args.prompts, args), max_rank=64)
     for slot in range(args.adapters):
-        init_slot(worker.model, slot, spec.rank, spec.alpha, seed=slot, optimizer=worker.optimizer)
-        worker.optimizer.configure_slot(slot, spec.optimizer, total_steps=spec.num_steps)
-    rounds = [step_rows(args, worker, seed) for seed in range(args.warmup + args.steps)]
-    base_params = sum(p.numel() for n, p in worker.model.named_parameters() if "lora_" not in n)
+        rank.open_slot(
+            slot, spec.rank, spec.alpha, slot, spec.optimizer, f"a{slot}", total_steps=spec.num_steps
+        )
+    rounds = [step_rows(args, rank, seed) for seed in range(args.warmup + args.steps)]
+    base_params = sum(p.numel() for n, p in rank.model.named_parameters() if "lora_" not in n)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows, tokens = len(rounds[0][0]), sum(r[2] for r in rounds[args.warmup :])
     print(f"{base_params / 1e9:.2f} B base parameters on {device}; {rows} rows and ~{tokens // args.steps} tokens per round "
@@ -157,10 +153,10 @@ def main() -> None:
     peaks: dict[int, float] = {}
     for round_index, (round_rows, normalizers, _) in enumerate(rounds):
         for i, setting in enumerate(settings):
-            apply_setting(worker, setting)
+            apply_setting(rank, setting)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            seconds = train_once(worker, round_rows, normalizers)
+            seconds = train_once(rank, round_rows, normalizers)
             if round_index >= args.warmup:
                 times[i].append(seconds)
                 if torch.cuda.is_available():
@@ -183,8 +179,8 @@ def main() -> None:
         print(f"{kernels:>10} {budget or '-':>7} {micro_rows:>5} {seconds:>8.2f} {rate:>9.0f} "
               f"{mfu:>6.1%} {peak:>8} {control / seconds:>7.2f}x")  # fmt: skip
     if args.profile >= 0:
-        apply_setting(worker, settings[args.profile])
-        profile(worker, *step_rows(args, worker, seed=10_000)[:2])
+        apply_setting(rank, settings[args.profile])
+        profile(rank, *step_rows(args, rank, seed=10_000)[:2])
 
 
 if __name__ == "__main__":

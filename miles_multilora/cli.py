@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     third_party_noise.install()
     try:
         if args.command in (*CLIENT_COMMANDS, "schedule"):
-            from miles_multilora.controller.token import read_token
+            from miles_multilora.api_token import read_token
 
             args.token = read_token(args.token_file, key="--token-file")
         if args.command in CLIENT_COMMANDS:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if not third_party_noise.showing_everything():
             console.print(f"[dim]{third_party_noise.NOTE}[/dim]", highlight=False, soft_wrap=True)
         if args.command == "train":
-            from miles_multilora.trainer.run import run_training
+            from miles_multilora.launch.run import run_training
 
             run_training(cfg)
         elif args.command == "tinker-serve":
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
             serve_forever(cfg, console)
         else:
-            from miles_multilora.trainer.service import run_service
+            from miles_multilora.launch.service import run_service
 
             run_service(cfg)
         return 0

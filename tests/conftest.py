@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from miles_multilora.lora.testing import patch_triton_interpreter  # noqa: E402
+    from miles_multilora.testing.lora import patch_triton_interpreter  # noqa: E402
 
     patch_triton_interpreter()
 

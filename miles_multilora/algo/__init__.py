@@ -1,14 +1,14 @@
-"""RL algorithms: GRPO/DAPO advantages, dynamic sampling, per-adapter policy loss and KL."""
+"""RL algorithms: GRPO/DAPO advantages, dynamic sampling, per-slot policy loss and KL."""
 
 from miles_multilora.algo.advantages import group_advantages, grpo_advantages
 from miles_multilora.algo.config import AlgoConfig
 from miles_multilora.algo.dynamic_sampling import DynamicSamplingResult, dynamic_sampling, is_informative
 from miles_multilora.algo.losses import (
     PolicyLossOutput,
-    adapter_normalizers,
-    aggregate_per_adapter,
+    aggregate_per_slot,
     kl_penalty,
     policy_loss,
+    slot_normalizers,
 )
 from miles_multilora.algo.overlong import overlong_penalty
 
@@ -16,8 +16,7 @@ __all__ = [
     "AlgoConfig",
     "DynamicSamplingResult",
     "PolicyLossOutput",
-    "adapter_normalizers",
-    "aggregate_per_adapter",
+    "aggregate_per_slot",
     "dynamic_sampling",
     "group_advantages",
     "grpo_advantages",
@@ -25,4 +24,5 @@ __all__ = [
     "kl_penalty",
     "overlong_penalty",
     "policy_loss",
+    "slot_normalizers",
 ]

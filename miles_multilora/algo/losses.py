@@ -1,10 +1,10 @@
-"""Policy loss (PPO clip with clip-higher, optional TIS and KL), normalised per adapter.
+"""Policy loss (PPO clip with clip-higher, optional TIS and KL), normalised per slot.
 
-A mixed batch holds sequences of many adapters. Each adapter's loss is aggregated over its own
-tokens (``token_mean``) or its own sequences (``seq_mean``) only, and the batch loss is the sum
-of the adapters' losses, so the gradient an adapter receives never depends on who else is in the
-batch. For gradient accumulation over micro-batches pass ``normalizers`` computed once over the
-whole step with :func:`adapter_normalizers`; the micro-batch losses then sum to the step loss.
+A mixed batch holds sequences of many adapters, each in its own slot. Each slot's loss is
+aggregated over its own tokens (``token_mean``) or its own sequences (``seq_mean``) only, and the
+batch loss is the sum of the slots' losses, so the gradient an adapter receives never depends on who
+else is in the batch. For gradient accumulation over micro-batches pass ``normalizers`` computed once
+over the whole step with :func:`slot_normalizers`; the micro-batch losses then sum to the step loss.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from miles_multilora.algo.config import AGGREGATIONS, AlgoConfig
 
 @dataclass
 class PolicyLossOutput:
-    """``loss``: scalar to backprop (sum of per-adapter losses); ``per_adapter``: id -> metrics."""
+    """``loss``: scalar to backprop (sum of the slots' losses); ``per_slot``: slot -> metrics."""
 
     loss: torch.Tensor
-    per_adapter: dict[int, dict[str, float]] = field(default_factory=dict)
+    per_slot: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -45,32 +45,31 @@ def _check_aggregation(aggregation: str) -> None:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
 
 
-def adapter_normalizers(mask: torch.Tensor, adapter_ids: torch.Tensor, aggregation: str) -> dict[int, float]:
-    """Each adapter's loss denominator: its number of loss tokens (token_mean) or sequences (seq_mean)."""
+def slot_normalizers(mask: torch.Tensor, slots: torch.Tensor, aggregation: str) -> dict[int, float]:
+    """Each slot's loss denominator: its number of loss tokens (token_mean) or sequences (seq_mean)."""
     _check_aggregation(aggregation)
     per_row = mask.float().sum(dim=1) if aggregation == "token_mean" else torch.ones(mask.shape[0])
-    ids = adapter_ids.detach().cpu().tolist()
     out: dict[int, float] = {}
-    for aid, value in zip(ids, per_row.detach().cpu().tolist(), strict=True):
-        out[int(aid)] = out.get(int(aid), 0.0) + float(value)
+    for slot, value in zip(slots.detach().cpu().tolist(), per_row.detach().cpu().tolist(), strict=True):
+        out[int(slot)] = out.get(int(slot), 0.0) + float(value)
     return out
 
 
-def aggregate_per_adapter(
+def aggregate_per_slot(
     values: torch.Tensor,
     mask: torch.Tensor,
-    adapter_ids: torch.Tensor,
+    slots: torch.Tensor,
     aggregation: str,
     normalizers: Mapping[int, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Aggregate per-token ``values`` [B, T] into one value per adapter.
+    """Aggregate per-token ``values`` [B, T] into one value per slot.
 
-    Returns ``(unique_ids, per_adapter_values)``. token_mean: sum of the adapter's masked values
-    over its token count; seq_mean: mean over its sequences of each sequence's token mean.
+    Returns ``(unique_slots, per_slot_values)``. token_mean: sum of the slot's masked values over
+    its token count; seq_mean: mean over its sequences of each sequence's token mean.
     """
     _check_aggregation(aggregation)
     mask = mask.to(values.dtype)
-    ids, inverse = torch.unique(adapter_ids.to(values.device), return_inverse=True)
+    ids, inverse = torch.unique(slots.to(values.device), return_inverse=True)
     row_sum = (values * mask).sum(dim=1)
     row_len = mask.sum(dim=1)
     if aggregation == "token_mean":
@@ -85,7 +84,7 @@ def aggregate_per_adapter(
     else:
         missing = [int(i) for i in ids.tolist() if int(i) not in normalizers]
         if missing:
-            raise KeyError(f"normalizers has no entry for adapter ids {missing}")
+            raise KeyError(f"normalizers has no entry for slots {missing}")
         denom = torch.tensor(
             [float(normalizers[int(i)]) for i in ids.tolist()], dtype=values.dtype, device=values.device
         )
@@ -97,17 +96,17 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    adapter_ids: torch.Tensor,
+    slots: torch.Tensor,
     config: AlgoConfig | None = None,
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     normalizers: Mapping[int, float] | None = None,
 ) -> PolicyLossOutput:
-    """Clipped policy-gradient loss summed over adapters, each normalised over its own tokens.
+    """Clipped policy-gradient loss summed over slots, each normalised over its own tokens.
 
     Shapes: ``logprobs``, ``old_logprobs``, ``mask`` (and ``ref_logprobs``, ``rollout_logprobs``)
-    are ``[B, T]``; ``advantages`` is ``[B]`` or ``[B, T]``; ``adapter_ids`` is ``[B]`` (slot or
-    any integer id per sequence). ``old_logprobs`` are the logprobs the importance ratio is taken
+    are ``[B, T]``; ``advantages`` is ``[B]`` or ``[B, T]``; ``slots`` is ``[B]`` (each sequence's
+    slot, or any integer id that groups sequences). ``old_logprobs`` are the logprobs the importance ratio is taken
     against (the rollout's). With ``config.tis_cap`` and ``rollout_logprobs`` given, each token is
     weighted by ``min(exp(old - rollout), tis_cap)`` (truncated importance sampling for a rollout
     engine whose logprobs differ from the trainer's). ``ref_logprobs`` (base model, slot -1) adds
@@ -120,8 +119,8 @@ def policy_loss(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
             f"{tuple(mask.shape)} must have the same [batch, seq] shape"
         )
-    if adapter_ids.shape != (logprobs.shape[0],):
-        raise ValueError(f"adapter_ids must be [batch]={logprobs.shape[0]}, got {tuple(adapter_ids.shape)}")
+    if slots.shape != (logprobs.shape[0],):
+        raise ValueError(f"slots must be [batch]={logprobs.shape[0]}, got {tuple(slots.shape)}")
     logprobs = logprobs.float()
     adv = advantages.float().to(logprobs.device)
     if adv.dim() == 1:
@@ -148,28 +147,26 @@ def policy_loss(
         if cfg.kl_coef > 0:
             total = total + cfg.kl_coef * kl
 
-    ids, loss_per_adapter = aggregate_per_adapter(total, mask_f, adapter_ids, cfg.aggregation, normalizers)
-    loss = loss_per_adapter.sum()
+    ids, loss_per_slot = aggregate_per_slot(total, mask_f, slots, cfg.aggregation, normalizers)
+    loss = loss_per_slot.sum()
 
     with torch.no_grad():
-        columns = {"loss": loss_per_adapter.detach()}
-        columns["pg_loss"] = aggregate_per_adapter(
-            pg.detach(), mask_f, adapter_ids, cfg.aggregation, normalizers
-        )[1]
+        columns = {"loss": loss_per_slot.detach()}
+        columns["pg_loss"] = aggregate_per_slot(pg.detach(), mask_f, slots, cfg.aggregation, normalizers)[1]
         for name, values in (
             ("clip_frac", clipped),
             ("ratio_mean", ratio.detach()),
             ("tis_clip_frac", tis_clipped),
         ):
-            columns[name] = aggregate_per_adapter(values, mask_f, adapter_ids, "token_mean")[1]
+            columns[name] = aggregate_per_slot(values, mask_f, slots, "token_mean")[1]
         if kl is not None:
-            columns["kl"] = aggregate_per_adapter(kl.detach(), mask_f, adapter_ids, "token_mean")[1]
-        columns["num_tokens"] = aggregate_per_adapter(
-            mask_f, mask_f, adapter_ids, "token_mean", {int(i): 1.0 for i in ids.tolist()}
+            columns["kl"] = aggregate_per_slot(kl.detach(), mask_f, slots, "token_mean")[1]
+        columns["num_tokens"] = aggregate_per_slot(
+            mask_f, mask_f, slots, "token_mean", {int(i): 1.0 for i in ids.tolist()}
         )[1]
         names = list(columns)
         table = torch.stack([columns[n].float() for n in names], dim=1).cpu().tolist()
-    per_adapter = {
-        int(aid): dict(zip(names, row, strict=True)) for aid, row in zip(ids.tolist(), table, strict=True)
+    per_slot = {
+        int(slot): dict(zip(names, row, strict=True)) for slot, row in zip(ids.tolist(), table, strict=True)
     }
-    return PolicyLossOutput(loss=loss, per_adapter=per_adapter)
+    return PolicyLossOutput(loss=loss, per_slot=per_slot)

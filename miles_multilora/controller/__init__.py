@@ -1,7 +1,8 @@
 """The MultiLoRA controller: which adapters train, in which slot, and their life cycle.
 
 - :mod:`.core` — :class:`ControllerCore`, plain Python (registry, state machine, slots, persistence)
-- :mod:`.snapshot` — :class:`Snapshot`, the immutable per-step view the trainer acts on
+- :mod:`.snapshot` — :class:`Snapshot`, the immutable per-step view the trainer acts on, and
+  :class:`StepReport`, the trainer's answer (an :class:`AdapterResult` per adapter)
 - :mod:`.http_api` — :class:`ControllerHTTPServer`, the JSON HTTP API
 - :mod:`.client` / :mod:`.commands` — HTTP client and the submit/status/cancel/list subcommands
 - :mod:`.actor` — the named (detached in service mode) Ray actor; import it explicitly, this
@@ -18,11 +19,12 @@ from miles_multilora.controller.errors import (
     IllegalTransitionError,
     UnknownAdapterError,
 )
-from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
+from miles_multilora.controller.snapshot import AdapterResult, Resumed, SlotAssignment, Snapshot, StepReport
 from miles_multilora.controller.states import AdapterState, SlotState
 
 __all__ = [
     "AdapterConflictError",
+    "AdapterResult",
     "AdapterState",
     "ControllerAuthError",
     "ControllerCore",
@@ -30,8 +32,10 @@ __all__ = [
     "ControllerStateError",
     "ControllerUnavailableError",
     "IllegalTransitionError",
+    "Resumed",
     "SlotAssignment",
     "SlotState",
     "Snapshot",
+    "StepReport",
     "UnknownAdapterError",
 ]

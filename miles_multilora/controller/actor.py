@@ -29,17 +29,12 @@ import ray
 from ray.actor import ActorHandle
 
 from miles_multilora import child_process
-from miles_multilora.controller.admission import AdmissionRules
-from miles_multilora.controller.core import (
-    DEFAULT_HISTORY_RETENTION,
-    ControllerCore,
-    ResourceValidator,
-    SpecSource,
-)
+from miles_multilora.controller.admission import AdmissionRules, ResourceValidator
+from miles_multilora.controller.core import DEFAULT_HISTORY_RETENTION, ControllerCore, SpecSource
 from miles_multilora.controller.endpoint import write_endpoint
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.http_api import ControllerHTTPServer
-from miles_multilora.controller.snapshot import Snapshot
+from miles_multilora.controller.snapshot import AdapterResult, Snapshot
 from miles_multilora.errors import ConfigError
 
 DEFAULT_NAME = "multilora_controller"
@@ -106,7 +101,7 @@ class ControllerActor:
     def snapshot(self) -> Snapshot:
         return self._core.snapshot()
 
-    def report_step(self, results: Mapping[str, Mapping[str, Any]]) -> None:
+    def report_step(self, results: Mapping[str, AdapterResult]) -> None:
         self._core.report_step(results)
 
     def mark_done(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:

@@ -4,21 +4,29 @@ A spec that would fail inside the trainer is refused at registration where that 
 (a 400 naming the key, nothing changed), instead of becoming a FAILED adapter later. Specs that
 came over the network are held to stricter rules (see :mod:`miles_multilora.data.reward_registry`):
 only built-in or operator-registered reward code, and local dataset files only under the
-operator's ``dataset_roots``.
+operator's ``dataset_roots``. A resource validator (:data:`DEFAULT_RESOURCE_VALIDATOR`) checks that a
+spec's dataset and reward resolve.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.data.datasets import looks_local
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.data.spec_checks import SpecCheckLimits, check_spec_work
-from miles_multilora.errors import SpecError
+from miles_multilora.errors import ConfigError, SpecError
 
 MIN_PROMPT_TOKENS = 1  # what sampling.max_new_tokens must leave of the context window
+ResourceValidator = Callable[[AdapterSpec], Any]
+DEFAULT_RESOURCE_VALIDATOR = "miles_multilora.data.validation:validate_adapter_resources"
 
 
 @dataclass(frozen=True)
@@ -72,3 +80,33 @@ class AdmissionRules:
     def _under_a_root(self, path: str) -> bool:
         resolved = Path(path).expanduser().resolve()
         return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in self.dataset_roots)
+
+
+def with_spec_checks(validator: ResourceValidator | None, rules: AdmissionRules) -> ResourceValidator | None:
+    """``validator`` with the operator's spec-check bounds bound, when it takes a ``checks`` argument."""
+    if validator is None:
+        return None
+    try:
+        takes_checks = "checks" in inspect.signature(validator).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature
+        takes_checks = False
+    return functools.partial(validator, checks=rules.spec_checks) if takes_checks else validator
+
+
+def resolve_resource_validator(validator: ResourceValidator | str | None) -> ResourceValidator | None:
+    """A resource validator given as a callable or as ``"package.module:function"`` (e.g.
+    :data:`DEFAULT_RESOURCE_VALIDATOR`); None means no resource check."""
+    if validator is None or callable(validator):
+        return validator
+    module_name, sep, attr = str(validator).partition(":")
+    if not sep:
+        raise ConfigError(
+            "controller.validate_resources", f"{validator!r} is not of the form 'module:function'"
+        )
+    try:
+        func = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("controller.validate_resources", f"cannot import {validator!r}: {exc}") from exc
+    if not callable(func):
+        raise ConfigError("controller.validate_resources", f"{validator!r} is not callable")
+    return func

@@ -8,19 +8,16 @@ and only then changes state (errors change nothing), then persists the new state
 Who calls what:
 
 - users (HTTP API / CLI): :meth:`register`, :meth:`cancel`, :meth:`get`, :meth:`list`
-- the trainer, once per step on rank 0::
+- the driver, once per training step (``launch/loop.py``)::
 
-      snap = core.snapshot()            # grants free slots to PENDING adapters (FIFO), then
-                                        # broadcast ``snap`` to every rank
-      for slot in snap.slots_to_clear:  # ... clear_slot(model, slot) ...
+      snap = core.snapshot()                  # grants free slots to PENDING adapters (FIFO)
+      report = ...                            # every trainer rank steps ``snap``: a StepReport
+      for slot in report.cleared:             # the slots of snap.slots_to_clear, now cleared
           core.slot_cleared(slot)
-      # (re)initialise every assignment with needs_init (fresh or from resume_checkpoint),
-      # train snap.running (+ in-flight rollouts of snap.draining), then:
-      core.report_step({name: {"trained": bool, "step": int, "checkpoint": str | None,
-                               "metrics": {...}} for name in resident adapters})
-      core.mark_done(name, final_checkpoint)      # budget reached
-      core.drained(name, final_checkpoint)        # DRAINING adapter finished its in-flight work
-      core.mark_failed(name, reason)              # its reward/data failed, ...
+      core.report_step(report.results)        # {name: AdapterResult} of the adapters it stepped
+      core.drained(name, checkpoint)          # report.drained: DRAINING adapters' final checkpoints
+      core.mark_done(name, checkpoint)        # report.finished: budget reached
+      core.mark_failed(name, reason)          # report.failed: its reward/data failed, ...
 
 - after a restart: ``ControllerCore.restore(state_dir, num_slots, max_rank)``.
 
@@ -33,17 +30,19 @@ stored as the JSON dict computed once at registration, never re-validated to be 
 from __future__ import annotations
 
 import copy
-import functools
-import importlib
-import inspect
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
-from miles_multilora.controller.admission import AdmissionRules
+from miles_multilora.controller.admission import (
+    AdmissionRules,
+    ResourceValidator,
+    resolve_resource_validator,
+    with_spec_checks,
+)
 from miles_multilora.controller.errors import (
     AdapterConflictError,
     ControllerError,
@@ -58,49 +57,17 @@ from miles_multilora.controller.record import (
     jsonable_metrics,
     public_from_history,
 )
-from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
+from miles_multilora.controller.slot_table import SlotTable
+from miles_multilora.controller.snapshot import AdapterResult, SlotAssignment, Snapshot
 from miles_multilora.controller.states import (
     AdapterState,
-    SlotState,
     check_transition,
 )
 from miles_multilora.data.reward_registry import import_reward_modules
 from miles_multilora.errors import ConfigError, SpecError
 
 SpecSource = AdapterSpec | dict[str, Any] | str | Path
-ResourceValidator = Callable[[AdapterSpec], Any]
 DEFAULT_HISTORY_RETENTION = 10_000
-DEFAULT_RESOURCE_VALIDATOR = "miles_multilora.data.validation:validate_adapter_resources"
-
-
-def _with_checks(validator: ResourceValidator | None, rules: AdmissionRules) -> ResourceValidator | None:
-    """``validator`` with the operator's spec-check bounds bound, when it takes a ``checks`` argument."""
-    if validator is None:
-        return None
-    try:
-        takes_checks = "checks" in inspect.signature(validator).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: no signature
-        takes_checks = False
-    return functools.partial(validator, checks=rules.spec_checks) if takes_checks else validator
-
-
-def resolve_resource_validator(validator: ResourceValidator | str | None) -> ResourceValidator | None:
-    """A resource validator given as a callable or as ``"package.module:function"`` (e.g.
-    :data:`DEFAULT_RESOURCE_VALIDATOR`); None means no resource check."""
-    if validator is None or callable(validator):
-        return validator
-    module_name, sep, attr = str(validator).partition(":")
-    if not sep:
-        raise ConfigError(
-            "controller.validate_resources", f"{validator!r} is not of the form 'module:function'"
-        )
-    try:
-        func = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("controller.validate_resources", f"cannot import {validator!r}: {exc}") from exc
-    if not callable(func):
-        raise ConfigError("controller.validate_resources", f"{validator!r} is not callable")
-    return func
 
 
 class ControllerCore:
@@ -114,7 +81,7 @@ class ControllerCore:
         validate_resources: optional ``f(spec)`` (or its ``"module:function"`` path) raising
             :class:`SpecError` when the adapter's dataset or reward cannot be resolved; called on
             :meth:`register` before any change (with ``checks=rules.spec_checks`` when it takes a
-            ``checks`` argument). The project's own is :data:`DEFAULT_RESOURCE_VALIDATOR`.
+            ``checks`` argument). The project's own is :data:`~miles_multilora.controller.admission.DEFAULT_RESOURCE_VALIDATOR`.
         rules: the operator's :class:`AdmissionRules` (reward modules, dataset roots, context
             window, live-adapter cap); its reward modules are imported here, once.
         history_retention: finished runs kept in the run history (older ones are forgotten).
@@ -145,14 +112,15 @@ class ControllerCore:
         self.max_rank = max_rank
         self.rules = rules or AdmissionRules()
         import_reward_modules(self.rules.reward_modules)
-        self._validate_resources = _with_checks(resolve_resource_validator(validate_resources), self.rules)
+        self._validate_resources = with_spec_checks(
+            resolve_resource_validator(validate_resources), self.rules
+        )
         self._lock = threading.RLock()
         self._runs: dict[str, AdapterRecord] = {}  # run_id -> live record, registration order
         self._latest: dict[str, str] = {}  # adapter name -> run_id of its live run
         self._history = RunHistory(state_dir, history_retention)
-        self._slot_states = [SlotState.FREE] * num_slots
+        self._slots = SlotTable(num_slots)
         self._trainer_restarts = 0  # trainer groups replaced by the driver since this controller started
-        self._slot_owner: list[str | None] = [None] * num_slots  # run_id
         self._seq = 0
         self._snapshot_id = 0
         self._state_dir = Path(state_dir) if state_dir is not None else None
@@ -260,7 +228,7 @@ class ControllerCore:
                 "max_rank": self.max_rank,
                 "snapshot_id": self._snapshot_id,
                 "adapters": counts,
-                "slots": {s.value: self._slot_states.count(s) for s in SlotState},
+                "slots": self._slots.counts(),
                 "trainer_restarts": self._trainer_restarts,
             }
 
@@ -289,38 +257,35 @@ class ControllerCore:
                 num_slots=self.num_slots,
                 running=tuple(self._assignment(r) for r in resident if r.state is AdapterState.RUNNING),
                 draining=tuple(self._assignment(r) for r in resident if r.state is AdapterState.DRAINING),
-                slots_to_clear=tuple(i for i, s in enumerate(self._slot_states) if s is SlotState.DIRTY),
+                slots_to_clear=self._slots.dirty(),
             )
             if granted:  # an idle snapshot changes nothing worth writing
                 self._commit()
             return snap
 
-    def report_step(self, results: Mapping[str, Mapping[str, Any]]) -> None:
-        """Record one training step. ``results[name] = {"trained": bool, "step": int (optional,
-        checked), "checkpoint": str | None, "metrics": dict}`` for resident adapters.
+    def report_step(self, results: Mapping[str, AdapterResult]) -> None:
+        """Record one training step: the :class:`AdapterResult` of each resident adapter it reports.
 
-        Only adapters with ``trained=True`` advance their step; a reported ``step`` must equal the
+        Only adapters that ``trained`` advance their step; a reported ``step`` must equal the
         controller's count after this step. ``checkpoint`` (a complete checkpoint at that step)
         becomes the adapter's resume point. Reporting an adapter clears its ``needs_init``.
-        ``resumed: {"checkpoint": str, "step": int}`` says the trainer had to resume the adapter
-        from an older checkpoint than the controller's (the newer one was missing or unreadable):
-        the controller's count goes back to that step first.
+        ``resumed`` says the trainer had to resume the adapter from an older checkpoint than the
+        controller's (the newer one was missing or unreadable): the controller's count goes back to
+        that step first. Nothing changes unless every result checks out.
         """
         with self._lock:
-            updates = []
-            for name, result in results.items():
-                resumed = result.get("resumed") if isinstance(result, Mapping) else None
-                updates.append((self._check_result(name, result, resumed), resumed))
+            checked = [(self._check_result(name, result), result) for name, result in results.items()]
             now = time.time()
-            for (record, trained, checkpoint, metrics), resumed in updates:
-                if resumed:
-                    record.step = record.checkpoint_step = int(resumed["step"])
-                    record.last_checkpoint = str(resumed["checkpoint"])
-                if trained:
+            for record, result in checked:
+                if result.resumed is not None:
+                    record.step = record.checkpoint_step = result.resumed.step
+                    record.last_checkpoint = result.resumed.checkpoint
+                if result.trained:
                     record.step += 1
-                if checkpoint is not None:
-                    record.last_checkpoint = checkpoint
+                if result.checkpoint is not None:
+                    record.last_checkpoint = str(result.checkpoint)
                     record.checkpoint_step = record.step
+                metrics = jsonable_metrics(dict(result.metrics))
                 if metrics:
                     record.metrics.append({"step": record.step, "time": now, **metrics})
                     record.last_eval = eval_summary(record.step, now, metrics) or record.last_eval
@@ -368,13 +333,7 @@ class ControllerCore:
         Clearing a FREE slot again is a no-op; a slot still owned raises IllegalTransitionError.
         """
         with self._lock:
-            if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-                raise ControllerError(f"slot {slot!r} does not exist (num_slots={self.num_slots})")
-            if self._slot_states[slot] is SlotState.OWNED:
-                raise IllegalTransitionError(
-                    f"slot {slot} is owned by run {self._slot_owner[slot]}; only a DIRTY slot is cleared"
-                )
-            self._slot_states[slot] = SlotState.FREE
+            self._slots.cleared(slot)
             self._commit()
 
     # ---------------------------------------------------------------- restart
@@ -439,7 +398,7 @@ class ControllerCore:
         for record in resident:
             if record.state.finished:
                 continue
-            free = core._free_slot()
+            free = core._slots.free_slot()
             if free is not None:
                 core._own(record, free)
             elif record.state is AdapterState.RUNNING:
@@ -481,8 +440,7 @@ class ControllerCore:
         record.finished_at = record.updated_at
         record.needs_init = False
         if record.slot is not None:
-            self._slot_states[record.slot] = SlotState.DIRTY
-            self._slot_owner[record.slot] = None
+            self._slots.release(record.slot)
             record.slot = None
         self._history.append(record.history_entry())
         del self._runs[record.run_id]
@@ -494,12 +452,8 @@ class ControllerCore:
             record.last_checkpoint = str(checkpoint)
             record.checkpoint_step = record.step
 
-    def _free_slot(self) -> int | None:
-        return next((i for i, s in enumerate(self._slot_states) if s is SlotState.FREE), None)
-
     def _own(self, record: AdapterRecord, slot: int) -> None:
-        self._slot_states[slot] = SlotState.OWNED
-        self._slot_owner[slot] = record.run_id
+        self._slots.own(slot, record.run_id)
         record.slot = slot
         record.needs_init = True
         record.updated_at = time.time()
@@ -510,7 +464,7 @@ class ControllerCore:
         for record in sorted(
             (r for r in self._runs.values() if r.state is AdapterState.PENDING), key=lambda r: r.seq
         ):
-            slot = self._free_slot()
+            slot = self._slots.free_slot()
             if slot is None:
                 break
             self._transition(record, AdapterState.RUNNING)
@@ -534,44 +488,25 @@ class ControllerCore:
             remote=record.remote,
         )
 
-    def _check_result(
-        self, name: str, result: Mapping[str, Any], resumed: Any = None
-    ) -> tuple[AdapterRecord, bool, str | None, dict]:
+    def _check_result(self, name: str, result: AdapterResult) -> AdapterRecord:
+        """The record ``result`` is for, when it may be applied: a RUNNING or DRAINING adapter whose
+        reported step is the controller's count after this step."""
         record = self._record(name)
         if not record.state.owns_slot:
             raise IllegalTransitionError(
                 f"step reported for adapter {name!r}, which is {record.state.value}; only RUNNING or "
                 "DRAINING adapters train"
             )
-        if not isinstance(result, Mapping) or not isinstance(result.get("trained"), bool):
-            raise ControllerError(f"result for {name!r} needs a bool 'trained', got {result!r}")
-        if resumed is not None and not (
-            isinstance(resumed, Mapping)
-            and isinstance(resumed.get("step"), int)
-            and resumed.get("checkpoint")
-        ):
-            raise ControllerError(f"result for {name!r}: 'resumed' needs 'step' and 'checkpoint'")
-        trained = result["trained"]
-        base = int(resumed["step"]) if resumed else record.step
-        expected = base + int(trained)
-        reported = result.get("step")
-        if reported is not None and reported != expected:
+        if not isinstance(result, AdapterResult):
+            raise ControllerError(f"the result for {name!r} is not an AdapterResult: {result!r}")
+        base = result.resumed.step if result.resumed is not None else record.step
+        expected = base + int(result.trained)
+        if result.step is not None and result.step != expected:
             raise ControllerError(
-                f"adapter {name!r}: trainer reports step {reported} but the controller counts {expected} "
-                f"(trained={trained}); trainer and controller disagree"
+                f"adapter {name!r}: trainer reports step {result.step} but the controller counts {expected} "
+                f"(trained={result.trained}); trainer and controller disagree"
             )
-        checkpoint = result.get("checkpoint")
-        metrics = result.get("metrics") or {}
-        if not isinstance(metrics, Mapping):
-            raise ControllerError(
-                f"result for {name!r}: 'metrics' must be a dict, got {type(metrics).__name__}"
-            )
-        return (
-            record,
-            trained,
-            None if checkpoint is None else str(checkpoint),
-            jsonable_metrics(dict(metrics)),
-        )
+        return record
 
     # ------------------------------------------------------------ persistence
 
@@ -581,8 +516,7 @@ class ControllerCore:
             "max_rank": self.max_rank,
             "seq": self._seq,
             "snapshot_id": self._snapshot_id,
-            "slots": [s.value for s in self._slot_states],
-            "slot_owners": list(self._slot_owner),
+            **self._slots.to_state(),
             "runs": [r.to_state() for r in self._runs.values()],
         }
 
@@ -611,11 +545,9 @@ class ControllerCore:
                 invalid.append((record, error))
         self._latest = {r.name: r.run_id for r in self._runs.values()}
         if reset_slots:
-            self._slot_states = [SlotState.FREE] * self.num_slots
-            self._slot_owner = [None] * self.num_slots
+            self._slots.reset()
         else:
-            self._slot_states = [SlotState(s) for s in data["slots"]]
-            self._slot_owner = list(data["slot_owners"])
+            self._slots.load(data)
         for record, error in invalid:
             record.slot = None if reset_slots else record.slot
             self._finish(record, AdapterState.FAILED, reason=f"stored spec invalid: {error}")

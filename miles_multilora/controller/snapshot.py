@@ -1,16 +1,20 @@
-"""The per-step view of the controller that the trainer acts on.
+"""The per-step view of the controller that the trainer acts on, and the trainer's report back.
 
-A :class:`Snapshot` is taken once per training step (``ControllerCore.snapshot()``), on rank 0,
-and broadcast to every rank, so all ranks agree on which adapter owns which slot. It is a frozen,
-picklable dataclass; the specs inside are private copies, so nothing the trainer does to them
-reaches the controller.
+A :class:`Snapshot` is taken once per training step (``ControllerCore.snapshot()``) and passed to
+every rank, so all ranks agree on which adapter owns which slot. It is a frozen, picklable
+dataclass; the specs inside are private copies, so nothing the trainer does to them reaches the
+controller. Its mirror, the :class:`StepReport` a rank returns, says what the step did to each
+adapter and slot of the snapshot (``ControllerCore.report_step`` and friends record it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.controller.errors import ControllerError
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,54 @@ class Snapshot:
     def slot_of(self) -> dict[str, int]:
         """Adapter name -> slot for every resident adapter."""
         return {a.name: a.slot for a in self.adapters}
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The trainer resumed an adapter from ``checkpoint`` (at ``step``), not from the one the
+    controller named (that one was missing or unreadable)."""
+
+    checkpoint: str
+    step: int
+
+
+@dataclass(frozen=True)
+class AdapterResult:
+    """What one step did to one resident adapter: whether it ``trained`` (one optimizer step that
+    moved its weights), its ``step`` count after it (None: not reported), the complete
+    ``checkpoint`` written at that step (if any), its ``metrics``, and where it ``resumed`` from."""
+
+    trained: bool
+    step: int | None = None
+    checkpoint: str | None = None
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    resumed: Resumed | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trained, bool):
+            raise ControllerError(f"an adapter result needs a bool 'trained', got {self.trained!r}")
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)):
+            raise ControllerError(f"an adapter result's 'step' must be an int, got {self.step!r}")
+        if not isinstance(self.metrics, Mapping):
+            raise ControllerError(
+                f"an adapter result's 'metrics' must be a dict, got {type(self.metrics).__name__}"
+            )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one training step did with its :class:`Snapshot`.
+
+    ``results``: each running adapter that was stepped (or found at its budget); ``finished``: the
+    final checkpoint of each adapter that reached its budget; ``drained``: the final checkpoint of
+    each draining adapter; ``failed``: the reason of each adapter that failed (an adapter may be in
+    ``results`` too: its last step counts); ``cleared``: the slots of ``slots_to_clear``, now
+    cleared; ``timing``: seconds per phase and the step's throughput."""
+
+    snapshot_id: int
+    results: Mapping[str, AdapterResult]
+    finished: Mapping[str, str]
+    failed: Mapping[str, str]
+    drained: Mapping[str, str]
+    cleared: tuple[int, ...]
+    timing: Mapping[str, float]

@@ -136,10 +136,6 @@ class MultiLoRADataSource:
         self._cursors.pop(name, None)
         self.policy.remove(name)
 
-    def set_weight(self, name: str, weight: float) -> None:
-        self._cursor(name)
-        self.policy.add(name, weight)
-
     def spec(self, name: str) -> AdapterSpec:
         return self._cursor(name).spec
 

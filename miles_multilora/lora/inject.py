@@ -1,14 +1,18 @@
-"""Inject MultiLoRA layers into a Megatron ``GPTModel`` (or any module tree)."""
+"""Inject MultiLoRA layers into a Megatron ``GPTModel`` (or any module tree) and route its tokens to
+their slots (one :class:`~miles_multilora.lora.routing.RoutingPlan` per forward, shared by every layer)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.lora.layer import MultiLoRALinear, check_kernels
+from miles_multilora.lora.routing import RoutingPlan, build_routing_plan
 
 ALL_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 KNOWN_TARGETS = (*ALL_LINEAR, "output_layer")
@@ -110,3 +114,33 @@ def multi_lora_layers(model: nn.Module) -> list[MultiLoRALinear]:
     if not layers:
         raise ConfigError("model", "has no MultiLoRA layers: call apply_multi_lora(model, ...) first")
     return layers
+
+
+def set_token_slots(model: nn.Module, slot_ids: torch.Tensor | None) -> RoutingPlan | None:
+    """Route the next forward's tokens: ``slot_ids`` ``[batch, seq]``; ``None`` clears the routing."""
+    layers = multi_lora_layers(model)
+    if slot_ids is None:
+        for layer in layers:
+            layer.routing = None
+        return None
+    num_slots = {layer.num_slots for layer in layers}
+    if len(num_slots) != 1:
+        raise ConfigError("model", f"MultiLoRA layers disagree on num_slots: {sorted(num_slots)}")
+    plan = build_routing_plan(slot_ids, num_slots.pop())
+    for layer in layers:
+        layer.routing = plan
+    return plan
+
+
+@contextmanager
+def token_slots(model: nn.Module, slot_ids: torch.Tensor) -> Iterator[RoutingPlan]:
+    """Context manager form of :func:`set_token_slots`; restores the previous routing on exit."""
+    layers = multi_lora_layers(model)
+    previous = [layer.routing for layer in layers]
+    plan = set_token_slots(model, slot_ids)
+    try:
+        assert plan is not None
+        yield plan
+    finally:
+        for layer, prev in zip(layers, previous, strict=True):
+            layer.routing = prev

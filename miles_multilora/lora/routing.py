@@ -8,12 +8,9 @@ once per micro-batch, never per layer). Slot ``-1`` means "base model only".
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from miles_multilora.errors import ConfigError
 
@@ -121,42 +118,3 @@ def build_routing_plan(slot_ids: torch.Tensor, num_slots: int, per_sequence: boo
         offsets=offsets,
         seq_slots=slot_ids[:, 0].long() if (per_sequence and is_uniform) else None,
     )
-
-
-def _routed_layers(model: nn.Module) -> list[nn.Module]:
-    from miles_multilora.lora.layer import MultiLoRALinear
-
-    layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
-    if not layers:
-        raise ConfigError("model", "has no MultiLoRA layers: call apply_multi_lora(model, ...) first")
-    return layers
-
-
-def set_token_slots(model: nn.Module, slot_ids: torch.Tensor | None) -> RoutingPlan | None:
-    """Route the next forward's tokens: ``slot_ids`` ``[batch, seq]``; ``None`` clears the routing."""
-    layers = _routed_layers(model)
-    if slot_ids is None:
-        for layer in layers:
-            layer.routing = None
-        return None
-    num_slots = {layer.num_slots for layer in layers}
-    if len(num_slots) != 1:
-        raise ConfigError("model", f"MultiLoRA layers disagree on num_slots: {sorted(num_slots)}")
-    plan = build_routing_plan(slot_ids, num_slots.pop())
-    for layer in layers:
-        layer.routing = plan
-    return plan
-
-
-@contextmanager
-def token_slots(model: nn.Module, slot_ids: torch.Tensor) -> Iterator[RoutingPlan]:
-    """Context manager form of :func:`set_token_slots`; restores the previous routing on exit."""
-    layers = _routed_layers(model)
-    previous = [layer.routing for layer in layers]
-    plan = set_token_slots(model, slot_ids)
-    try:
-        assert plan is not None
-        yield plan
-    finally:
-        for layer, prev in zip(layers, previous, strict=True):
-            layer.routing = prev

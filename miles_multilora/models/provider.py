@@ -296,13 +296,6 @@ def load_hf_model(
     )
 
 
-def export_hf(loaded: LoadedModel, out_dir: str | Path) -> Path:
-    """Write the Megatron model's base weights back as an HF checkpoint dir (via the bridge)."""
-    out_dir = Path(out_dir)
-    loaded.bridge.save_hf_pretrained([loaded.model], str(out_dir))
-    return out_dir
-
-
 def export_hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     """The model's weights as HF-named tensors (full, gathered across TP), via the bridge."""
     return {

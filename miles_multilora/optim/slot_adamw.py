@@ -127,6 +127,14 @@ class SlotAdamW:
         self.specs[slot] = None
         self.total_steps[slot] = None
 
+    @torch.no_grad()
+    def refresh_masters(self, slot: int) -> None:
+        """Re-read the slot's fp32 masters from its weights (after the weights were replaced)."""
+        self._check_slot(slot)
+        for p, master in zip(self.params, self.master, strict=True):
+            if master is not None:
+                master[slot].copy_(p[slot])
+
     def lr(self, slot: int) -> float:
         """The LR the slot's next step will use."""
         spec = self._spec(slot)

@@ -7,17 +7,20 @@ model dtype, as the unfused add is) and its normalised copy in one pass, and ``s
 ``silu(a) * b`` of the two halves of ``linear_fc1``'s output in one. :func:`fusable` says which
 modules they may stand in for (torch RMSNorm, SiLU-gated MLP without clamping, offsets or bias);
 anything else runs the module itself. Both take the deferred LoRA term of the linear whose output
-they read (:class:`~miles_multilora.lora.row_delta.RowDelta`) and add it as they load.
+they read (:class:`~miles_multilora.lora.row_delta.RowDelta`) and add it as they load. The SwiGLU
+kernel is the model's own (:func:`miles_multilora.models.fused_mlp.swiglu`, which training uses too);
+here it gains the variant that runs ``linear_fc1``'s LoRA expand.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
 from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.row_delta import RowDelta, RowShrink
+from miles_multilora.models import fused_mlp
+from miles_multilora.models.fused_mlp import silu_gated_mlp
 
 # the SwiGLU that runs fc1's LoRA expand: output columns per work item, programs per SM, warps
 SWIGLU_EXPAND_CONFIG = dict(BLOCK_N=128, PROGRAMS_PER_SM=8, num_warps=4)
@@ -47,27 +50,6 @@ if HAVE_TRITON:
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(norm_out_ptr + row * H + offs, (xf * rstd * w).to(norm_out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _swiglu_kernel(
-        x_ptr, out_ptr, lora_ptr, slots_ptr, F_DIM, stride_x, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < F_DIM
-        a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        b = tl.load(x_ptr + row * stride_x + F_DIM + offs, mask=mask, other=0.0)
-        if HAS_LORA:  # fc1's output plus its row's LoRA term, rounded as the in-place expand
-            lmask = mask & (tl.load(slots_ptr + row) >= 0)
-            a = (a.to(tl.float32) + tl.load(lora_ptr + row * 2 * F_DIM + offs, mask=lmask, other=0.0)).to(
-                a.dtype
-            )
-            b = (
-                b.to(tl.float32) + tl.load(lora_ptr + row * 2 * F_DIM + F_DIM + offs, mask=lmask, other=0.0)
-            ).to(b.dtype)
-        a = a.to(tl.float32)
-        y = a / (1.0 + tl.exp(-a)) * b.to(tl.float32)
-        tl.store(out_ptr + row * F_DIM + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu_expand_kernel(
@@ -129,22 +111,6 @@ def fusable(norm: torch.nn.Module, mlp: torch.nn.Module, device: torch.device) -
     return norm_ok, silu_gated_mlp(mlp)
 
 
-def silu_gated_mlp(mlp: torch.nn.Module) -> bool:
-    """Whether ``mlp`` is a SiLU-gated MLP that :func:`swiglu` can stand in for (no clamp, offset,
-    bias or Megatron/TE activation fusion)."""
-    cfg = getattr(mlp, "config", None)
-    return (
-        cfg is not None
-        and bool(cfg.gated_linear_unit)
-        and cfg.activation_func is F.silu
-        and getattr(cfg, "activation_func_clamp_value", None) is None
-        and not getattr(cfg, "glu_linear_offset", 0.0)
-        and not getattr(cfg, "bias_activation_fusion", False)
-        and not getattr(cfg, "add_bias_linear", False)
-        and not getattr(cfg, "use_te_activation_func", False)
-    )
-
-
 def add_rmsnorm(
     residual: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.RMSNorm, lora: RowDelta | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,20 +140,15 @@ def swiglu(x: torch.Tensor, lora: RowDelta | RowShrink | None = None) -> torch.T
     """``silu(x[..., :F]) * x[..., F:]`` for ``x`` ``[..., 2F]`` (Megatron's gated linear unit);
     ``lora``: ``x``'s deferred LoRA term, added to it first (a :class:`RowShrink`: its expand runs
     here, per tile of rows of one slot)."""
+    if not isinstance(lora, RowShrink):  # the model's kernel, with the LoRA term added as it loads
+        return fused_mlp.swiglu(x, *((lora.delta, lora.row_slots) if lora is not None else ()))
     two_f = x.shape[-1]
     rows = x.reshape(-1, two_f)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     f_dim = two_f // 2
     out = torch.empty(rows.shape[0], f_dim, dtype=x.dtype, device=x.device)
-    if isinstance(lora, RowShrink):
-        _swiglu_expand(rows, out, lora)
-        return out.view(*x.shape[:-1], f_dim)
-    block = 1024
-    _swiglu_kernel[(rows.shape[0], triton.cdiv(f_dim, block))](
-        rows, out, lora.delta if lora is not None else rows, lora.row_slots if lora is not None else rows,
-        f_dim, rows.stride(0), HAS_LORA=lora is not None, BLOCK=block,
-    )  # fmt: skip
+    _swiglu_expand(rows, out, lora)
     return out.view(*x.shape[:-1], f_dim)
 
 

@@ -190,7 +190,7 @@ def filter_thresholds(logits: Tensor, t_eff: Tensor, top_k: Tensor | None, top_p
     """Per-row thresholds ``[B]`` on the tempered logits ``z = logits.float() / t_eff`` (``logits``
     ``[B, V]``, ``t_eff > 0``): top-k and top-p keep exactly the ids with ``z >= threshold``.
 
-    As :func:`~miles_multilora.rollout.sampling.filter_top_k_top_p`: top-k (``0 < k < V``, else off)
+    As :func:`~miles_multilora.testing.sampling.filter_top_k_top_p`: top-k (``0 < k < V``, else off)
     keeps ``z >=`` the k-th largest; top-p (``< 1``, else off) then drops the sorted positions whose
     top-k-renormalised mass before them is ``>= top_p``. The threshold is the smallest kept value,
     so every id tied with it is kept (the reference may cut ties at the boundary by sort order);

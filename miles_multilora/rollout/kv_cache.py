@@ -39,11 +39,6 @@ class PagedKVCache:
         self._refs = [0] * num_pages
 
     @property
-    def capacity_tokens(self) -> int:
-        """Tokens one sequence could hold if it had every page."""
-        return (self.num_pages - 1) * self.page_size
-
-    @property
     def free_pages(self) -> int:
         return len(self._free)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from miles_multilora.lora.routing import token_slots
+from miles_multilora.lora.inject import token_slots
 from miles_multilora.rollout.decode_batch import DecodeBatch
 from miles_multilora.rollout.device_sampling import sample_tokens
 from miles_multilora.rollout.kv_cache import PagedKVCache

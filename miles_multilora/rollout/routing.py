@@ -8,8 +8,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor
 
+from miles_multilora.lora.inject import token_slots
 from miles_multilora.lora.layer import MultiLoRALinear
-from miles_multilora.lora.routing import token_slots
 from miles_multilora.rollout.engine import RolloutError
 
 

@@ -1,9 +1,10 @@
-"""Tinker-style training on the resident slots: each client model owns a slot of one trainer rank.
+"""Tinker-style training on the resident slots: each client model holds a slot of one trainer rank.
 
-:class:`TinkerBackend` is the state (model id -> slot, rank, seed, optimizer steps) and the
-operations on it. The forward/backward requests of several models run as *one* mixed-slot batch;
-each model's gradient is what it would get alone (its loss is a sum over its own tokens and its
-LoRA weights are its own). :meth:`TinkerBackend.check` validates a request before it joins a
+:class:`TinkerBackend` maps model ids to slots and turns each operation into the rank's primitives
+(:class:`~miles_multilora.trainer.rank.TrainerRank`): the slot's LoRA shape, seed and weight
+version are the rank's. The forward/backward requests of several models run as *one* mixed-slot
+batch; each model's gradient is what it would get alone (its loss is a sum over its own tokens and
+its LoRA weights are its own). :meth:`TinkerBackend.check` validates a request before it joins a
 batch, so a bad one fails alone; :mod:`~miles_multilora.tinker.scheduler` runs the operations.
 """
 
@@ -12,17 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
-from miles_multilora.lora import clear_slot, init_slot, load_slot_state, slot_state
-from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutError
+from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.tinker.losses import LOSS_INPUTS, check_loss, tinker_loss
 from miles_multilora.trainer.primitives import ScoredRow
+from miles_multilora.trainer.rank import OpenSlot, TrainerRank
+from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
 
@@ -98,60 +98,40 @@ class ForwardBackwardOutput:
     metrics: dict[str, float]  # Tinker's "name:reduction" keys
 
 
-@dataclass
-class ModelEntry:
-    model_id: str
-    slot: int
-    rank: int
-    seed: int
-    steps: int = 0
-
-
 class TinkerBackend:
-    """The client models of one trainer rank (a :class:`TrainerWorker` built without adapters)."""
+    """The client models of one trainer rank (built without adapters): model id -> its slot."""
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.models: dict[str, ModelEntry] = {}
-        self.max_rank = worker.cfg.lora.max_rank
-        self.num_slots = worker.cfg.lora.num_slots
+    def __init__(self, rank: TrainerRank) -> None:
+        self.rank = rank
+        self.models: dict[str, int] = {}
 
     # ------------------------------------------------------------------ models
-    def model(self, model_id: str) -> ModelEntry:
-        entry = self.models.get(model_id)
-        if entry is None:
+    def model(self, model_id: str) -> OpenSlot:
+        """The model's slot: its LoRA rank, seed and weight version (``name`` is the model id)."""
+        slot = self.models.get(model_id)
+        if slot is None:
             raise TinkerError("model_id", f"unknown model {model_id!r} (never created, or unloaded)")
-        return entry
+        return self.rank.slot(slot)
 
-    def create_model(self, model_id: str, rank: int, seed: int = 0) -> ModelEntry:
+    def create_model(self, model_id: str, rank: int, seed: int = 0) -> OpenSlot:
         """Take a free slot and initialise a fresh LoRA of ``rank`` in it."""
         if model_id in self.models:
             raise TinkerError("model_id", f"model {model_id!r} exists already")
-        if not 1 <= rank <= self.max_rank:
-            raise TinkerError(
-                "lora_config.rank", f"must be in 1..{self.max_rank} (lora.max_rank), got {rank}"
-            )
-        used = {m.slot for m in self.models.values()}
-        free = [s for s in range(self.num_slots) if s not in used]
+        max_rank, num_slots = self.rank.max_rank, self.rank.num_slots
+        if not 1 <= rank <= max_rank:
+            raise TinkerError("lora_config.rank", f"must be in 1..{max_rank} (lora.max_rank), got {rank}")
+        free = self.rank.free_slots()
         if not free:
             raise TinkerError(
-                "model",
-                f"no free slot: all {self.num_slots} hold models (unload one, or raise lora.num_slots)",
+                "model", f"no free slot: all {num_slots} hold models (unload one, or raise lora.num_slots)"
             )
-        slot = free[0]
-        w = self.worker
-        init_slot(w.model, slot, rank, LORA_ALPHA, seed, w.optimizer)
-        w.optimizer.configure_slot(slot, OptimizerSpec(clip_grad=0.0))
-        entry = ModelEntry(model_id, slot, rank, seed)
-        self.models[model_id] = entry
-        w.engine.update_adapters({model_id: AdapterVersion(slot, 0)})
-        return entry
+        opened = self.rank.open_slot(free[0], rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id)
+        self.models[model_id] = opened.slot
+        return opened
 
     def unload_model(self, model_id: str) -> None:
         """Free the model's slot: weights, grads and optimizer state are erased."""
-        entry = self.model(model_id)
-        clear_slot(self.worker.model, entry.slot, self.worker.optimizer)
-        self.worker.engine.remove_adapters([model_id])
+        self.rank.close_slot(self.model(model_id).slot)
         del self.models[model_id]
 
     # ------------------------------------------------------------------ training
@@ -162,7 +142,7 @@ class TinkerBackend:
         config = check_loss(request.loss_fn, request.loss_fn_config)
         if not request.data:
             raise TinkerError("data", "a forward/backward request needs at least one datum")
-        limit, vocab = self.worker.max_seq_len, self.worker.vocab_size
+        limit, vocab = self.rank.max_seq_len, self.rank.vocab_size
         for i, d in enumerate(request.data):
             n = len(d.tokens)
             if not 1 <= n <= limit:
@@ -203,7 +183,7 @@ class TinkerBackend:
             picked = [i for i, r in enumerate(rows) if requests[r.tag].forward_only != backward]
             if not picked:
                 continue
-            result = self.worker.forward_backward([rows[i] for i in picked], loss, backward=backward)
+            result = self.rank.forward_backward([rows[i] for i in picked], loss, backward=backward)
             metrics.update(result.per_slot)
             for i, lp in zip(picked, result.logprobs, strict=True):
                 logprobs[i] = lp
@@ -220,17 +200,13 @@ class TinkerBackend:
 
     def optim_step(self, model_id: str, lr: float, beta1: float = 0.9, beta2: float = 0.95,
                    eps: float = 1e-12, weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, float]:  # fmt: skip
-        """One AdamW step of this model's slot with the given parameters (decoupled weight decay)."""
-        entry = self.model(model_id)
+        """One AdamW step of this model's slot with the given parameters (decoupled weight decay); a
+        step that moved the weights makes the slot's next version."""
+        slot = self.model(model_id).slot
         spec = OptimizerSpec(
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, clip_grad=grad_clip_norm
         )
-        self.worker.optimizer.configure_slot(entry.slot, spec)
-        stats, _ = self.worker.optim_step([entry.slot])
-        s = stats[entry.slot]
-        if not s.skipped:
-            entry.steps += 1
-            self.worker.engine.update_adapters({model_id: AdapterVersion(entry.slot, entry.steps)})
+        s = self.rank.optim_step([slot], {slot: spec})[slot]
         return {"grad_norm:mean": s.grad_norm, "skipped:sum": float(s.skipped)}
 
     # ------------------------------------------------------------------ sampling
@@ -247,11 +223,11 @@ class TinkerBackend:
         else:
             e = self.model(model_id)
             requests = [
-                GenerationRequest(model_id, e.slot, e.steps, list(prompt), sampling, seed=seed + j)
+                GenerationRequest(model_id, e.slot, e.version, list(prompt), sampling, seed=seed + j)
                 for j in range(num_samples)
             ]
         self._check_generation(requests[0])
-        return self.worker.engine.generate(requests)
+        return self.rank.sample([requests])[0]
 
     def check_sample(self, prompt: list[int], sampling: SamplingSpec) -> None:
         """Whether the engine can serve this prompt and these parameters (prompt ids in the
@@ -260,48 +236,37 @@ class TinkerBackend:
 
     def _check_generation(self, request: GenerationRequest) -> None:
         try:
-            self.worker.engine.check_request(request)
+            self.rank.check_request(request)
         except RolloutError as exc:
             message = str(exc).split(": ", 1)[-1]  # without the engine's "request 0 (<adapter>)" prefix
             raise TinkerError("prompt", message) from exc
 
     # ------------------------------------------------------------------ state
     def save_state(self, model_id: str, path: str | Path) -> Path:
-        """The model's exact slot tensors and optimizer state (``torch.save``, tensors only)."""
-        e = self.model(model_id)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "slot": slot_state(self.worker.model, e.slot),
-            "optimizer": self.worker.optimizer.slot_state_dict(e.slot),
-            "meta": {"rank": e.rank, "seed": e.seed, "steps": e.steps},
-        }
-        tmp = path.with_name(path.name + ".part")
-        torch.save(payload, tmp)
-        tmp.replace(path)
-        return path
+        """The model's exact slot tensors, optimizer state and version, in the directory ``path``."""
+        self.rank.save_slot(self.model(model_id).slot, path)
+        return Path(path)
 
     def load_state(self, model_id: str, path: str | Path, optimizer: bool = True) -> None:
-        """Put a saved state into the model's slot (its optimizer state too, unless ``optimizer=False``)."""
+        """Put a saved state into the model's slot: its optimizer state and version too, or (without
+        ``optimizer``) the weights alone, as a new version, so no sampler of the old weights
+        serves the new ones."""
         e = self.model(model_id)
-        payload = read_state(path)
-        if int(payload["meta"]["rank"]) != e.rank:
-            raise TinkerError(
-                "path", f"the saved state has rank {payload['meta']['rank']}, the model {e.rank}"
-            )
-        load_slot_state(self.worker.model, e.slot, payload["slot"])
-        if optimizer:
-            self.worker.optimizer.load_slot_state_dict(e.slot, payload["optimizer"])
-            e.steps = int(payload["meta"]["steps"])
-        self.worker.engine.update_adapters({model_id: AdapterVersion(e.slot, e.steps)})
+        meta = read_state(path)
+        if meta.rank != e.rank:
+            raise TinkerError("path", f"the saved state has rank {meta.rank}, the model {e.rank}")
+        self.rank.load_slot(e.slot, path, optimizer=optimizer)
 
 
-def read_state(path: str | Path) -> dict[str, Any]:
-    """A state written by :meth:`TinkerBackend.save_state` (tensors only: ``weights_only``)."""
+def read_state(path: str | Path) -> SlotMeta:
+    """What a state written by :meth:`TinkerBackend.save_state` holds (checked to be readable:
+    tensors only, ``weights_only``)."""
     try:
-        payload = torch.load(Path(path), weights_only=True)
-        int(payload["meta"]["rank"]), int(payload["meta"]["seed"]), int(payload["meta"]["steps"])
-        payload["slot"], payload["optimizer"]  # noqa: B018 - both must be there
+        saved = read_shard(path, 0)
+        meta = shard_meta(saved)
+        saved["slot"], saved["optimizer"]  # noqa: B018 - both must be there
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
         raise TinkerError("path", f"not a readable saved state: {type(exc).__name__}") from exc
-    return payload
+    if meta is None:
+        raise TinkerError("path", "not a readable saved state: no meta")
+    return meta

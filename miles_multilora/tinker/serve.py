@@ -17,7 +17,8 @@ from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import LOOPBACK_HOSTS, BackgroundServer
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.scheduler import BatchingQueue
-from miles_multilora.tinker.server import ServerState, create_app
+from miles_multilora.tinker.server import create_app
+from miles_multilora.tinker.state import ServerState
 from miles_multilora.tinker.tenants import KeyRing, read_key_file
 
 logger = logging.getLogger(__name__)
@@ -51,17 +52,17 @@ class TinkerServer:
             backend.unload_model(model_id)
 
 
-def build_state(cfg: RunConfig, worker: Any | None = None) -> ServerState:
+def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:
     """The backend on a trainer rank built from ``cfg`` (or the given one)."""
     if cfg.trainer.world_size not in (None, 1):
         raise ConfigError(
             "trainer.world_size", "tinker-serve runs one trainer rank; use trainer.world_size=1"
         )
-    if worker is None:
-        from miles_multilora.trainer.worker import TrainerWorker
+    if rank is None:
+        from miles_multilora.trainer.rank import TrainerRank
 
-        worker = TrainerWorker(cfg)
-    backend = TinkerBackend(worker)
+        rank = TrainerRank(cfg)
+    backend = TinkerBackend(rank)
     t = cfg.tinker
     base = t.base_model or (cfg.model.hf_path if cfg.model.source == "hf" else cfg.model.source)
     return ServerState(
@@ -82,11 +83,11 @@ def read_keys(cfg: RunConfig) -> KeyRing:
     return KeyRing(read_key_file(t.api_key_file) if t.api_key_file else None)
 
 
-def start(cfg: RunConfig, worker: Any | None = None, port: int | None = None) -> TinkerServer:
+def start(cfg: RunConfig, rank: Any | None = None, port: int | None = None) -> TinkerServer:
     """Serve in a background thread; returns once the socket accepts connections."""
     t = cfg.tinker
     keys = read_keys(cfg)
-    state = build_state(cfg, worker)
+    state = build_state(cfg, rank)
 
     def authenticate(scope: Scope) -> str | None:
         return keys.tenant_of(dict(scope["headers"]).get(b"x-api-key"))

@@ -1,30 +1,19 @@
-"""The Tinker REST protocol (as the pinned ``tinker`` SDK speaks it) in front of the backend.
+"""The Tinker REST protocol (as the pinned ``tinker`` SDK speaks it), over HTTP.
 
-Every operation is checked here (a malformed field is a 400 naming it, ``category: user``; an id
-the caller's tenant does not own is a 404 exactly like an unknown one), then queued on the
-:class:`~miles_multilora.tinker.scheduler.BatchingQueue` in its session's lane and answered with a
+Every route checks its fields (a malformed field is a 400 naming it, ``category: user``; an id the
+caller's tenant does not own is a 404 exactly like an unknown one), then queues its operation
+(:class:`~miles_multilora.tinker.state.ServerState`) on the
+:class:`~miles_multilora.tinker.scheduler.BatchingQueue` in its session's lane and answers with a
 request id. ``retrieve_future`` long-polls for the result: JSON for most operations, protobuf for
 forward/backward and sampling; a failure is ``{"error", "category"}`` (``user`` for anything the
-request itself got wrong, ``server`` otherwise). Ownership lives in
-:class:`~miles_multilora.tinker.registry.Registry`, results in
-:class:`~miles_multilora.tinker.futures.FutureStore`.
-
-Saved states live under ``<state_dir>/<tenant>/weights/<run>/<name>.pt`` and are addressed as
-``tinker://<run>/weights/<name>``: a tenant can only ever reach its own. A sampler serves a model's
-live slot at the version it was saved for (no export).
+request itself got wrong, ``server`` otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,82 +22,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from miles_multilora.config.run import TinkerConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import Guard, HTTPProblem, read_body
 from miles_multilora.tinker import params
-from miles_multilora.tinker.backend import TinkerBackend, TinkerError, read_state
-from miles_multilora.tinker.futures import Busy, FutureStore, Gone, Outcome
-from miles_multilora.tinker.ids import IdMint
-from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
-from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped
-from miles_multilora.tinker.wire import (
-    PROTOBUF,
-    decode_forward_backward,
-    encode_forward_backward,
-    encode_samples,
-)
+from miles_multilora.tinker.backend import TinkerError
+from miles_multilora.tinker.futures import Busy, Gone
+from miles_multilora.tinker.registry import OwnedModel, Unknown
+from miles_multilora.tinker.scheduler import QueueStopped
+from miles_multilora.tinker.state import ServerState, checked_name, encoder
+from miles_multilora.tinker.wire import decode_forward_backward
 
 logger = logging.getLogger(__name__)
 
 API = "/api/v1"
-_PART = r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}"  # a file name: no "/", no leading "."
-NAME = re.compile(rf"^{_PART}$")
-PATH = re.compile(rf"^tinker://({_PART})/(weights|sampler_weights)/({_PART})$")
-JSON_MEDIA = "application/json"
-
-
-@dataclass
-class ServerState:
-    backend: TinkerBackend
-    queue: BatchingQueue
-    base_model: str
-    state_dir: Path
-    tokenizer_id: str | None = None
-    settings: TinkerConfig = field(default_factory=TinkerConfig)
-    mint: IdMint = field(default_factory=IdMint)
-    registry: Registry = field(init=False)
-    futures: FutureStore = field(init=False)
-    stopping: threading.Event = field(default_factory=threading.Event)  # long polls end (503)
-
-    def __post_init__(self) -> None:
-        s = self.settings
-        self.registry = Registry(self.mint)
-        self.futures = FutureStore(
-            self.mint,
-            result_ttl_s=s.result_ttl_s,
-            retrieved_ttl_s=s.retrieved_result_ttl_s,
-            max_held_bytes=s.max_held_results_mb << 20,
-            max_pending=s.max_pending_requests,
-        )
-
-    def weights_file(self, tenant: str, run: str, name: str) -> Path:
-        return self.state_dir / tenant / "weights" / run / f"{name}.pt"
-
-    def end_session(self, tenant: str, session_id: str, why: str) -> None:
-        """End a session: its queued work fails, its samplers go and its models unload (in the
-        tenant's own lane, so the unloads count against its share)."""
-        models = self.registry.end_session(tenant, session_id, why)
-        self.queue.drop_lane((tenant, session_id), TinkerError("session", f"the session ended: {why}"))
-        for model_id in models:
-            self.queue.submit_calls((tenant, ""), [lambda m=model_id: _unload_if_loaded(self.backend, m)])
-
-    def maintain(self) -> None:
-        """Expire silent sessions and release old results (called periodically)."""
-        timeout = self.settings.session_timeout_s
-        for session in self.registry.expired(timeout):
-            why = f"no heartbeat or request for {timeout:g} s (tinker.session_timeout_s)"
-            try:
-                self.end_session(session.tenant, session.session_id, why)
-            except Unknown:  # finished meanwhile
-                continue
-            logger.info("tinker: session %s of %s expired", session.session_id, session.tenant)
-        self.futures.sweep()
-
-
-def _unload_if_loaded(backend: TinkerBackend, model_id: str) -> None:
-    if model_id in backend.models:
-        backend.unload_model(model_id)
 
 
 # ---------------------------------------------------------------------------- answers
@@ -124,36 +50,6 @@ def _problem(
 def render(status: int, message: str, type_: str, headers: dict[str, str]) -> JSONResponse:
     """The guard's errors (401, 408, 413, 500) in this door's shape; the connection then closes."""
     return _problem(status, message, headers={"Connection": "close", **headers})
-
-
-def _failure(exc: BaseException) -> Outcome:
-    """A failed request's result: ``user`` for what the request got wrong, ``server`` otherwise."""
-    if isinstance(exc, ConfigError):  # TinkerError / SpecError included
-        body = {"error": str(exc), "category": "user"}
-    elif isinstance(exc, QueueStopped):
-        body = {"error": str(exc), "category": "server"}
-    else:
-        logger.error("tinker: a request failed", exc_info=exc)
-        body = {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
-    return Outcome(json.dumps(body).encode(), JSON_MEDIA)
-
-
-def _encoder(kind: str) -> Callable[[Future], Outcome]:
-    def encode(future: Future) -> Outcome:
-        exc = future.exception()
-        if exc is not None:
-            return _failure(exc)
-        try:
-            result = future.result()
-            if kind == "forward_backward":
-                return Outcome(encode_forward_backward(result), PROTOBUF)
-            if kind == "sample":
-                return Outcome(encode_samples(result), PROTOBUF)
-            return Outcome(json.dumps(result).encode(), JSON_MEDIA)
-        except Exception as error:  # noqa: BLE001 - an encoding bug fails this request only
-            return _failure(error)
-
-    return encode
 
 
 def create_app(
@@ -222,7 +118,7 @@ def create_app(
         combine: Callable[[list[Any]], Any] = lambda r: r[0], costs: list[int] | None = None,
     ) -> str:  # fmt: skip
         return futures.submit(
-            tenant, key, lambda: queue.submit_calls(lane, calls, combine, costs), _encoder(kind)
+            tenant, key, lambda: queue.submit_calls(lane, calls, combine, costs), encoder(kind)
         )
 
     # ---------------------------------------------------------------- client and session
@@ -238,7 +134,7 @@ def create_app(
 
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        model = {"model_name": state.base_model, "max_context_length": backend.worker.max_seq_len}
+        model = {"model_name": state.base_model, "max_context_length": backend.rank.max_seq_len}
         return {"supported_models": [{**model, "trainable": True, "sampleable": True}]}
 
     @app.post(f"{API}/create_session")
@@ -285,10 +181,7 @@ def create_app(
         model_id = f"{session.session_id}:train:{seq}"
 
         def create() -> dict[str, Any]:
-            if base not in (None, state.base_model):
-                raise TinkerError("base_model", f"this server trains {state.base_model!r}, not {base!r}")
-            _create(state, tenant, session.session_id, model_id, rank, seed)
-            return {"type": "create_model", "model_id": model_id}
+            return state.create_model(tenant, session.session_id, model_id, rank, seed, base)
 
         rid = submit(
             tenant, (tenant, session.session_id, "create_model", seq), "json", session.lane, [create]
@@ -299,11 +192,11 @@ def create_app(
     async def get_info(request: Request) -> Any:
         body = await body_of(request)
         owned = registry.model(tenant_of(request), params.text(body, "model_id"))
-        entry = backend.models.get(owned.model_id)
-        if entry is None:  # created, not yet in its slot
+        if owned.model_id not in backend.models:  # created, not yet in its slot
             raise Unknown("model_id", f"unknown model {owned.model_id!r}")
+        entry = backend.model(owned.model_id)
         data = {"arch": "llama", "model_name": state.base_model, "tokenizer_id": state.tokenizer_id}
-        return {"type": "get_info", "model_id": entry.model_id, "model_data": data, "is_lora": True,
+        return {"type": "get_info", "model_id": owned.model_id, "model_data": data, "is_lora": True,
                 "lora_rank": entry.rank, "model_name": state.base_model}  # fmt: skip
 
     @app.post(f"{API}/unload_model")
@@ -312,9 +205,7 @@ def create_app(
         owned = registry.model(tenant, params.text(body, "model_id"))
 
         def unload() -> dict[str, Any]:
-            _unload_if_loaded(backend, owned.model_id)
-            registry.drop_model(owned.model_id, "unloaded by its client")
-            return {"type": "unload_model", "model_id": owned.model_id}
+            return state.unload_model(owned)
 
         return {"request_id": submit(tenant, None, "json", _lane(owned), [unload])}
 
@@ -339,7 +230,7 @@ def create_app(
         )
         rid = futures.submit(
             tenant, key, lambda: queue.submit_forward_backward(fb, _lane(owned), checked=True),
-            _encoder("forward_backward"),
+            encoder("forward_backward"),
         )  # fmt: skip
         return {"request_id": rid}
 
@@ -360,16 +251,11 @@ def create_app(
     async def save_weights(request: Request) -> Any:
         body, tenant = await body_of(request), tenant_of(request)
         owned = registry.model(tenant, params.text(body, "model_id"))
-        name = _name(params.text(body, "path"))
+        name = checked_name(params.text(body, "path"))
         overwrite, seq = params.flag(body, "overwrite"), params.integer(body, "seq_id", None)
-        path = f"tinker://{owned.run_id}/weights/{name}"
-        target = state.weights_file(tenant, owned.run_id, name)
 
         def save() -> dict[str, Any]:
-            if target.exists() and not overwrite:
-                raise TinkerError("path", f"{path} exists; pass overwrite=True or choose another name")
-            backend.save_state(owned.model_id, target)
-            return {"type": "save_weights", "path": path}
+            return state.save_weights(tenant, owned, name, overwrite)
 
         key = (tenant, owned.model_id, "save_weights", seq) if seq is not None else None
         return {"request_id": submit(tenant, key, "json", _lane(owned), [save])}
@@ -378,12 +264,7 @@ def create_app(
     async def load_weights(request: Request) -> Any:
         body, tenant = await body_of(request), tenant_of(request)
         path = params.text(body, "path")
-        match = PATH.match(path)
-        if match is None or match.group(2) != "weights":
-            raise TinkerError(
-                "path", f"expected tinker://<run>/weights/<name> (from save_state), got {path!r}"
-            )
-        target = state.weights_file(tenant, match.group(1), match.group(3))
+        state.weights_of(tenant, path)  # a 400 now when it is no path of saved weights
         with_optimizer = params.flag(body, "optimizer")
         if body.get("model_id") is not None:
             owned = registry.model(tenant, params.text(body, "model_id"))
@@ -397,13 +278,7 @@ def create_app(
             key = (tenant, session_id, "create_model", seq)
 
         def load() -> dict[str, Any]:
-            if not target.is_file():
-                raise TinkerError("path", f"no saved state at {path}")
-            if session_id is not None:
-                meta = read_state(target)["meta"]
-                _create(state, tenant, session_id, model_id, int(meta["rank"]), int(meta["seed"]))
-            backend.load_state(model_id, target, optimizer=with_optimizer)
-            return {"type": "load_weights", "path": path, "model_id": model_id}
+            return state.load_weights(tenant, path, model_id, with_optimizer, new_in_session=session_id)
 
         return {"request_id": submit(tenant, key, "json", lane, [load])}
 
@@ -413,19 +288,15 @@ def create_app(
         owned = registry.model(tenant, params.text(body, "model_id"))
         seq = params.integer(body, "seq_id", None)
         name = params.text(body, "path", None)
+        path, sampler_id = None, None
         if name is not None:
-            path = f"tinker://{owned.run_id}/sampler_weights/{_name(name)}"
+            path = f"tinker://{owned.run_id}/sampler_weights/{checked_name(name)}"
         else:
             sampler_seq = params.integer(body, "sampling_session_seq_id", low=0)
             sampler_id = f"{owned.session_id}:sample:{sampler_seq}"
 
         def snapshot() -> dict[str, Any]:
-            version = backend.model(owned.model_id).steps
-            if name is not None:
-                registry.add_snapshot(tenant, path, owned.model_id, version)
-                return {"type": "save_weights_for_sampler", "path": path}
-            registry.add_sampler(Sampler(sampler_id, tenant, owned.session_id, owned.model_id, version))
-            return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler_id}
+            return state.save_for_sampler(tenant, owned, path, sampler_id)
 
         key = (tenant, owned.model_id, "save_weights_for_sampler", seq) if seq is not None else None
         return {"request_id": submit(tenant, key, "json", _lane(owned), [snapshot])}
@@ -437,15 +308,8 @@ def create_app(
         session = registry.session(tenant, params.text(body, "session_id"))
         sampler_id = f"{session.session_id}:sample:{params.integer(body, 'sampling_session_seq_id', low=0)}"
         path = params.text(body, "model_path", None)
-        if path:
-            model_id, version = registry.snapshot(tenant, path)
-            sampler = Sampler(sampler_id, tenant, session.session_id, model_id, version, path)
-        else:
-            base = params.text(body, "base_model", None)
-            if base not in (None, state.base_model):
-                raise TinkerError("base_model", f"this server serves {state.base_model!r}, not {base!r}")
-            sampler = Sampler(sampler_id, tenant, session.session_id, None, None)
-        registry.add_sampler(sampler)
+        base = None if path else params.text(body, "base_model", None)
+        state.open_sampler(tenant, session.session_id, sampler_id, path, base)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @app.get(f"{API}/samplers/{{sampler_id}}")
@@ -464,38 +328,11 @@ def create_app(
         prompt = params.prompt_tokens(body)
         n, spec, seed = params.sampling(body)
         seq = params.integer(body, "seq_id", None)
-        room = max(backend.worker.max_seq_len - len(prompt), 1)
-        each = min(spec.max_new_tokens, room)  # what one sample can cost
-        if n * each > s.max_sample_tokens:
-            raise TinkerError(
-                "num_samples", f"num_samples x max_tokens = {n} x {each} = {n * each} (max_tokens counted up to "
-                f"the context left after the prompt) is over the cap of {s.max_sample_tokens} "
-                "(tinker.max_sample_tokens): ask for fewer samples or fewer tokens per call",
-            )  # fmt: skip
-        await run_in_threadpool(backend.check_sample, prompt, spec)
-        per_call = max(1, s.sample_batch_tokens // each)
-        starts = list(range(0, n, per_call))
-
-        def part(first: int, count: int) -> Callable[[], Any]:
-            def run() -> Any:
-                if sampler.model_id is not None:
-                    live = backend.model(sampler.model_id).steps
-                    if live != sampler.version:
-                        raise TinkerError(
-                            "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, "
-                            f"whose slot now holds version {live}; save_weights_for_sampler again for the "
-                            "current weights",
-                        )  # fmt: skip
-                return backend.sample(sampler.model_id, prompt, count, spec, seed + first)
-
-            return run
-
-        counts = [min(per_call, n - first) for first in starts]
-        calls = [part(first, count) for first, count in zip(starts, counts, strict=True)]
+        calls, costs = await run_in_threadpool(state.sample_parts, sampler, prompt, n, spec, seed)
         key = (tenant, sampler.sampler_id, "sample", seq) if seq is not None else None
         rid = submit(
             tenant, key, "sample", (tenant, sampler.session_id), calls,
-            combine=lambda parts: [r for p in parts for r in p], costs=[c * each for c in counts],
+            combine=lambda parts: [r for p in parts for r in p], costs=costs,
         )  # fmt: skip
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{j}" for j in range(n)]}
 
@@ -526,19 +363,3 @@ def create_app(
 
 def _lane(owned: OwnedModel) -> tuple[str, str]:
     return (owned.tenant, owned.session_id)
-
-
-def _name(name: str) -> str:
-    if not NAME.match(name):
-        raise TinkerError("path", f"names are 1-128 letters, digits, '_', '-', '.' (not first); got {name!r}")
-    return name
-
-
-def _create(state: ServerState, tenant: str, session_id: str, model_id: str, rank: int, seed: int) -> None:
-    """A new model of the session in a free slot (on the queue thread)."""
-    state.registry.add_model(tenant, session_id, model_id)
-    try:
-        state.backend.create_model(model_id, rank, seed)
-    except BaseException:
-        state.registry.drop_model(model_id, "its creation failed")
-        raise

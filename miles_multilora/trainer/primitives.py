@@ -1,23 +1,23 @@
-"""The training primitives every front door composes: forward/backward over mixed-slot rows with a
-pluggable loss, and the per-slot optimizer step.
+"""Forward/backward over mixed-slot rows with a pluggable loss, on one rank's model.
 
-The RL step (:meth:`TrainerWorker.step`) and the Tinker API both call these: a row carries its
-slot, its tokens and the positions whose next token is scored; the loss sees the logprobs at those
-positions (``[rows, width]``, zero-padded) and returns one scalar plus per-slot metrics.
+A row carries its slot, its tokens and the positions whose next token is scored; the loss sees
+the logprobs at those positions (``[rows, width]``, zero-padded) and returns one scalar plus
+per-slot metrics. :meth:`~miles_multilora.trainer.rank.TrainerRank.forward_backward` splits the
+rows over data-parallel ranks and runs its share through :func:`forward_backward_rows`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from miles_multilora.config.run import TrainerConfig
 from miles_multilora.lora import token_slots
 from miles_multilora.models import compat
 from miles_multilora.rollout.logprobs import right_pad, selected_logprobs
-from miles_multilora.trainer.data_parallel import DPLayout, allreduce_slot_grads, sum_metrics
 from miles_multilora.trainer.microbatch import micro_batches
 
 SUMMED_METRICS = ("loss", "pg_loss")  # already normalised over the whole step: summed over micro-batches
@@ -37,6 +37,7 @@ class ScoredRow:
     temperature: float = 1.0
     values: dict[str, list[float]] = field(default_factory=dict)
     tag: int = 0  # the caller's grouping (e.g. a request); loss functions may key metrics by it
+    group: int | None = None  # rows of one group train on one DP rank (None: the row alone)
 
     @property
     def width(self) -> int:
@@ -75,113 +76,102 @@ class LossFn(Protocol):
 
 @dataclass
 class ForwardBackwardResult:
-    """Per-row logprobs at their positions (input order; empty unless asked for) and per-slot (or
-    per-tag) metric sums."""
+    """Per-row logprobs at their positions (input order; empty unless asked for), per-slot (or
+    per-tag) metric sums, and the tokens of the rows this rank ran."""
 
     logprobs: list[list[float]]
     per_slot: dict[int, dict[str, float]]
+    local_tokens: int = 0
 
 
-class TrainingPrimitives:
-    """Mixin of :class:`~miles_multilora.trainer.worker.TrainerWorker`: needs ``model``,
-    ``optimizer``, ``cfg``, ``layout``, ``pad_id`` and ``vocab_size``."""
-
-    model: torch.nn.Module
-    optimizer: Any
-    cfg: Any
-    layout: DPLayout
-    pad_id: int
-    vocab_size: int
-
-    def row_logprobs(
-        self, input_ids: torch.Tensor, rows: Sequence[ScoredRow], slots: list[int], route: bool = True
-    ) -> torch.Tensor:
-        """``[len(rows), width]``: each row's logprobs at its positions (zero-padded), through the
-        chunked LM head on those positions only. Differentiable."""
-        device = input_ids.device
-        row_index = torch.tensor([i for i, r in enumerate(rows) for _ in r.positions], device=device)
-        offset = torch.tensor([j for r in rows for j in range(r.width)], device=device)
-        positions = torch.tensor([p for r in rows for p in r.positions], device=device)
-        targets = None
-        if any(r.targets is not None for r in rows):
-            targets = torch.tensor(
-                [t for r in rows for t in (r.targets or [r.tokens[p + 1] for p in r.positions])],
-                device=device,
-            )
-        lp = selected_logprobs(
-            self.model, input_ids, slots, [r.temperature for r in rows], self.vocab_size, row_index,
-            positions, self.cfg.trainer.logprob_chunk_tokens, route=route, targets=targets,
-        )  # fmt: skip
-        out = lp.new_zeros(len(rows), max((r.width for r in rows), default=0))
-        out[row_index, offset] = lp
-        return out
-
-    def forward_backward(
-        self,
-        rows: Sequence[ScoredRow],
-        loss_fn: LossFn,
-        *,
-        backward: bool = True,
-        reference: bool = False,
-        return_logprobs: bool = True,
-    ) -> ForwardBackwardResult:
-        """Score ``rows`` in micro-batches (by the trainer's row and token budgets) with each row's
-        slot routed, and evaluate ``loss_fn`` on each; with ``backward`` backpropagate it (gradients
-        accumulate in the slots), else only its metrics are kept (no graph). ``reference`` also
-        computes the base model's logprobs (slot -1, no grad) for the loss. The per-row logprobs are
-        copied to the host once, at the end, when ``return_logprobs``."""
-        t = self.cfg.trainer
-        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # tokens sorted by slot
-        lengths = [len(rows[i].tokens) for i in order]
-        batches = micro_batches(lengths, t.micro_batch_size, t.max_tokens_per_micro_batch) if rows else []
-        kept: list[tuple[list[int], torch.Tensor]] = []
-        per_slot: dict[int, dict[str, float]] = {}
-        self.model.train(backward)
-        for index in batches:
-            picked = [order[i] for i in index]
-            chunk = [rows[i] for i in picked]
-            input_ids, _ = right_pad([r.tokens for r in chunk], self.pad_id, compat.default_device())
-            slots = [r.slot for r in chunk]
-            width = max(r.width for r in chunk)
-            mask = torch.zeros(len(chunk), width, device=input_ids.device)
-            for i, r in enumerate(chunk):
-                mask[i, : r.width] = 1
-            ref = None
-            if reference:
-                with torch.no_grad():
-                    ref = self.row_logprobs(input_ids, chunk, [-1] * len(chunk))
-            slot_ids = torch.tensor(slots, device=input_ids.device).view(-1, 1).expand_as(input_ids)
-            # routing kept through the backward: activation recompute runs the forward again there
-            with token_slots(self.model, slot_ids.contiguous()), torch.set_grad_enabled(backward):
-                lp = self.row_logprobs(input_ids, chunk, slots, route=False)
-                loss, metrics = loss_fn(MicroBatch(chunk, lp, mask, ref))
-                if backward:
-                    loss.backward()
-            _accumulate(per_slot, metrics)
-            if return_logprobs:
-                kept.append((picked, lp.detach()))
-        logprobs: list[list[float]] = [[] for _ in rows]
-        for picked, lp in kept:
-            for i, values in zip(picked, lp.float().cpu().tolist(), strict=True):
-                logprobs[i] = values[: rows[i].width]
-        return ForwardBackwardResult(logprobs, per_slot)
-
-    def optim_step(
-        self, slots: Sequence[int], per_slot: dict[int, dict[str, float]] | None = None
-    ) -> tuple[dict[int, Any], dict[int, dict[str, float]]]:
-        """Sum ``slots``' gradients over DP (and the metric sums ``per_slot``), step each slot's
-        AdamW, zero their grads. Returns (step stats, the DP-summed metric sums)."""
-        active = sorted(set(slots))
-        per_slot = per_slot or {}
-        if self.layout.dp_size > 1:
-            allreduce_slot_grads(self.optimizer.params, active, self.layout.dp_group)
-            per_slot = sum_metrics(per_slot, self.layout)
-        stats = self.optimizer.step(active)
-        self.optimizer.zero_grad(active)
-        return stats, per_slot
+def row_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    rows: Sequence[ScoredRow],
+    slots: list[int],
+    vocab_size: int,
+    chunk_tokens: int,
+    route: bool = True,
+) -> torch.Tensor:
+    """``[len(rows), width]``: each row's logprobs at its positions (zero-padded), through the
+    chunked LM head on those positions only. Differentiable."""
+    device = input_ids.device
+    row_index = torch.tensor([i for i, r in enumerate(rows) for _ in r.positions], device=device)
+    offset = torch.tensor([j for r in rows for j in range(r.width)], device=device)
+    positions = torch.tensor([p for r in rows for p in r.positions], device=device)
+    targets = None
+    if any(r.targets is not None for r in rows):
+        targets = torch.tensor(
+            [t for r in rows for t in (r.targets or [r.tokens[p + 1] for p in r.positions])],
+            device=device,
+        )
+    lp = selected_logprobs(
+        model, input_ids, slots, [r.temperature for r in rows], vocab_size, row_index,
+        positions, chunk_tokens, route=route, targets=targets,
+    )  # fmt: skip
+    out = lp.new_zeros(len(rows), max((r.width for r in rows), default=0))
+    out[row_index, offset] = lp
+    return out
 
 
-def _accumulate(acc_all: dict[int, dict[str, float]], metrics: dict[int, dict[str, float]]) -> None:
+def forward_backward_rows(
+    model: torch.nn.Module,
+    rows: Sequence[ScoredRow],
+    loss_fn: LossFn,
+    settings: TrainerConfig,
+    pad_id: int,
+    vocab_size: int,
+    *,
+    backward: bool = True,
+    reference: bool = False,
+    return_logprobs: bool = True,
+) -> ForwardBackwardResult:
+    """Score ``rows`` in micro-batches (by ``settings``' row and token budgets) with each row's slot
+    routed, and evaluate ``loss_fn`` on each; with ``backward`` backpropagate it (gradients
+    accumulate in the slots), else only its metrics are kept (no graph). ``reference`` also
+    computes the base model's logprobs (slot -1, no grad) for the loss. The per-row logprobs are
+    copied to the host once, at the end, when ``return_logprobs``."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # tokens sorted by slot
+    lengths = [len(rows[i].tokens) for i in order]
+    batches = (
+        micro_batches(lengths, settings.micro_batch_size, settings.max_tokens_per_micro_batch) if rows else []
+    )
+    chunk = settings.logprob_chunk_tokens
+    kept: list[tuple[list[int], torch.Tensor]] = []
+    per_slot: dict[int, dict[str, float]] = {}
+    model.train(backward)
+    for index in batches:
+        picked = [order[i] for i in index]
+        batch = [rows[i] for i in picked]
+        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
+        slots = [r.slot for r in batch]
+        width = max(r.width for r in batch)
+        mask = torch.zeros(len(batch), width, device=input_ids.device)
+        for i, r in enumerate(batch):
+            mask[i, : r.width] = 1
+        ref = None
+        if reference:
+            with torch.no_grad():
+                ref = row_logprobs(model, input_ids, batch, [-1] * len(batch), vocab_size, chunk)
+        slot_ids = torch.tensor(slots, device=input_ids.device).view(-1, 1).expand_as(input_ids)
+        # routing kept through the backward: activation recompute runs the forward again there
+        with token_slots(model, slot_ids.contiguous()), torch.set_grad_enabled(backward):
+            lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, route=False)
+            loss, metrics = loss_fn(MicroBatch(batch, lp, mask, ref))
+            if backward:
+                loss.backward()
+        accumulate_metrics(per_slot, metrics)
+        if return_logprobs:
+            kept.append((picked, lp.detach()))
+    logprobs: list[list[float]] = [[] for _ in rows]
+    for picked, lp in kept:
+        for i, values in zip(picked, lp.float().cpu().tolist(), strict=True):
+            logprobs[i] = values[: rows[i].width]
+    return ForwardBackwardResult(logprobs, per_slot, sum(len(r.tokens) for r in rows))
+
+
+def accumulate_metrics(acc_all: dict[int, dict[str, float]], metrics: dict[int, dict[str, float]]) -> None:
+    """Add one micro-batch's per-slot metrics to the sums ``acc_all`` (see :func:`finish_metrics`)."""
     for slot, m in metrics.items():
         acc = acc_all.setdefault(int(slot), {})
         n = float(m.get("num_tokens", 0.0))

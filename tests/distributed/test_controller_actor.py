@@ -25,6 +25,7 @@ from miles_multilora.controller.actor import (  # noqa: E402
 )
 from miles_multilora.controller.client import ControllerClient  # noqa: E402
 from miles_multilora.controller.endpoint import read_endpoint  # noqa: E402
+from miles_multilora.controller.snapshot import AdapterResult  # noqa: E402
 from miles_multilora.errors import ConfigError, SpecError  # noqa: E402
 
 # Token auth is on by default for a new local cluster (ray.init sets RAY_AUTH_MODE=token for this
@@ -120,7 +121,7 @@ def test_named_actor_serves_the_core_http_and_a_second_driver(cluster, tmp_path)
 
         snap = ray.get(handle.snapshot.remote())
         assert [(a.name, a.slot) for a in snap.running] == [("from_ray", 0), ("from_http", 1)]
-        ray.get(handle.report_step.remote({"from_ray": {"trained": True, "checkpoint": "/ck/r/1"}}))
+        ray.get(handle.report_step.remote({"from_ray": AdapterResult(trained=True, checkpoint="/ck/r/1")}))
         assert ray.get(handle.get.remote("from_ray"))["step"] == 1
         assert ray.get(handle.get.remote("from_driver2"))["state"] == "PENDING"
 

@@ -35,7 +35,7 @@ def _specs(names: list[str]) -> list[dict[str, Any]]:
 
 def _one_step(rank: int, world: int, out: str, names: list[str], tp: int) -> None:
     """One step of ``names`` (slots in order) on ``world`` ranks; each rank saves what it saw."""
-    from miles_multilora.trainer.worker import TrainerWorker
+    from miles_multilora.rl import RLStep
     from tests.e2e.conftest import snapshot_of, tiny_run_config
 
     specs = _specs(names)
@@ -45,27 +45,27 @@ def _one_step(rank: int, world: int, out: str, names: list[str], tp: int) -> Non
         model={"source": "tiny", "tp": tp},
         trainer={"micro_batch_size": 3, "world_size": world},
     )
-    worker = TrainerWorker(cfg, rank, world)
+    worker = RLStep.build(cfg, rank, world)
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("miles_multilora.trainer.worker").addHandler(handler)
+    logging.getLogger("miles_multilora.rl.step").addHandler(handler)
     grads: dict[str, torch.Tensor] = {}
-    step = worker.optimizer.step
+    step = worker.rank.optimizer.step
 
     def record_then_step(active: list[int]) -> Any:
-        for name, p in zip(worker.optimizer.names, worker.optimizer.params, strict=True):
+        for name, p in zip(worker.rank.optimizer.names, worker.rank.optimizer.params, strict=True):
             grads[name] = p.grad.detach().clone()
         return step(active)
 
-    worker.optimizer.step = record_then_step  # type: ignore[method-assign]
+    worker.rank.optimizer.step = record_then_step  # type: ignore[method-assign]
     result = worker.step(snapshot_of(1, specs))
     torch.save(
         {
             "grads": grads,
-            "metrics": {n: r["metrics"] for n, r in result["results"].items()},
-            "failed": result["failed"],
-            "layout": (worker.layout.dp_rank, worker.layout.tp_rank),
+            "metrics": {n: dict(r.metrics) for n, r in result.results.items()},
+            "failed": result.failed,
+            "layout": (worker.rank.layout.dp_rank, worker.rank.layout.tp_rank),
             "tokens": (worker.last_train_tokens, worker.last_rank_train_tokens),
             "warnings": warnings,
         },

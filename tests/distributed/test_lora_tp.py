@@ -22,16 +22,16 @@ def _worker(
     torch.set_num_threads(1)
     if kernels == "triton":  # CPU: the Triton kernels under Triton's interpreter
         os.environ["TRITON_INTERPRET"] = "1"
-        from miles_multilora.lora.testing import patch_triton_interpreter
+        from miles_multilora.testing.lora import patch_triton_interpreter
 
         patch_triton_interpreter()
     from megatron.core.tensor_parallel import mappings
 
     from miles_multilora.config.adapter import OptimizerSpec
     from miles_multilora.lora import export_slot, init_slot, layout, load_slot, multi_lora_layers
-    from miles_multilora.lora.testing import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
     from miles_multilora.models import compat
     from miles_multilora.optim import SlotAdamW
+    from miles_multilora.testing.lora import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
 
     model = tiny_gpt_with_lora(
         num_slots=3, max_rank=4, tp=world, rank=rank, kernels=kernels, ffn_hidden_size=48, max_seq_len=64

@@ -64,9 +64,9 @@ def _job(rank: int, tp: int, ep: int, batch: int, root: Path, dispatcher: str) -
 
     from miles_multilora.config.adapter import OptimizerSpec
     from miles_multilora.lora import apply_multi_lora, export_slot, load_slot
-    from miles_multilora.lora.testing import lm_logits, per_row_lm_loss
     from miles_multilora.models.provider import load_hf_model
     from miles_multilora.optim import SlotAdamW
+    from miles_multilora.testing.lora import lm_logits, per_row_lm_loss
 
     model = load_hf_model(root / "hf", moe_token_dispatcher=dispatcher).model
     apply_multi_lora(model, "all-linear", num_slots=2, max_rank=4)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.config.run import RunConfig, config_from_container
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.trainer.shard import read_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOY_PROMPTS = str(REPO_ROOT / "tests" / "e2e" / "data" / "toy_prompts.jsonl")
@@ -91,7 +92,7 @@ def final_checkpoint(output_dir: str | Path, adapter: str) -> Path:
 
 def checkpoint_tensors(path: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     """Slot tensors of one rank's shard plus the exported PEFT adapter tensors (prefixed ``peft/``)."""
-    tensors = dict(ckpt.read_rank_shard(path, rank)["slot"])
+    tensors = dict(read_shard(path, rank)["slot"])
     for key, value in load_file(str(path / "adapter" / "adapter_model.safetensors")).items():
         tensors[f"peft/{key}"] = value
     return tensors
@@ -114,7 +115,7 @@ def ray_session() -> Iterator[None]:
 
 def optimizer_tensors(path: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     """The Adam moments of one rank's shard, plus its step counter as a tensor."""
-    state = ckpt.read_rank_shard(path, rank)["optimizer"]
+    state = read_shard(path, rank)["optimizer"]
     out = {f"{part}/{name}": t for part in ("exp_avg", "exp_avg_sq") for name, t in state[part].items()}
     out["step"] = torch.tensor(float(state["step"]))
     return out

@@ -22,7 +22,7 @@ SCRIPT = """
 import json, sys
 import ray
 from miles_multilora.errors import ConfigError
-from miles_multilora.trainer.cluster import start_trainer_group
+from miles_multilora.launch.cluster import start_trainer_group
 from tests.e2e.conftest import tiny_run_config
 
 out, adapters, ray_tmp = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]

@@ -14,30 +14,30 @@ import pytest
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.models import compat
-from miles_multilora.trainer import checkpoint as ckpt
-from miles_multilora.trainer.worker import TrainerWorker
+from miles_multilora.rl import RLStep
+from miles_multilora.rl import checkpoint as ckpt
 from tests.e2e.conftest import tiny_run_config, toy_adapter
 
 
 @pytest.mark.parametrize("fallback", [False, True], ids=["named", "fallback"])
 def test_resumed_at_budget_finishes_without_training(tmp_path: Path, fallback: bool) -> None:
     raw = toy_adapter("a", "fraction_of_lowercase", steps=2, save_interval=1)
-    worker = TrainerWorker(tiny_run_config(tmp_path / "out", [raw]))
+    worker = RLStep.build(tiny_run_config(tmp_path / "out", [raw]))
     try:
         spec = parse_adapter_spec(raw, max_rank=8)
         worker.step(Snapshot(1, 2, (SlotAssignment("a", "a-1", 0, spec, 0, 0, None, True),), (), ()))
         out = worker.step(Snapshot(2, 2, (SlotAssignment("a", "a-1", 0, spec, 1, 1, None, False),), (), ()))
-        assert list(out["finished"]) == ["a"] and out["results"]["a"]["step"] == 2
+        assert list(out.finished) == ["a"] and out.results["a"].step == 2
         first, last = ckpt.complete_checkpoints(ckpt.run_dir(tmp_path / "out", "a", "a-1"))
         if fallback:  # the controller still names step 1, which is now unreadable
             (first / "slot_rank0.pt").write_bytes(b"not a torch file")
         named = first if fallback else last
-        worker.clear_slots((0,))  # a restarted trainer: nothing resident
+        worker.residents.clear_slots((0,))  # a restarted trainer: nothing resident
         again = SlotAssignment("a", "a-1", 0, spec, 1, 1, str(named), True)
         out = worker.step(Snapshot(3, 2, (again,), (), ()))
-        assert out["finished"] == {"a": str(last)} and not out["failed"]
-        assert out["results"]["a"]["trained"] is False and out["results"]["a"]["step"] == 2
-        assert worker.steps["a"] == 2
+        assert out.finished == {"a": str(last)} and not out.failed
+        assert out.results["a"].trained is False and out.results["a"].step == 2
+        assert worker.version("a") == 2
         assert [p.name for p in ckpt.complete_checkpoints(last.parent)] == ["step_000001", "step_000002"]
     finally:
         compat.destroy_distributed()

@@ -24,7 +24,7 @@ from miles_multilora.controller.client import ControllerClient
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.persistence import load_state
 from miles_multilora.models.compat import free_port
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
 from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, adapter_checkpoints, toy_adapter
 
 SCRIPTS = REPO_ROOT / "examples" / "multi_lora"

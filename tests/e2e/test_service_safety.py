@@ -23,7 +23,7 @@ import requests
 
 from miles_multilora.controller.client import ControllerClient
 from miles_multilora.models.compat import free_port
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
 from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, toy_adapter
 from tests.e2e.test_service import (
     _env,

@@ -20,7 +20,7 @@ import torch
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.models import compat
-from miles_multilora.trainer.worker import TrainerWorker
+from miles_multilora.rl import RLStep
 from tests.e2e.conftest import tiny_run_config, toy_adapter
 
 # Exponential in the length of the completion and never matches: hangs on ~30 characters.
@@ -57,36 +57,36 @@ def test_stuck_adapters_fail_with_the_reason_and_the_healthy_one_trains(tmp_path
         trainer={"max_skipped_steps": 2, "reward_kill_grace_s": 0.5},
         algo={"dynamic_sampling": True, "max_refill_rounds": 1},
     )
-    worker = TrainerWorker(cfg)
-    real_step = worker.optimizer.step
+    worker = RLStep.build(cfg)
+    real_step = worker.rank.optimizer.step
 
     def nan_gradients_for_slot_3(active: list[int]) -> Any:  # a loss that went non-finite for one adapter
-        for p in worker.optimizer.params:
+        for p in worker.rank.optimizer.params:
             if p.grad is not None:
                 p.grad[3] = math.nan
         return real_step(active)
 
-    worker.optimizer.step = nan_gradients_for_slot_3  # type: ignore[method-assign]
+    worker.rank.optimizer.step = nan_gradients_for_slot_3  # type: ignore[method-assign]
     try:
         start = time.perf_counter()
         out = worker.step(_snapshot(1, specs, {}, init=True))
         elapsed = time.perf_counter() - start
-        assert set(out["failed"]) == {"regex"}, out["failed"]
-        assert "reward.timeout_s" in out["failed"]["regex"]  # the regex stopped itself, or was killed
-        assert out["results"]["healthy"]["trained"] is True
-        assert out["results"]["healthy"]["metrics"]["reward/latency_s"] < 2.0
-        assert out["results"]["flat"]["trained"] is False and out["results"]["nan"]["trained"] is False
-        assert out["results"]["nan"]["metrics"]["skipped"] == 1.0
+        assert set(out.failed) == {"regex"}, out.failed
+        assert "reward.timeout_s" in out.failed["regex"]  # the regex stopped itself, or was killed
+        assert out.results["healthy"].trained is True
+        assert out.results["healthy"].metrics["reward/latency_s"] < 2.0
+        assert out.results["flat"].trained is False and out.results["nan"].trained is False
+        assert out.results["nan"].metrics["skipped"] == 1.0
         assert elapsed < 120, elapsed
 
         del specs[1]  # the controller drops the failed adapter; the others keep their slots
         out = worker.step(_snapshot(2, specs, {"healthy": 1}, init=False))
-        assert set(out["failed"]) == {"flat", "nan"}, out["failed"]
-        assert "no update in 2 consecutive steps (trainer.max_skipped_steps)" in out["failed"]["flat"]
-        assert "dynamic sampling kept none" in out["failed"]["flat"]
-        assert "not finite" in out["failed"]["nan"] and "sampling.temperature" in out["failed"]["nan"]
-        assert out["results"]["healthy"]["trained"] is True and worker.steps["healthy"] == 2
-        assert all(torch.isfinite(p).all() for p in worker.optimizer.params)  # the veto kept NaN out
+        assert set(out.failed) == {"flat", "nan"}, out.failed
+        assert "no update in 2 consecutive steps (trainer.max_skipped_steps)" in out.failed["flat"]
+        assert "dynamic sampling kept none" in out.failed["flat"]
+        assert "not finite" in out.failed["nan"] and "sampling.temperature" in out.failed["nan"]
+        assert out.results["healthy"].trained is True and worker.version("healthy") == 2
+        assert all(torch.isfinite(p).all() for p in worker.rank.optimizer.params)  # the veto kept NaN out
     finally:
         worker.rewards.close()
         compat.destroy_distributed()

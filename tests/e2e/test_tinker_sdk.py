@@ -78,7 +78,7 @@ def _reward(tokens: list[int]) -> float:
 def _slot_tensors(server: Any, model_id: str) -> list[torch.Tensor]:
     backend = server.state.backend
     slot = backend.model(model_id).slot
-    return [p[slot].detach().clone() for p in backend.worker.optimizer.params]
+    return [p[slot].detach().clone() for p in backend.rank.optimizer.params]
 
 
 def test_two_clients_train_at_once_and_sample_their_own_adapters(server: Any) -> None:
@@ -211,13 +211,36 @@ def test_save_load_round_trips_errors_change_nothing_and_finish_frees_slots(serv
     first.close("success")
     third = second.create_lora_training_client(base_model="tiny", rank=2, seed=9).result()
     entry = server.state.backend.model(third.get_info().model_id)
-    assert entry.steps == 0 and server.state.backend.worker.optimizer.slot_state_dict(entry.slot)["step"] == 0
+    assert entry.version == 0 and server.state.backend.rank.optimizer.slot_state_dict(entry.slot)["step"] == 0
     restored = second.create_training_client_from_state_with_optimizer(path).result()
     model_r = restored.get_info().model_id
     assert all(torch.equal(x, y) for x, y in zip(saved, _slot_tensors(server, model_r), strict=True))
-    assert server.state.backend.model(model_r).steps == 1
+    assert server.state.backend.model(model_r).version == 1
     assert set(server.state.backend.models) == {third.get_info().model_id, model_r}
     second.close("success")
+
+
+@pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state:FutureWarning")
+def test_a_sampler_saved_before_loading_other_weights_is_refused(server: Any) -> None:
+    """Loading weights alone (``load_state``) makes a new version: a sampler of the old weights is
+    refused instead of sampling the new weights under the old tag."""
+    sc = _client(server)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("one-step").result().path
+    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = tinker.SamplingParams(max_tokens=2, seed=1)
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+    assert sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences
+    tc.load_state(path).result()  # the weights of one step, the optimizer state of two
+    with pytest.raises(tinker.RequestFailedError, match="save_weights_for_sampler again"):
+        sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
+    fresh = tc.save_weights_and_get_sampling_client().result()
+    assert fresh.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences
+    sc.close("success")
 
 
 def test_the_api_key_is_required_and_the_config_refuses_an_open_bind(tmp_path: Path) -> None:
@@ -227,10 +250,10 @@ def test_the_api_key_is_required_and_the_config_refuses_an_open_bind(tmp_path: P
 
     cfg = config_from_container({"model": {"source": "tiny"}, "tinker": {"host": "0.0.0.0"}})
     with pytest.raises(ConfigError, match="needs an API key file"):
-        start(cfg, worker=object())
+        start(cfg, rank=object())
     key = tmp_path / "key"
     key.write_text("secret\n")
     os.chmod(key, 0o600)
     cfg = config_from_container({"model": {"source": "tiny"}, "tinker": {"api_key_file": str(key)}})
     with pytest.raises(ConfigError, match="start with 'tml-'"):
-        start(cfg, worker=object())
+        start(cfg, rank=object())

@@ -46,7 +46,7 @@ class Served:
     and state dir (what survives is what survives a restart of ``tinker-serve``)."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.worker, self.port = root, None, 0
+        self.root, self.rank, self.port = root, None, 0
         self.keys = root / "keys"
         self.keys.write_text(f"# two tenants\n{KEY_A}\n\n{KEY_B}\n")
         self.keys.chmod(0o600)
@@ -64,8 +64,8 @@ class Served:
             "tinker": tinker_cfg,
             "logging": {"wandb_mode": "disabled"},
         })  # fmt: skip
-        self.server = start(cfg, worker=self.worker)
-        self.worker = self.server.state.backend.worker
+        self.server = start(cfg, rank=self.rank)
+        self.rank = self.server.state.backend.rank
         self.port = int(self.server.url.rsplit(":", 1)[1])
 
     def restart(self, **settings: Any) -> None:
@@ -140,7 +140,7 @@ def slot_state(served: Served, model_id: str) -> list[torch.Tensor]:
     """The model's slot tensors and its Adam moments and step, copied."""
     backend = served.state.backend
     slot = backend.model(model_id).slot
-    optimizer = backend.worker.optimizer
+    optimizer = backend.rank.optimizer
     moments = optimizer.slot_state_dict(slot)
     tensors = [p[slot].detach().clone() for p in optimizer.params]
     tensors += [t.clone() for part in ("exp_avg", "exp_avg_sq") for _, t in sorted(moments[part].items())]
@@ -188,7 +188,7 @@ def test_another_tenant_is_refused_like_unknown_and_changes_nothing(served: Serv
     # a result of the victim's that is still held (sent outside the SDK, never retrieved)
     held = post(served, KEY_A, "forward_backward", raw=fb_body(vm, [sft(TEXT)], forward_only=True))
     held_rid = held.json()["request_id"]
-    ckpt_file = next((served.root / "out" / "tinker").rglob("mine.pt"))
+    ckpt_file = next((served.root / "out" / "tinker").rglob("mine/slot_rank0.pt"))
     ckpt_bytes = ckpt_file.read_bytes()
     before = slot_state(served, vm)
 
@@ -491,12 +491,12 @@ def test_dedup_needs_a_seq_id_and_a_retrieved_result_is_released(served: Served)
         return rid
 
     tc.forward_backward([sft(TEXT)], "cross_entropy").result()
-    steps = entry.steps
+    steps = entry.version
     first, second = run(step), run(step)  # no seq_id: no dedup key, both run
-    assert first != second and entry.steps == steps + 2
+    assert first != second and entry.version == steps + 2
     tc.forward_backward([sft(TEXT)], "cross_entropy").result()
     third, retry = run({**step, "seq_id": 41}), run({**step, "seq_id": 41})
-    assert third == retry and entry.steps == steps + 3  # a retry of one seq_id runs once
+    assert third == retry and entry.version == steps + 3  # a retry of one seq_id runs once
     # retrieved results are released after tinker.retrieved_result_ttl_s (1 s here)
     wait_for(
         lambda: "error" in post(served, KEY_A, "retrieve_future", {"request_id": third}).json(), timeout=10

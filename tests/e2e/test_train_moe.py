@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from miles_multilora.models import compat
-from miles_multilora.trainer.worker import TrainerWorker
+from miles_multilora.rl import RLStep
 from tests.e2e.conftest import final_checkpoint, snapshot_of, tiny_run_config
-from tests.e2e.test_train_tiny import ParityCheckingWorker, _two_adapters
+from tests.e2e.test_train_tiny import ParityCheck, _two_adapters
 
 MOE = {"tiny": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}}
 
@@ -31,18 +31,20 @@ def _config(out: Path, steps: int, dispatcher: str = "alltoall", **sections: Any
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_moe_adapters_train_with_rollout_equal_to_trainer(tmp_path: Path, dispatcher: str) -> None:
     cfg, specs = _config(tmp_path / "run", steps=2, dispatcher=dispatcher)
-    worker = ParityCheckingWorker(cfg)
+    worker = RLStep.build(cfg)
+    check = ParityCheck(worker)
+    model = worker.rank.model
     try:
-        experts = {n: p.detach().clone() for n, p in worker.model.named_parameters() if ".experts.lora." in n}
+        experts = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts.lora." in n}
         assert experts and all("lora_" in n for n in experts)
         for i in range(2):
-            out = worker.step(snapshot_of(i + 1, specs, dict(worker.steps), init=i == 0))
-            assert all(r["trained"] for r in out["results"].values())
-        assert worker.samples_checked > 0 and not worker.tag_errors
-        assert max(worker.max_diffs) <= 1e-5
+            out = worker.step(snapshot_of(i + 1, specs, worker.versions(), init=i == 0))
+            assert all(r.trained for r in out.results.values())
+        assert check.samples_checked > 0 and not check.tag_errors
+        assert max(check.max_diffs) <= 1e-5
         for name, before in experts.items():
             if name.endswith("lora_B"):
-                after = dict(worker.model.named_parameters())[name]
+                after = dict(model.named_parameters())[name]
                 assert not torch.equal(after[:2], before[:2]), f"{name} did not train"
         for adapter in ("lower", "digits"):
             weights = load_file(
@@ -59,19 +61,18 @@ def test_moe_adapters_train_with_rollout_equal_to_trainer(tmp_path: Path, dispat
 
 def _gradients_of_one_step(out: Path, **trainer: Any) -> dict[str, torch.Tensor]:
     cfg, specs = _config(out, steps=2, trainer={"micro_batch_size": 3, **trainer})
-    worker = TrainerWorker(cfg)
+    worker = RLStep.build(cfg)
     grads: dict[str, torch.Tensor] = {}
-    step = worker.optimizer.step
+    model, optimizer = worker.rank.model, worker.rank.optimizer
+    step = optimizer.step
 
-    def record_then_step(active: list[int]) -> Any:
-        grads.update(
-            {n: p.grad.detach().clone() for n, p in worker.model.named_parameters() if p.grad is not None}
-        )
-        return step(active)
+    def record_then_step(*args: Any, **kwargs: Any) -> Any:
+        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
 
-    worker.optimizer.step = record_then_step  # type: ignore[method-assign]
+    optimizer.step = record_then_step  # type: ignore[method-assign]
     try:
-        assert all(r["trained"] for r in worker.step(snapshot_of(1, specs))["results"].values())
+        assert all(r.trained for r in worker.step(snapshot_of(1, specs)).results.values())
         return grads
     finally:
         compat.destroy_distributed()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles_multilora.models import compat
-from miles_multilora.trainer.worker import TrainerWorker
+from miles_multilora.rl import RLStep
 from tests.e2e.conftest import snapshot_of, tiny_run_config, toy_adapter
 
 
@@ -26,20 +26,24 @@ def _specs() -> list[dict[str, Any]]:
 
 def _gradients_of_one_step(out: Path, **trainer: Any) -> dict[str, torch.Tensor]:
     cfg = tiny_run_config(out, _specs(), trainer={"micro_batch_size": 3, **trainer})
-    worker = TrainerWorker(cfg)
+    worker = RLStep.build(cfg)
     grads: dict[str, torch.Tensor] = {}
-    step = worker.optimizer.step
+    step = worker.rank.optimizer.step
 
     def record_then_step(active: list[int]) -> Any:
         grads.update(
-            {n: p.grad.detach().clone() for n, p in worker.model.named_parameters() if p.grad is not None}
+            {
+                n: p.grad.detach().clone()
+                for n, p in worker.rank.model.named_parameters()
+                if p.grad is not None
+            }
         )
         return step(active)
 
-    worker.optimizer.step = record_then_step  # type: ignore[method-assign]
+    worker.rank.optimizer.step = record_then_step  # type: ignore[method-assign]
     try:
         out_step = worker.step(snapshot_of(1, _specs()))
-        assert all(r["trained"] for r in out_step["results"].values())
+        assert all(r.trained for r in out_step.results.values())
         return grads
     finally:
         compat.destroy_distributed()

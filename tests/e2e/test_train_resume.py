@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
 from tests.e2e.conftest import (
     REPO_ROOT,
     adapter_checkpoints,
@@ -38,7 +38,7 @@ ADAPTERS = [
 TRAIN_SCRIPT = """
 import json, sys
 from tests.e2e.conftest import tiny_run_config
-from miles_multilora.trainer.run import run_training
+from miles_multilora.launch.run import run_training
 run_training(tiny_run_config(sys.argv[1], json.loads(sys.argv[2]), model={"source": "tiny", "dp": int(sys.argv[3])}))
 """
 
@@ -84,7 +84,7 @@ def _start_and_kill(out: Path, dp: int, timeout_s: float = 240.0) -> int:
 
 @pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp1", "dp2"])
 def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, ray_session: None, dp: int) -> None:
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     model = {"source": "tiny", "dp": dp}
     killed = tmp_path / "killed"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.trainer.shard import read_shard
 from tests.e2e.conftest import final_checkpoint, max_abs_diff, tiny_run_config, toy_adapter
 
 STEPS = 3
@@ -22,7 +23,7 @@ def _peft(path: Path) -> dict:
 
 
 def test_two_rank_tensor_parallel_run_matches_one_rank_run(tmp_path: Path, ray_session: None) -> None:
-    from miles_multilora.trainer.run import run_training
+    from miles_multilora.launch.run import run_training
 
     two = tmp_path / "tp2"
     records = run_training(
@@ -38,7 +39,7 @@ def test_two_rank_tensor_parallel_run_matches_one_rank_run(tmp_path: Path, ray_s
     for name in ("lower", "digits"):
         a, b = final_checkpoint(two, name), final_checkpoint(one, name)
         assert (a / "slot_rank0.pt").is_file() and (a / "slot_rank1.pt").is_file()
-        shards = [ckpt.read_rank_shard(a, r)["slot"] for r in (0, 1)]
+        shards = [read_shard(a, r)["slot"] for r in (0, 1)]
         assert any(not shards[0][k].equal(shards[1][k]) for k in shards[0] if k.endswith("lora_A")), (
             "the two ranks hold identical shards: tensor parallelism did not split the LoRA weights"
         )

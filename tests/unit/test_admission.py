@@ -12,8 +12,7 @@ import pytest
 
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller import ControllerCore
-from miles_multilora.controller.admission import AdmissionRules
-from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
+from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
 from miles_multilora.errors import ConfigError, SpecError
 
 

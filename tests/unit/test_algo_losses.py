@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from miles_multilora.algo import AlgoConfig, adapter_normalizers, kl_penalty, policy_loss
+from miles_multilora.algo import AlgoConfig, kl_penalty, policy_loss, slot_normalizers
 from miles_multilora.errors import ConfigError
 from tests.helpers import assert_close_at_scale
 
@@ -39,12 +39,12 @@ def test_token_mean_clip_higher_by_hand():
     # adapter 0 per-token pg: seq0 [-1.28 (clipped at 1+0.28), -0.5]; seq1 [0.8 (clipped at 1-0.2), 1.5, 1.0]
     a0 = (-1.28 - 0.5 + 0.8 + 1.5 + 1.0) / 5
     a7 = -2.0
-    assert out.per_adapter[0]["loss"] == pytest.approx(a0, abs=1e-5)
-    assert out.per_adapter[7]["loss"] == pytest.approx(a7, abs=1e-5)
+    assert out.per_slot[0]["loss"] == pytest.approx(a0, abs=1e-5)
+    assert out.per_slot[7]["loss"] == pytest.approx(a7, abs=1e-5)
     assert out.loss.item() == pytest.approx(a0 + a7, abs=1e-5)
-    assert out.per_adapter[0]["clip_frac"] == pytest.approx(2 / 5)
-    assert out.per_adapter[7]["clip_frac"] == 0.0
-    assert out.per_adapter[0]["num_tokens"] == 5.0
+    assert out.per_slot[0]["clip_frac"] == pytest.approx(2 / 5)
+    assert out.per_slot[7]["clip_frac"] == 0.0
+    assert out.per_slot[0]["num_tokens"] == 5.0
     out.loss.backward()
     # d(-A r)/d logprob = -A r for unclipped tokens, 0 for clipped ones; divided by the adapter's 5 tokens
     expected_grad = torch.tensor(
@@ -63,7 +63,7 @@ def test_seq_mean_by_hand():
     out = policy_loss(logprobs, old, adv, mask, ids, config=cfg)
     seq0 = (-1.28 - 0.5) / 2
     seq1 = (0.8 + 1.5 + 1.0) / 3
-    assert out.per_adapter[0]["loss"] == pytest.approx((seq0 + seq1) / 2, abs=1e-5)
+    assert out.per_slot[0]["loss"] == pytest.approx((seq0 + seq1) / 2, abs=1e-5)
     assert out.loss.item() == pytest.approx((seq0 + seq1) / 2 - 2.0, abs=1e-5)
 
 
@@ -72,7 +72,7 @@ def test_symmetric_clip_for_grpo_default():
     out = policy_loss(logprobs, old, adv, mask, ids, config=AlgoConfig(name="grpo", eps_low=0.2))
     # grpo: eps_high defaults to eps_low, seq_mean: seq0 [-1.2, -0.5], seq1 [0.8, 1.5, 1.0]
     expected = ((-1.2 - 0.5) / 2 + (0.8 + 1.5 + 1.0) / 3) / 2
-    assert out.per_adapter[0]["loss"] == pytest.approx(expected, abs=1e-5)
+    assert out.per_slot[0]["loss"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_dapo_defaults():
@@ -102,7 +102,7 @@ def test_kl_term_added_to_loss():
         logprobs, old, torch.tensor([1.0]), mask, torch.tensor([3]), config=cfg, ref_logprobs=ref
     )
     k3 = 0.5 - 1.0 + LOG(2.0)
-    assert out.per_adapter[3]["kl"] == pytest.approx(k3, abs=1e-6)
+    assert out.per_slot[3]["kl"] == pytest.approx(k3, abs=1e-6)
     assert out.loss.item() == pytest.approx(-1.0 + 0.1 * k3, abs=1e-6)
     out.loss.backward()
     # d/dlogp: -A*r = -1, plus kl_coef * d k3/d logp = 0.1 * (1 - exp(ref - logp)) = 0.1 * 0.5; / 2 tokens
@@ -124,7 +124,7 @@ def test_truncated_importance_sampling_weight():
         rollout_logprobs=rollout,
     )
     assert out.loss.item() == pytest.approx((-2.0 - 1.5) / 2, abs=1e-5)
-    assert out.per_adapter[0]["tis_clip_frac"] == pytest.approx(0.5)
+    assert out.per_slot[0]["tis_clip_frac"] == pytest.approx(0.5)
 
 
 def test_adapter_gradient_independent_of_other_adapters():
@@ -148,7 +148,7 @@ def test_adapter_gradient_independent_of_other_adapters():
     )
     (grad_mixed,) = torch.autograd.grad(mixed.loss, lp_a)
     assert_close_at_scale(grad_mixed, grad_alone, 1e-6, "grad")  # fp32: the same terms, other sum order
-    assert mixed.per_adapter[0]["loss"] == pytest.approx(alone.per_adapter[0]["loss"], rel=1e-6)
+    assert mixed.per_slot[0]["loss"] == pytest.approx(alone.per_slot[0]["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
@@ -162,7 +162,7 @@ def test_micro_batches_sum_to_full_batch_with_normalizers(aggregation):
     mask[:, 0] = 1
     ids = torch.tensor([0, 1, 0, 1, 1, 0])
     full = policy_loss(lp, old, adv, mask, ids, config=cfg).loss
-    norms = adapter_normalizers(mask, ids, aggregation)
+    norms = slot_normalizers(mask, ids, aggregation)
     parts = [
         policy_loss(lp[s], old[s], adv[s], mask[s], ids[s], config=cfg, normalizers=norms).loss
         for s in (slice(0, 2), slice(2, 5), slice(5, 6))
@@ -180,5 +180,5 @@ def test_bad_config_names_the_key():
 
 
 def test_shape_errors():
-    with pytest.raises(ValueError, match="adapter_ids"):
+    with pytest.raises(ValueError, match="slots"):
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), torch.tensor([0]))

@@ -12,11 +12,11 @@ import torch
 from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs
 from miles_multilora.algo.logprob_kernels import HAVE_TRITON
 from miles_multilora.lora.inject import apply_multi_lora, multi_lora_layers
-from miles_multilora.lora.testing import randomize_slots
 from miles_multilora.models.compat import init_distributed
 from miles_multilora.models.provider import build_tiny_gpt
 from miles_multilora.rollout.logprobs import selected_logprobs, sequence_logprobs
 from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.testing.lora import randomize_slots
 from tests.helpers import assert_close_at_scale
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

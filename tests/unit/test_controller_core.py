@@ -18,8 +18,8 @@ from miles_multilora.controller import (
     IllegalTransitionError,
     UnknownAdapterError,
 )
-from miles_multilora.controller.admission import AdmissionRules
-from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
+from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
+from miles_multilora.controller.snapshot import AdapterResult
 from miles_multilora.controller.states import FINISHED_STATES, check_transition
 from miles_multilora.errors import ConfigError, SpecError
 
@@ -75,7 +75,7 @@ def test_cancel_pending_is_immediate_and_running_drains_until_drained():
     assert core.cancel("run")["state"] == "DRAINING"  # idempotent while draining
     snap = core.snapshot()
     assert snap.running == () and [a.name for a in snap.draining] == ["run"]
-    core.report_step({"run": {"trained": True, "step": 1}})  # in-flight rollouts may still train
+    core.report_step({"run": AdapterResult(trained=True, step=1)})  # in-flight rollouts may still train
     record = core.drained("run", checkpoint="/ckpt/run/final")
     assert record["state"] == "CANCELLED" and record["last_checkpoint"] == "/ckpt/run/final"
     assert record["checkpoint_step"] == 1 and record["slot"] is None
@@ -118,7 +118,7 @@ def test_finished_states_are_terminal(finished):
         lambda c: c.mark_failed("done", "x"),  # finished
         lambda c: c.mark_done("done"),  # finished twice
         lambda c: c.slot_cleared(0),  # slot 0 is owned by "a"
-        lambda c: c.report_step({"p": {"trained": True}}),  # PENDING adapters do not train
+        lambda c: c.report_step({"p": AdapterResult(trained=True)}),  # PENDING adapters do not train
     ],
 )
 def test_illegal_transitions_raise_and_change_nothing(action):
@@ -139,7 +139,7 @@ def test_unknown_names_and_slots():
         with pytest.raises(UnknownAdapterError, match="nope"):
             action()
     with pytest.raises(UnknownAdapterError):
-        core.report_step({"a": {"trained": True}, "nope": {"trained": True}})
+        core.report_step({"a": AdapterResult(trained=True), "nope": AdapterResult(trained=True)})
     assert core.get("a")["step"] == 0  # the valid entry of a rejected report was not applied
     with pytest.raises(ControllerError, match="does not exist"):
         core.slot_cleared(7)
@@ -147,7 +147,7 @@ def test_unknown_names_and_slots():
 
 def test_slot_is_reused_only_after_the_trainer_cleared_it():
     core = running_core(num_slots=1, names=("old", "new"))
-    core.report_step({"old": {"trained": True}})
+    core.report_step({"old": AdapterResult(trained=True)})
     core.mark_done("old")
     snap = core.snapshot()
     assert snap.running == () and snap.slots_to_clear == (0,)
@@ -256,8 +256,12 @@ def test_live_duplicate_conflicts_but_finished_name_registers_again():
 
 def test_counters_advance_only_for_adapters_that_trained():
     core = running_core(num_slots=2, names=("a", "b"))
-    core.report_step({"a": {"trained": True, "step": 1, "metrics": {"reward": 0.5}}, "b": {"trained": False}})
-    core.report_step({"a": {"trained": True, "step": 2, "checkpoint": "/ckpt/a/2"}, "b": {"trained": False}})
+    core.report_step(
+        {"a": AdapterResult(trained=True, step=1, metrics={"reward": 0.5}), "b": AdapterResult(trained=False)}
+    )
+    core.report_step(
+        {"a": AdapterResult(trained=True, step=2, checkpoint="/ckpt/a/2"), "b": AdapterResult(trained=False)}
+    )
     a, b = core.get("a"), core.get("b")
     assert (a["step"], b["step"]) == (2, 0)
     assert (a["last_checkpoint"], a["checkpoint_step"]) == ("/ckpt/a/2", 2)
@@ -273,11 +277,13 @@ def test_step_mismatch_or_bad_result_is_rejected_without_partial_updates():
     core = running_core()
     before = core.list()
     with pytest.raises(ControllerError, match="disagree"):
-        core.report_step({"a": {"trained": True, "step": 1}, "b": {"trained": False, "step": 1}})
+        core.report_step(
+            {"a": AdapterResult(trained=True, step=1), "b": AdapterResult(trained=False, step=1)}
+        )
     with pytest.raises(ControllerError, match="trained"):
-        core.report_step({"a": {"trained": True}, "b": {"step": 0}})
+        core.report_step({"a": AdapterResult(trained=True), "b": AdapterResult(trained=0)})  # type: ignore[arg-type]
     with pytest.raises(ControllerError, match="metrics"):
-        core.report_step({"a": {"trained": True, "metrics": [1.0]}})
+        core.report_step({"a": AdapterResult(trained=True, metrics=[1.0])})
     assert core.list() == before
     assert all(a.needs_init for a in core.snapshot().running)
 
@@ -285,7 +291,9 @@ def test_step_mismatch_or_bad_result_is_rejected_without_partial_updates():
 def test_metrics_are_json_safe_and_history_is_bounded():
     core = running_core(num_slots=1, names=("a",))
     for step in range(1, 26):
-        core.report_step({"a": {"trained": True, "metrics": {"loss": float("nan"), "n": step, "ok": True}}})
+        core.report_step(
+            {"a": AdapterResult(trained=True, metrics={"loss": float("nan"), "n": step, "ok": True})}
+        )
     metrics = core.get("a")["metrics"]
     assert len(metrics) == 20 and metrics[-1]["n"] == 25 and metrics[0]["n"] == 6
     assert metrics[-1]["loss"] == "nan" and metrics[-1]["ok"] is True

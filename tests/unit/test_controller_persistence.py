@@ -15,6 +15,7 @@ from miles_multilora.controller import (
 )
 from miles_multilora.controller.history import HISTORY_FILE_NAME
 from miles_multilora.controller.persistence import STATE_FILE_NAME
+from miles_multilora.controller.snapshot import AdapterResult
 from miles_multilora.errors import ConfigError
 
 
@@ -28,7 +29,9 @@ def build_mixed_state(state_dir) -> ControllerCore:
     for name in ("done", "failed"):
         core.register(spec(name))
     core.snapshot()
-    core.report_step({"done": {"trained": True, "checkpoint": "/ck/done/1"}, "failed": {"trained": False}})
+    core.report_step(
+        {"done": AdapterResult(trained=True, checkpoint="/ck/done/1"), "failed": AdapterResult(trained=False)}
+    )
     core.mark_done("done", "/ck/done/final")
     core.mark_failed("failed", "reward timed out")
     for slot in core.snapshot().slots_to_clear:
@@ -38,8 +41,10 @@ def build_mixed_state(state_dir) -> ControllerCore:
     core.snapshot()  # run -> 0, drain -> 1
     for step in (1, 2, 3):
         ckpt = {"checkpoint": f"/ck/run/{step}"} if step == 2 else {}
-        core.report_step({"run": {"trained": True, **ckpt}, "drain": {"trained": step == 1}})
-    core.report_step({"drain": {"trained": False, "checkpoint": "/ck/drain/1"}})
+        core.report_step(
+            {"run": AdapterResult(trained=True, **ckpt), "drain": AdapterResult(trained=step == 1)}
+        )
+    core.report_step({"drain": AdapterResult(trained=False, checkpoint="/ck/drain/1")})
     core.cancel("drain")
     return core
 
@@ -99,7 +104,7 @@ def test_restore_with_fewer_slots_requeues_running_and_ends_draining(tmp_path):
     first.register(spec("x"))
     first.register(spec("y"))
     first.snapshot()
-    first.report_step({"y": {"trained": True, "checkpoint": "/ck/y/1"}})
+    first.report_step({"y": AdapterResult(trained=True, checkpoint="/ck/y/1")})
     core = ControllerCore.restore(build_dir, num_slots=1, max_rank=16)
     assert [(r["name"], r["state"]) for r in core.list()] == [("x", "RUNNING"), ("y", "PENDING")]
     core.mark_done("x")

@@ -145,7 +145,7 @@ def test_spec_to_loss_flow(setup):
         AlgoConfig(name="dapo"),
     )
     out.loss.backward()
-    assert set(out.per_adapter) == {0, 1}
+    assert set(out.per_slot) == {0, 1}
     assert torch.isfinite(logprobs.grad).all() and logprobs.grad.abs().sum() > 0
 
 

@@ -107,7 +107,7 @@ def test_swiglu_runs_fc1s_lora_expand_as_the_in_place_expand_would(device, dense
     from miles_multilora.lora import MultiLoRALinear
     from miles_multilora.lora.row_delta import RowShrink
     from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
-    from miles_multilora.lora.testing import randomize_slots
+    from miles_multilora.testing.lora import randomize_slots
 
     ranks, alphas = [4, 2, 0, 3], [8.0, 3.0, 1.0, 7.0]
     torch.manual_seed(3)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from miles_multilora.rollout import device_sampling as ds
-from miles_multilora.rollout.sampling import filter_top_k_top_p, token_logprobs
+from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.testing.sampling import filter_top_k_top_p
 
 pytestmark = pytest.mark.skipif(not ds.HAVE_TRITON, reason="triton is not installed")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

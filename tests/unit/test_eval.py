@@ -16,11 +16,12 @@ from miles_multilora.config.adapter import eval_pool_size, eval_seed, parse_adap
 from miles_multilora.config.run import LoggingConfig
 from miles_multilora.controller import ControllerCore
 from miles_multilora.controller.admission import AdmissionRules
+from miles_multilora.controller.snapshot import AdapterResult
 from miles_multilora.data.datasets import load_adapter_dataset
 from miles_multilora.data.evaluation import build_held_out, eval_metrics, pass_at_k, standard_error
 from miles_multilora.data.validation import validate_adapter_resources
 from miles_multilora.errors import SpecError
-from miles_multilora.trainer.metrics import (
+from miles_multilora.launch.metrics import (
     MetricsLogger,
     draw_panel,
     eval_points,
@@ -207,11 +208,15 @@ def test_the_controller_record_keeps_the_last_eval(tmp_path: Path) -> None:
     core.register(gym({"every": 2}))
     core.register({**gym(), "name": "b"})
     core.snapshot()
-    core.report_step({"a": {"trained": True, "metrics": {"reward_mean": 0.1}}, "b": {"trained": True}})
+    core.report_step(
+        {"a": AdapterResult(trained=True, metrics={"reward_mean": 0.1}), "b": AdapterResult(trained=True)}
+    )
     assert core.get("a")["last_eval"] is None
     evaluated = {"reward_mean": 0.2, "eval/reward_mean": 0.4, "eval/accuracy": 0.5, "eval/size": 32}
-    core.report_step({"a": {"trained": True, "metrics": evaluated}, "b": {"trained": True}})
-    core.report_step({"a": {"trained": True, "metrics": {"reward_mean": 0.3}}, "b": {"trained": True}})
+    core.report_step({"a": AdapterResult(trained=True, metrics=evaluated), "b": AdapterResult(trained=True)})
+    core.report_step(
+        {"a": AdapterResult(trained=True, metrics={"reward_mean": 0.3}), "b": AdapterResult(trained=True)}
+    )
     last = core.get("a")["last_eval"]
     assert {k: v for k, v in last.items() if k != "time"} == {
         "step": 2,

@@ -8,7 +8,7 @@ from torch import nn
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.lora import MultiLoRALinear, build_routing_plan
-from miles_multilora.lora.testing import megatron_tp1, peft_reference, randomize_slots, tiny_config
+from miles_multilora.testing.lora import megatron_tp1, peft_reference, randomize_slots, tiny_config
 from tests.helpers import assert_close_at_scale
 
 N, R = 6, 4

@@ -9,7 +9,7 @@ import torch
 
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import apply_multi_lora, export_slot, init_slot, load_slot, multi_lora_layers
-from miles_multilora.lora.testing import lm_logits
+from miles_multilora.testing.lora import lm_logits
 from tests.helpers import tiny_hf_model
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

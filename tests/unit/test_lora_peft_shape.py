@@ -19,7 +19,7 @@ from miles_multilora.lora import (
     slot_state,
 )
 from miles_multilora.lora.peft_format import peft_form
-from miles_multilora.lora.testing import lm_logits
+from miles_multilora.testing.lora import lm_logits
 from tests.helpers import tiny_hf_model
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

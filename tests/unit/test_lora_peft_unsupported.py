@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import load_slot, multi_lora_layers
-from miles_multilora.lora.testing import tiny_gpt_with_lora
+from miles_multilora.testing.lora import tiny_gpt_with_lora
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 PLAIN = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "bias": "none"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles_multilora.lora import build_routing_plan
-from miles_multilora.lora.testing import peft_reference, randomize_slots
+from miles_multilora.testing.lora import peft_reference, randomize_slots
 from tests.helpers import assert_close_at_scale
 from tests.unit.test_lora_layer import ALPHAS, RANKS, N, _make_layer, _run
 

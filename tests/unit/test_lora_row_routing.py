@@ -11,7 +11,7 @@ import torch
 
 from miles_multilora.lora import build_routing_plan
 from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
-from miles_multilora.lora.testing import randomize_slots
+from miles_multilora.testing.lora import randomize_slots
 from tests.unit.test_lora_layer import ALPHAS, RANKS, N, R, _make_layer, _run
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.lora import clear_slot, export_slot, init_slot, load_slot, multi_lora_layers, slot_rank
-from miles_multilora.lora.testing import tiny_gpt_with_lora
+from miles_multilora.testing.lora import tiny_gpt_with_lora
 
 
 @pytest.fixture(scope="module")

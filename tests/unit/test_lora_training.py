@@ -6,8 +6,8 @@ import torch
 
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora import clear_slot, init_slot, multi_lora_layers
-from miles_multilora.lora.testing import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
 from miles_multilora.optim import SlotAdamW
+from miles_multilora.testing.lora import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
 from tests.helpers import assert_close_at_scale
 
 VOCAB, SEQ = 64, 8

@@ -17,8 +17,8 @@ from miles_multilora.errors import ConfigError
 from miles_multilora.lora import MultiLoRALinear, apply_multi_lora, build_routing_plan, routed_ops
 from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.layer import check_kernels
-from miles_multilora.lora.testing import randomize_slots
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
+from miles_multilora.testing.lora import randomize_slots
 from tests.helpers import assert_close_at_scale
 from tests.unit.test_lora_layer import ALPHAS, RANKS, N, R, _make_layer, _run, _slot_ids
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import apply_multi_lora, export_slot, init_slot, load_slot, multi_lora_layers
 from miles_multilora.lora.expert_layer import MultiLoRAExpertLinear
-from miles_multilora.lora.testing import lm_logits
+from miles_multilora.testing.lora import lm_logits
 from tests.moe_helpers import randomize_b, tiny_moe_hf_model
 
 BATCH, SEQ = 2, 7

@@ -10,8 +10,8 @@ import torch
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora import clear_slot, init_slot, load_slot_state, multi_lora_layers, slot_state
 from miles_multilora.lora.expert_layer import MultiLoRAExpertLinear
-from miles_multilora.lora.testing import lm_logits, per_row_lm_loss
 from miles_multilora.optim import SlotAdamW
+from miles_multilora.testing.lora import lm_logits, per_row_lm_loss
 from tests.helpers import assert_close_at_scale
 from tests.moe_helpers import randomize_b, tiny_moe_gpt
 

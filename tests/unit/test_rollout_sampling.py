@@ -6,12 +6,8 @@ import math
 
 import torch
 
-from miles_multilora.rollout.sampling import (
-    filter_top_k_top_p,
-    make_generator,
-    sample_token,
-    token_logprobs,
-)
+from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.testing.sampling import filter_top_k_top_p, make_generator, sample_token
 
 
 def test_logprobs_use_the_full_tempered_distribution_of_the_real_vocab():

@@ -16,6 +16,7 @@ from miles_multilora.controller.client import ControllerClient
 from miles_multilora.controller.core import ControllerCore
 from miles_multilora.controller.http_api import ControllerHTTPServer
 from miles_multilora.controller.schedule import ScheduleRunner, load_schedule, parse_schedule
+from miles_multilora.controller.snapshot import AdapterResult
 from miles_multilora.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def _train_one_step(core: ControllerCore) -> None:
     for a in snap.draining:
         core.drained(a.name, f"ckpt/{a.name}/{a.step}")
     if snap.running:
-        core.report_step({a.name: {"trained": True, "checkpoint": None} for a in snap.running})
+        core.report_step({a.name: AdapterResult(trained=True, checkpoint=None) for a in snap.running})
     for a in snap.running:
         if a.step + 1 >= a.spec.num_steps:
             core.mark_done(a.name, f"ckpt/{a.name}/{a.step + 1}")

@@ -16,8 +16,7 @@ import pytest
 from miles_multilora import child_process
 from miles_multilora.config.adapter import PromptSpec, parse_adapter_spec
 from miles_multilora.controller import ControllerCore
-from miles_multilora.controller.admission import AdmissionRules
-from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
+from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
 from miles_multilora.controller.persistence import STATE_FILE_NAME
 from miles_multilora.data import render_prompt
 from miles_multilora.data.records import DatasetRow

@@ -13,9 +13,9 @@ from miles_multilora.lora import MultiLoRALinear
 from miles_multilora.lora.row_delta import RowShrink
 from miles_multilora.lora.row_routing import build_row_routing, tile_sizes
 from miles_multilora.lora.stacked_shrink import stackable, sync_stacked, unstack
-from miles_multilora.lora.testing import randomize_slots
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
 from miles_multilora.rollout.decode_fusions import swiglu
+from miles_multilora.testing.lora import randomize_slots
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [

@@ -21,7 +21,7 @@ warn("Apex is not installed. Falling back to Torch Norm", UserWarning, "megatron
 warn("Transformer Engine and Apex are not installed. X", UserWarning, "megatron.core.optimizer")
 warn("full scope is deprecated. Use empty cuda_graph_scope", UserWarning, "megatron.core.transformer")
 warn("Apex is not installed. Falling back to Torch Norm", UserWarning, "someone_else.module")
-warn("a warning of our own", UserWarning, "miles_multilora.trainer.worker")
+warn("a warning of our own", UserWarning, "miles_multilora.rl.step")
 logging.getLogger("transformers.configuration_utils").warning("`torch_dtype` is deprecated! Use `dtype`")
 logging.getLogger("transformers.configuration_utils").warning("another transformers message")
 logging.getLogger("math_verify.grader").warning("Timeout is disabled as timeout_seconds is None")

@@ -17,7 +17,7 @@ from miles_multilora.errors import SpecError
 from miles_multilora.models import compat
 from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, TinkerBackend, TinkerError
 from miles_multilora.tinker.scheduler import BatchingQueue
-from miles_multilora.trainer.worker import TrainerWorker
+from miles_multilora.trainer.rank import TrainerRank
 from tests.e2e.conftest import tiny_run_config
 from tests.helpers import assert_close_at_scale
 
@@ -29,9 +29,9 @@ def backend(tmp_path: Path) -> Iterator[TinkerBackend]:
     cfg = tiny_run_config(
         tmp_path / "run", [], lora={"num_slots": 2, "max_rank": 8}, trainer={"micro_batch_size": 4}
     )
-    worker = TrainerWorker(cfg)
+    rank = TrainerRank(cfg)
     try:
-        yield TinkerBackend(worker)
+        yield TinkerBackend(rank)
     finally:
         compat.destroy_distributed()
 
@@ -42,7 +42,7 @@ def sft_datum(tokens: list[int]) -> Datum:
 
 
 def slot_grads(backend: TinkerBackend, slot: int) -> list[torch.Tensor]:
-    return [p.grad[slot].clone() for p in backend.worker.optimizer.params if p.grad is not None]
+    return [p.grad[slot].clone() for p in backend.rank.optimizer.params if p.grad is not None]
 
 
 def test_supervised_loss_falls_and_outputs_line_up(backend: TinkerBackend) -> None:
@@ -61,7 +61,7 @@ def test_supervised_loss_falls_and_outputs_line_up(backend: TinkerBackend) -> No
     assert losses[-1] < losses[0] - 0.5, losses
     (scored,) = backend.forward_backward([ForwardBackwardRequest("sft", data, forward_only=True)])
     assert scored.metrics["loss:sum"] == pytest.approx(-sum(sum(lp) for lp in scored.logprobs), rel=1e-5)
-    assert all(p.grad is None or not p.grad.any() for p in backend.worker.optimizer.params)  # forward only
+    assert all(p.grad is None or not p.grad.any() for p in backend.rank.optimizer.params)  # forward only
 
 
 def test_a_mixed_batch_gives_each_model_its_gradient_alone(backend: TinkerBackend) -> None:
@@ -83,10 +83,10 @@ def test_a_mixed_batch_gives_each_model_its_gradient_alone(backend: TinkerBacken
     slot_a, slot_b = backend.model("a").slot, backend.model("b").slot
     (alone_a,) = backend.forward_backward([a_req])
     grads_a = slot_grads(backend, slot_a)
-    backend.worker.optimizer.zero_grad()
+    backend.rank.optimizer.zero_grad()
     (alone_b,) = backend.forward_backward([b_req])
     grads_b = slot_grads(backend, slot_b)
-    backend.worker.optimizer.zero_grad()
+    backend.rank.optimizer.zero_grad()
     mixed_a, mixed_b = backend.forward_backward([a_req, b_req])
     assert any(g.abs().max() > 0 for g in grads_a) and any(g.abs().max() > 0 for g in grads_b)
     for alone, mixed in ((grads_a, slot_grads(backend, slot_a)), (grads_b, slot_grads(backend, slot_b))):
@@ -126,7 +126,7 @@ def test_rl_losses_on_own_samples_give_the_policy_gradient(backend: TinkerBacken
         for r, lp in zip(results, out.logprobs, strict=True):  # the rollout's logprobs are the trainer's
             assert lp[3:] == pytest.approx(r.logprobs, abs=1e-5)
         grads[loss_fn] = slot_grads(backend, slot)
-        backend.worker.optimizer.zero_grad()
+        backend.rank.optimizer.zero_grad()
     assert any(g.abs().max() > 0 for g in grads["cross_entropy"])
     for name in ("importance_sampling", "ppo"):
         for x, y in zip(grads["cross_entropy"], grads[name], strict=True):
@@ -168,7 +168,7 @@ def test_clients_batch_together_and_a_bad_request_fails_alone(backend: TinkerBac
         assert "has 4 values for 5 input tokens" in str(outcomes["error"][0])
         assert queue.batches == [2]  # the two good requests of two clients ran as one batch
         stats = queue.submit(backend.optim_step, "a", lr=1e-2).result(timeout=60)
-        assert stats["skipped:sum"] == 0.0 and backend.model("a").steps == 1
+        assert stats["skipped:sum"] == 0.0 and backend.model("a").version == 1
     finally:
         queue.close()
 
@@ -191,26 +191,58 @@ def test_errors_are_clear_and_change_nothing(backend: TinkerBackend, tmp_path: P
     # save -> train on -> load gives back the exact slot and optimizer state
     backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
     backend.optim_step("a", lr=1e-2)
-    saved = backend.save_state("a", tmp_path / "a.pt")
+    saved = backend.save_state("a", tmp_path / "a")
     slot = backend.model("a").slot
-    before = [p[slot].detach().clone() for p in backend.worker.optimizer.params]
-    moments = backend.worker.optimizer.slot_state_dict(slot)
+    before = [p[slot].detach().clone() for p in backend.rank.optimizer.params]
+    moments = backend.rank.optimizer.slot_state_dict(slot)
     backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
     backend.optim_step("a", lr=1e-2)
     backend.load_state("a", saved)
-    assert all(torch.equal(x, p[slot]) for x, p in zip(before, backend.worker.optimizer.params, strict=True))
-    after = backend.worker.optimizer.slot_state_dict(slot)
-    assert after["step"] == moments["step"] == backend.model("a").steps == 1
+    assert all(torch.equal(x, p[slot]) for x, p in zip(before, backend.rank.optimizer.params, strict=True))
+    after = backend.rank.optimizer.slot_state_dict(slot)
+    assert after["step"] == moments["step"] == backend.model("a").version == 1
     assert all(torch.equal(after["exp_avg"][k], moments["exp_avg"][k]) for k in moments["exp_avg"])
 
     # unloading frees the slot for a third client, which starts fresh (no leakage)
     backend.unload_model("a")
     third = backend.create_model("c", rank=2, seed=5)
-    assert third.slot == slot and backend.worker.optimizer.slot_state_dict(slot)["step"] == 0
-    state = backend.worker.optimizer.slot_state_dict(slot)
+    assert third.slot == slot and backend.rank.optimizer.slot_state_dict(slot)["step"] == 0
+    state = backend.rank.optimizer.slot_state_dict(slot)
     assert all(not t.any() for t in state["exp_avg"].values())
     with pytest.raises(TinkerError, match="unknown model"):
         backend.sample("a", TEXT[:3], 1, SamplingSpec(max_new_tokens=2))
+
+
+def test_loading_weights_alone_makes_a_new_version(backend: TinkerBackend, tmp_path: Path) -> None:
+    """``load_state(optimizer=False)`` replaces the weights but keeps the optimizer state: the slot
+    gets a version it never had, so a sampler saved for the old weights (its version) is refused."""
+    backend.create_model("a", rank=4, seed=1)
+    backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
+    backend.optim_step("a", lr=1e-2)
+    saved = backend.save_state("a", tmp_path / "v1")
+    slot = backend.model("a").slot
+    weights_v1 = [p[slot].detach().clone() for p in backend.rank.optimizer.params]
+    backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT[2:])])])
+    backend.optim_step("a", lr=1e-2)
+    sampled = backend.model("a").version  # what a sampler saved now records
+    moments = backend.rank.optimizer.slot_state_dict(slot)
+    assert sampled == 2
+
+    backend.load_state("a", saved, optimizer=False)
+    assert backend.model("a").version not in (1, sampled)  # neither the saved nor the sampled one
+    assert all(
+        torch.equal(x, p[slot]) for x, p in zip(weights_v1, backend.rank.optimizer.params, strict=True)
+    )
+    after = backend.rank.optimizer.slot_state_dict(slot)
+    assert after["step"] == moments["step"] == 2  # the optimizer state stays
+    assert all(torch.equal(after["exp_avg"][k], moments["exp_avg"][k]) for k in moments["exp_avg"])
+    results = backend.sample("a", TEXT[:3], 2, SamplingSpec(max_new_tokens=2))
+    assert {r.version for r in results} == {backend.model("a").version}
+    backend.optim_step("a", lr=1e-2)  # no gradient: Adam still moves on its moments
+    assert backend.model("a").version == sampled + 2
+
+    backend.load_state("a", saved)  # with the optimizer: the saved version comes back with its state
+    assert backend.model("a").version == 1 and backend.rank.optimizer.slot_state_dict(slot)["step"] == 1
 
 
 def test_a_request_split_into_batches_gives_what_it_gives_whole(backend: TinkerBackend) -> None:
@@ -220,7 +252,7 @@ def test_a_request_split_into_batches_gives_what_it_gives_whole(backend: TinkerB
     request = ForwardBackwardRequest("a", [sft_datum(TEXT[i:]) for i in range(6)])
     (whole,) = backend.forward_backward([request])
     grads = slot_grads(backend, backend.model("a").slot)
-    backend.worker.optimizer.zero_grad()
+    backend.rank.optimizer.zero_grad()
     queue = BatchingQueue(backend, window_s=0.0, batch_tokens=2 * len(TEXT))
     try:
         split = queue.submit_forward_backward(request).result(timeout=120)

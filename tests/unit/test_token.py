@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from miles_multilora.api_token import TOKEN_ENV, read_token
 from miles_multilora.config.run import config_from_container, to_yaml
-from miles_multilora.controller.token import TOKEN_ENV, read_token
 from miles_multilora.errors import ConfigError
 
 

@@ -12,8 +12,9 @@ from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.data import MultiLoRADataSource
 from miles_multilora.errors import SpecError
-from miles_multilora.trainer import checkpoint as ckpt
-from miles_multilora.trainer.resume import ResumeError, check_run_dir_is_ours, load_resume_point
+from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl.resume import ResumeError, check_run_dir_is_ours, load_resume_point
+from miles_multilora.trainer.shard import read_shard
 
 SPEC = parse_adapter_spec({"name": "a", "dataset": {"task": "basic_arithmetic"}, "num_steps": 9})
 
@@ -40,7 +41,7 @@ def test_runs_of_one_name_keep_separate_directories_and_retention_stays_inside_a
     assert [p.name for p in ckpt.complete_checkpoints(first[-1].parent)] == ["step_000002", "step_000003"]
     assert [p.name for p in ckpt.complete_checkpoints(second[-1].parent)] == ["step_000002", "step_000003"]
     assert ckpt.latest_run_dir(tmp_path, "a") == second[-1].parent
-    shard = ckpt.read_rank_shard(first[-1], 0)  # weights_only=True: plain tensors and values
+    shard = read_shard(first[-1], 0)  # weights_only=True: plain tensors and values
     assert shard["optimizer"]["step"] == 3 and torch.equal(shard["slot"]["w"], torch.full((2,), 3.0))
 
 

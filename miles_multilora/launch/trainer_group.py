@@ -20,8 +20,8 @@ import ray
 from rich.console import Console
 
 from miles_multilora.config.run import RunConfig
-from miles_multilora.controller.snapshot import Snapshot
-from miles_multilora.trainer.cluster import start_trainer_group
+from miles_multilora.controller.snapshot import Snapshot, StepReport
+from miles_multilora.launch.cluster import start_trainer_group
 
 TRAINER_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.WorkerCrashedError)
 MAX_BACKOFF_S = 60.0
@@ -52,8 +52,8 @@ class TrainerGroup:
         snapshot: Snapshot,
         should_stop: Callable[[], bool] | None = None,
         stop_timeout_s: float | None = None,
-    ) -> dict[str, Any] | None:
-        """Rank 0's output of one step on every rank, or None when the group died during it (then
+    ) -> StepReport | None:
+        """Rank 0's report of one step on every rank, or None when the group died during it (then
         it has been replaced and the controller has rewound the resident adapters). Raises
         :class:`StepAbandoned` when a stop was asked ``stop_timeout_s`` ago and the step still runs."""
         try:

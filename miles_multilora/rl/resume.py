@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.controller.snapshot import SlotAssignment
-from miles_multilora.trainer import checkpoint as ckpt
+from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.trainer.shard import read_shard
 
 
 class ResumeError(RuntimeError):
@@ -23,7 +24,7 @@ def _readable(path: Path, run_id: str, world_size: int) -> tuple[dict[str, Any],
     state = ckpt.read_state(path)
     if state.get("run_id") not in (None, run_id):
         raise ResumeError(f"{path} belongs to run {state.get('run_id')!r}, not {run_id!r}")
-    shards = [ckpt.read_rank_shard(path, r) for r in range(world_size)]
+    shards = [read_shard(path, r) for r in range(world_size)]
     return state, shards
 
 

@@ -21,7 +21,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -29,14 +28,11 @@ import ray
 from rich.console import Console
 
 from miles_multilora.config.run import RunConfig
-from miles_multilora.controller.core import DEFAULT_RESOURCE_VALIDATOR
-from miles_multilora.controller.token import read_token
 from miles_multilora.errors import ConfigError
-from miles_multilora.trainer.cluster import placement_lines, start_ray
-from miles_multilora.trainer.loop import run_loop
-from miles_multilora.trainer.metrics import MetricsLogger, make_console, next_global_step
-from miles_multilora.trainer.run import admission_rules, prepare_run, register_new_adapters
-from miles_multilora.trainer.trainer_group import StepAbandoned, TrainerGroup
+from miles_multilora.launch.cluster import start_ray
+from miles_multilora.launch.metrics import make_console
+from miles_multilora.launch.startup import Session, prepare_run
+from miles_multilora.launch.trainer_group import StepAbandoned, TrainerGroup
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -79,26 +75,6 @@ class StopFlag:
         return restore
 
 
-def _replace_stale_controller(name: str, namespace: str, timeout_s: float = 30.0) -> bool:
-    """Kill a controller actor left on an attached Ray cluster by an earlier service driver.
-
-    Its trainer ranks are gone, so its slot view is stale; the new actor restores the same state
-    from ``state_dir`` and re-grants every resident adapter from its last checkpoint."""
-    try:
-        handle = ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return False
-    ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            return True
-        time.sleep(0.2)
-    raise ConfigError("controller.name", f"the old controller {namespace}/{name} did not go away")
-
-
 def _checkpoint_moved_adapters(controller: Any, group: TrainerGroup, console: Console) -> None:
     """Checkpoint RUNNING adapters whose step moved past their last checkpoint (on a graceful stop)."""
     if not group.workers:  # stopped while a lost group waited to be replaced
@@ -108,9 +84,9 @@ def _checkpoint_moved_adapters(controller: Any, group: TrainerGroup, console: Co
             continue
         name = record["name"]
         try:
-            paths = group.call_all("save_checkpoint", name)
-            ray.get(controller.report_step.remote({name: {"trained": False, "checkpoint": paths[0]}}))
-            console.print(f"  checkpointed {name} at step {record['step']}: {paths[0]}")
+            result = group.call_all("checkpoint", name)[0]
+            ray.get(controller.report_step.remote({name: result}))
+            console.print(f"  checkpointed {name} at step {result.step}: {result.checkpoint}")
         except Exception as exc:  # noqa: BLE001 - it resumes from its older checkpoint instead
             console.print(f"  [yellow]could not checkpoint {name}: {exc}[/yellow]")
 
@@ -138,29 +114,6 @@ def check_port_free(host: str, port: int, wait_s: float = 20.0) -> None:
         time.sleep(0.5)
 
 
-def start_controller(cfg: RunConfig, state_dir: Path) -> tuple[Any, str]:
-    """The detached controller actor (restored from ``state_dir``) and its HTTP URL."""
-    from miles_multilora.controller.actor import get_or_create_controller
-
-    c = cfg.controller
-    _replace_stale_controller(c.name, c.namespace)
-    controller = get_or_create_controller(
-        cfg.lora.num_slots,
-        cfg.lora.max_rank,
-        name=c.name,
-        namespace=c.namespace,
-        detached=True,
-        state_dir=state_dir,
-        host=c.host,
-        port=c.port,
-        token=read_token(c.token_file),
-        validate_resources=DEFAULT_RESOURCE_VALIDATOR,
-        rules=admission_rules(cfg),
-        history_retention=c.history_retention,
-    )
-    return controller, ray.get(controller.url.remote())
-
-
 def run_service(
     cfg: RunConfig, console: Console | None = None, should_stop: Callable[[], bool] | None = None
 ) -> int:
@@ -175,29 +128,21 @@ def run_service(
     stop = StopFlag()
     start_ray(namespace=cfg.controller.namespace)
     restore_signals = stop.install(console)  # after ray.init, which installs its own handlers
-    controller = group = logger = None
+    session = Session(cfg, console, output_dir, service=True)
     steps = 0
     try:
-        controller, url = start_controller(cfg, state_dir)
-        register_new_adapters(controller, specs)
-        records = ray.get(controller.list.remote())
+        records = session.start_controller(state_dir, specs)
         live = [r for r in records if r["state"] in ("PENDING", "RUNNING", "DRAINING")]
-        console.print(f"[bold]miles_multilora service[/bold]: controller URL {url}", soft_wrap=True)
+        console.print(f"[bold]miles_multilora service[/bold]: controller URL {session.url}", soft_wrap=True)
         console.print(
             f"  state_dir={state_dir}  output_dir={output_dir}  slots={cfg.lora.num_slots}", soft_wrap=True
         )
         for r in live:
             resume = f" (resumes from step {r['checkpoint_step']})" if r.get("last_checkpoint") else ""
             console.print(f"  {r['name']}: {r['state']}{resume}")
-        console.print("starting trainer ranks (loading the model) ...")
-        t0 = time.perf_counter()
-        group = TrainerGroup(cfg, controller, console)
-        for line in placement_lines(group.workers) if len(group.workers) > 1 else []:
-            console.print(f"  {line}")
-        logger = MetricsLogger(cfg.logging, output_dir, run_name=output_dir.name, console=console)
+        seconds = session.start_trainers()
         console.print(
-            f"service ready in {time.perf_counter() - t0:.1f}s; submit with: miles-multilora submit "
-            f"SPEC.yaml --url {url}",
+            f"service ready in {seconds:.1f}s; submit with: miles-multilora submit SPEC.yaml --url {session.url}",
             soft_wrap=True,
         )
 
@@ -205,29 +150,20 @@ def run_service(
             return stop() or bool(should_stop and should_stop())
 
         try:
-            steps = run_loop(
-                controller,
-                group,
-                logger,
+            steps = session.train(
                 stop_when_idle=False,
                 idle_sleep_s=cfg.controller.idle_sleep_s,
                 should_stop=stopping,
-                start_step=next_global_step(logger.jsonl_path),
                 stop_timeout_s=cfg.trainer.stop_timeout_s,
             )
         except StepAbandoned as exc:
             console.print(f"stopping ({stop.signal_name or 'stop requested'}): {exc}")
         else:
             console.print(f"stopping after {steps} steps ({stop.signal_name or 'stop requested'})")
-            _checkpoint_moved_adapters(controller, group, console)
+            if session.group is not None:
+                _checkpoint_moved_adapters(session.controller, session.group, console)
     finally:
-        if logger is not None:
-            logger.finish()
-        if group is not None:
-            group.kill()
-        if controller is not None and not attached:
-            ray.get(controller.stop_http.remote())
-            ray.kill(controller, no_restart=True)
+        session.close(keep_controller=attached)
         if not attached:
             ray.shutdown()
         restore_signals()

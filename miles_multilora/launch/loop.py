@@ -14,22 +14,22 @@ from typing import Any
 
 import ray
 
-from miles_multilora.trainer.metrics import MetricsLogger
-from miles_multilora.trainer.trainer_group import TrainerGroup
+from miles_multilora.controller.snapshot import StepReport
+from miles_multilora.launch.metrics import MetricsLogger
+from miles_multilora.launch.trainer_group import TrainerGroup
 
 
-def _apply_step_output(controller: Any, out: dict[str, Any]) -> None:
+def apply_report(controller: Any, report: StepReport) -> None:
     """Tell the controller what the step did: slots cleared, steps, final checkpoints, failures."""
-    calls = [controller.slot_cleared.remote(slot) for slot in out["cleared"]]
-    ray.get(calls)
-    if out["results"]:
-        ray.get(controller.report_step.remote(out["results"]))
-    for name, checkpoint in out["drained"].items():
+    ray.get([controller.slot_cleared.remote(slot) for slot in report.cleared])
+    if report.results:
+        ray.get(controller.report_step.remote(report.results))
+    for name, checkpoint in report.drained.items():
         ray.get(controller.drained.remote(name, checkpoint))
-    for name, checkpoint in out["finished"].items():
+    for name, checkpoint in report.finished.items():
         ray.get(controller.mark_done.remote(name, checkpoint))
-    for name, reason in out["failed"].items():
-        if name not in out["finished"]:
+    for name, reason in report.failed.items():
+        if name not in report.finished:
             ray.get(controller.mark_failed.remote(name, reason))
 
 
@@ -47,14 +47,13 @@ def run_loop(
     idle_sleep_s: float = 2.0,
     max_steps: int | None = None,
     should_stop: Callable[[], bool] | None = None,
-    on_step: Callable[[int, dict[str, Any]], None] | None = None,
     start_step: int = 0,
     stop_timeout_s: float | None = None,
 ) -> int:
     """Train until every adapter has ended (one-shot) or ``should_stop()`` (service). Returns steps run.
 
     ``stop_timeout_s``: how long a step may still run once ``should_stop()`` is true (None: to its
-    end); past it :class:`~miles_multilora.trainer.trainer_group.StepAbandoned` is raised and the
+    end); past it :class:`~miles_multilora.launch.trainer_group.StepAbandoned` is raised and the
     step's results are never applied.
     """
     global_step = start_step  # a resumed run continues the global step count of its metrics
@@ -65,20 +64,18 @@ def run_loop(
                 break
             time.sleep(idle_sleep_s)  # nothing RUNNING: wait with little CPU
             continue
-        out = group.step(snapshot, should_stop, stop_timeout_s)
-        if out is None:  # the group died and was replaced: the adapters resume from checkpoints
+        report = group.step(snapshot, should_stop, stop_timeout_s)
+        if report is None:  # the group died and was replaced: the adapters resume from checkpoints
             continue
-        _apply_step_output(controller, out)
-        if out["results"]:
+        apply_report(controller, report)
+        if report.results:
             logger.log_step(
                 global_step,
-                {n: r["metrics"] for n, r in out["results"].items()},
-                out["timing"],
+                {n: dict(r.metrics) for n, r in report.results.items()},
+                dict(report.timing),
                 progress=_progress(controller),
             )
             global_step += 1
-        if on_step is not None:
-            on_step(global_step, out)
         if max_steps is not None and global_step - start_step >= max_steps:
             break
     return global_step - start_step

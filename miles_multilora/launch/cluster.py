@@ -66,7 +66,7 @@ PLACEMENT_TIMEOUT_S = float(os.environ.get("MILES_PLACEMENT_TIMEOUT_S", 120))
 
 
 def _worker_class() -> Any:
-    from miles_multilora.trainer.worker import TrainerWorker
+    from miles_multilora.launch.worker import TrainerWorker
 
     return ray.remote(TrainerWorker)
 

@@ -36,6 +36,11 @@ CONSOLE_COLUMNS = (
 EVAL_PREFIX = "eval/"
 
 
+def metrics_path(output_dir: str | Path) -> Path:
+    """The run's JSONL metrics file."""
+    return Path(output_dir) / "metrics.jsonl"
+
+
 def make_console() -> Console:
     """A rich console; 120 columns when writing to a file or CI log instead of a terminal."""
     return Console(width=None if sys.stdout.isatty() else 120)
@@ -53,7 +58,7 @@ class MetricsLogger:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or make_console()
-        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self.jsonl_path = metrics_path(self.output_dir)
         self._wandb = None
         if cfg.wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")

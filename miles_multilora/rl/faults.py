@@ -8,7 +8,8 @@ the step (:meth:`AdapterFailures.agree`), the same collective on every rank.
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from collections.abc import Callable
+from typing import Any
 
 MAX_REASON_CHARS = 500
 
@@ -20,29 +21,37 @@ def failure_reason(stage: str, exc: BaseException) -> str:
 
 
 class AdapterFailures:
-    """Adapter name -> reason, for one step of one rank."""
+    """Adapter name -> reason, for one step of one rank. ``gather`` is the rank's all-gather
+    (:meth:`~miles_multilora.trainer.rank.TrainerRank.gather`; none: a single rank)."""
 
-    def __init__(self, world_size: int = 1) -> None:
-        self.world_size = world_size
+    def __init__(self, gather: Callable[[Any], list[Any]] | None = None) -> None:
+        self._gather = gather
         self.reasons: dict[str, str] = {}
 
     def add(self, name: str, stage: str, exc: BaseException) -> None:
         self.reasons.setdefault(name, failure_reason(stage, exc))
 
+    def fail(self, name: str, reason: str) -> None:
+        """``name`` fails with ``reason`` (its first reason in this step is kept)."""
+        self.reasons.setdefault(name, reason)
+
     def __contains__(self, name: str) -> bool:
         return name in self.reasons
 
     def agree(self) -> list[str]:
-        """Merge every rank's failures (a collective when world_size > 1); returns the names that
-        failed on another rank only, which the caller must drop too."""
-        if self.world_size == 1:
+        """Merge every rank's failures (a collective across ranks); returns the names that failed on
+        another rank only, which the caller must drop too."""
+        if self._gather is None:
             return []
-        gathered: list[dict[str, str] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, self.reasons)
         new = []
-        for rank_reasons in gathered:
+        for rank_reasons in self._gather(dict(self.reasons)):
             for name, reason in (rank_reasons or {}).items():
                 if name not in self.reasons:
                     self.reasons[name] = reason
                     new.append(name)
         return new
+
+
+def first_error(errors: list[str | None]) -> str | None:
+    """The first of the ranks' errors (None when every rank succeeded)."""
+    return next((e for e in errors if e is not None), None)

@@ -1,4 +1,5 @@
-"""Test helpers for MultiLoRA (used by this package's tests and by others'): tiny Megatron setup, PEFT references."""
+"""MultiLoRA helpers for tests and benchmarks: tiny Megatron setup, random slots, PEFT references, the
+Triton interpreter patch."""
 
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def tiny_gpt_with_lora(
 
 def lm_logits(model, input_ids: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, S, V] of a GPTModel with tokens routed by ``slot_ids`` [B, S]."""
-    from miles_multilora.lora.routing import token_slots
+    from miles_multilora.lora.inject import token_slots
 
     device = next(model.parameters()).device
     input_ids, slot_ids = input_ids.to(device), slot_ids.to(device)

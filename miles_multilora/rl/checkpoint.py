@@ -1,9 +1,10 @@
-"""Per-adapter checkpoints, written atomically, one directory per run.
+"""Per-adapter checkpoints of the RL recipe, written atomically, one directory per run.
 
 Layout: ``<output_dir>/checkpoints/<adapter>/<run_id>/step_000012/`` holding
 
 - ``adapter/``                     PEFT adapter (adapter_model.safetensors + adapter_config.json)
 - ``slot_rank{r}.pt``              this TP rank's exact slot tensors (A/B shards) + optimizer state
+                                   (:mod:`miles_multilora.trainer.shard`)
 - ``state.json``                   step, version, spec, data-source offsets, RNG seed
 - ``COMPLETE``                     written last: a dir without it is never read
 
@@ -19,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import torch
-
-from miles_multilora.lora.slots import slot_state
+from miles_multilora.controller.snapshot import SlotAssignment
+from miles_multilora.rl.faults import failure_reason, first_error
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -70,20 +71,6 @@ def latest_run_dir(output_dir: str | Path, adapter: str) -> Path | None:
     return max(runs, key=_run_seq) if runs else None
 
 
-def write_rank_shard(
-    stage: Path, rank: int, model: torch.nn.Module, slot: int, optimizer_state: dict
-) -> None:
-    stage.mkdir(parents=True, exist_ok=True)
-    payload = {"slot": slot_state(model, slot), "optimizer": optimizer_state}
-    tmp = stage / f".slot_rank{rank}.pt.part"
-    torch.save(payload, tmp)
-    os.replace(tmp, stage / f"slot_rank{rank}.pt")
-
-
-def read_rank_shard(path: Path, rank: int) -> dict[str, Any]:
-    return torch.load(path / f"slot_rank{rank}.pt", weights_only=True)
-
-
 def finalize(stage: Path, state: dict[str, Any], keep: int) -> Path:
     """Write state.json and the marker, rename the staging dir into place, apply retention."""
     (stage / "state.json").write_text(json.dumps(state, indent=1, default=str))
@@ -106,3 +93,57 @@ def read_state(path: str | Path) -> dict[str, Any]:
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
     return json.loads((path / "state.json").read_text())
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (on some rank); the adapter fails, the service goes on."""
+
+
+class SlotWriter(Protocol):
+    """What writing a checkpoint needs of the trainer rank (:class:`~miles_multilora.trainer.rank.TrainerRank`)."""
+
+    global_rank: int
+    is_writer: bool
+
+    def version(self, slot: int) -> int: ...
+    def save_slot(self, slot: int, directory: str | Path) -> None: ...
+    def export_peft(self, slot: int, directory: str | Path) -> None: ...
+    def gather(self, value: Any) -> list[Any]: ...
+    def broadcast(self, value: Any) -> Any: ...
+
+
+def write_checkpoint(
+    rank: SlotWriter, output_dir: str | Path, assignment: SlotAssignment, data: dict[str, Any], keep: int
+) -> str:
+    """Checkpoint ``assignment``'s slot at its current version (a collective: every rank calls it):
+    the rank's slot shards and PEFT export, then ``state.json`` with ``data`` (its data-source
+    offsets) and the marker. A failure on any rank raises :class:`CheckpointError` on every rank,
+    and nothing half written is ever read (the staging directory never gets its marker)."""
+    step = rank.version(assignment.slot)
+    stage = staging_dir(run_dir(output_dir, assignment.name, assignment.run_id), step)
+    error = None
+    try:
+        rank.save_slot(assignment.slot, stage)  # one shard per TP rank, written by DP rank 0
+        rank.export_peft(assignment.slot, stage / "adapter")
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        error = failure_reason(f"writing checkpoint step {step} on rank {rank.global_rank}", exc)
+    error = first_error(rank.gather(error))
+    final = stage.parent / step_name(step)
+    if error is None and rank.is_writer:
+        state = {
+            "adapter": assignment.name,
+            "run_id": assignment.run_id,
+            "step": step,
+            "version": step,
+            "spec": assignment.spec.to_dict(),
+            "data": data,
+            "time": time.time(),
+        }
+        try:
+            final = finalize(stage, state, keep=keep)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = failure_reason(f"finalising checkpoint step {step}", exc)
+    error = rank.broadcast(error)
+    if error is not None:
+        raise CheckpointError(error)
+    return str(final)

@@ -1,0 +1,250 @@
+"""The Tinker server's state and the work behind its routes, without HTTP.
+
+:class:`ServerState` holds the backend on its trainer rank, the batching queue that runs every
+operation, the ownership registry (:mod:`.registry`) and the results (:mod:`.futures`). Its
+operations are what :mod:`.server`'s routes queue in the caller's lane: each runs on the queue's
+thread, checks what only the live state can tell, and returns the JSON (or protobuf) answer.
+
+Saved states live in ``<state_dir>/<tenant>/weights/<run>/<name>/`` and are addressed as
+``tinker://<run>/weights/<name>``: a tenant can only ever reach its own. A sampler serves a model's
+live slot at the version it was saved for (no export); a slot whose version moved on refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_multilora.config.adapter import SamplingSpec
+from miles_multilora.config.run import TinkerConfig
+from miles_multilora.errors import ConfigError
+from miles_multilora.tinker.backend import TinkerBackend, TinkerError, read_state
+from miles_multilora.tinker.futures import FutureStore, Outcome
+from miles_multilora.tinker.ids import IdMint
+from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
+from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped
+from miles_multilora.tinker.wire import PROTOBUF, encode_forward_backward, encode_samples
+
+logger = logging.getLogger(__name__)
+
+_PART = r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}"  # a file name: no "/", no leading "."
+NAME = re.compile(rf"^{_PART}$")
+PATH = re.compile(rf"^tinker://({_PART})/(weights|sampler_weights)/({_PART})$")
+JSON_MEDIA = "application/json"
+
+
+def checked_name(name: str) -> str:
+    """A saved state's name as a client gave it, when it is a safe file name."""
+    if not NAME.match(name):
+        raise TinkerError("path", f"names are 1-128 letters, digits, '_', '-', '.' (not first); got {name!r}")
+    return name
+
+
+@dataclass
+class ServerState:
+    backend: TinkerBackend
+    queue: BatchingQueue
+    base_model: str
+    state_dir: Path
+    tokenizer_id: str | None = None
+    settings: TinkerConfig = field(default_factory=TinkerConfig)
+    mint: IdMint = field(default_factory=IdMint)
+    registry: Registry = field(init=False)
+    futures: FutureStore = field(init=False)
+    stopping: threading.Event = field(default_factory=threading.Event)  # long polls end (503)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.registry = Registry(self.mint)
+        self.futures = FutureStore(
+            self.mint,
+            result_ttl_s=s.result_ttl_s,
+            retrieved_ttl_s=s.retrieved_result_ttl_s,
+            max_held_bytes=s.max_held_results_mb << 20,
+            max_pending=s.max_pending_requests,
+        )
+
+    def weights_dir(self, tenant: str, run: str, name: str) -> Path:
+        return self.state_dir / tenant / "weights" / run / name
+
+    # ----------------------------------------------------------------- sessions
+    def end_session(self, tenant: str, session_id: str, why: str) -> None:
+        """End a session: its queued work fails, its samplers go and its models unload (in the
+        tenant's own lane, so the unloads count against its share)."""
+        models = self.registry.end_session(tenant, session_id, why)
+        self.queue.drop_lane((tenant, session_id), TinkerError("session", f"the session ended: {why}"))
+        for model_id in models:
+            self.queue.submit_calls((tenant, ""), [lambda m=model_id: self._unload_if_loaded(m)])
+
+    def maintain(self) -> None:
+        """Expire silent sessions and release old results (called periodically)."""
+        timeout = self.settings.session_timeout_s
+        for session in self.registry.expired(timeout):
+            why = f"no heartbeat or request for {timeout:g} s (tinker.session_timeout_s)"
+            try:
+                self.end_session(session.tenant, session.session_id, why)
+            except Unknown:  # finished meanwhile
+                continue
+            logger.info("tinker: session %s of %s expired", session.session_id, session.tenant)
+        self.futures.sweep()
+
+    # ----------------------------------------------------------------- models (on the queue)
+    def create_model(
+        self, tenant: str, session_id: str, model_id: str, rank: int, seed: int, base: str | None
+    ) -> dict[str, Any]:
+        if base not in (None, self.base_model):
+            raise TinkerError("base_model", f"this server trains {self.base_model!r}, not {base!r}")
+        self._create(tenant, session_id, model_id, rank, seed)
+        return {"type": "create_model", "model_id": model_id}
+
+    def _create(self, tenant: str, session_id: str, model_id: str, rank: int, seed: int) -> None:
+        """A new model of the session in a free slot."""
+        self.registry.add_model(tenant, session_id, model_id)
+        try:
+            self.backend.create_model(model_id, rank, seed)
+        except BaseException:
+            self.registry.drop_model(model_id, "its creation failed")
+            raise
+
+    def unload_model(self, owned: OwnedModel) -> dict[str, Any]:
+        self._unload_if_loaded(owned.model_id)
+        self.registry.drop_model(owned.model_id, "unloaded by its client")
+        return {"type": "unload_model", "model_id": owned.model_id}
+
+    def _unload_if_loaded(self, model_id: str) -> None:
+        if model_id in self.backend.models:
+            self.backend.unload_model(model_id)
+
+    # ----------------------------------------------------------------- saved states (on the queue)
+    def save_weights(self, tenant: str, owned: OwnedModel, name: str, overwrite: bool) -> dict[str, Any]:
+        path = f"tinker://{owned.run_id}/weights/{name}"
+        target = self.weights_dir(tenant, owned.run_id, name)
+        if target.exists() and not overwrite:
+            raise TinkerError("path", f"{path} exists; pass overwrite=True or choose another name")
+        self.backend.save_state(owned.model_id, target)
+        return {"type": "save_weights", "path": path}
+
+    def weights_of(self, tenant: str, path: str) -> Path:
+        """Where ``tinker://<run>/weights/<name>`` of ``tenant`` lives."""
+        match = PATH.match(path)
+        if match is None or match.group(2) != "weights":
+            raise TinkerError(
+                "path", f"expected tinker://<run>/weights/<name> (from save_state), got {path!r}"
+            )
+        return self.weights_dir(tenant, match.group(1), match.group(3))
+
+    def load_weights(
+        self, tenant: str, path: str, model_id: str, optimizer: bool, new_in_session: str | None = None
+    ) -> dict[str, Any]:
+        """Put the saved state ``path`` into ``model_id``; ``new_in_session``: create that model
+        first, in that session, with the saved state's LoRA rank and seed."""
+        target = self.weights_of(tenant, path)
+        if not target.is_dir():
+            raise TinkerError("path", f"no saved state at {path}")
+        if new_in_session is not None:
+            meta = read_state(target)
+            self._create(tenant, new_in_session, model_id, meta.rank, meta.seed)
+        self.backend.load_state(model_id, target, optimizer=optimizer)
+        return {"type": "load_weights", "path": path, "model_id": model_id}
+
+    # ----------------------------------------------------------------- sampling
+    def save_for_sampler(
+        self, tenant: str, owned: OwnedModel, path: str | None, sampler_id: str | None
+    ) -> dict[str, Any]:
+        """Record the model's current version under ``path`` (a named snapshot) or as a sampler."""
+        version = self.backend.model(owned.model_id).version
+        if path is not None:
+            self.registry.add_snapshot(tenant, path, owned.model_id, version)
+            return {"type": "save_weights_for_sampler", "path": path}
+        assert sampler_id is not None
+        self.registry.add_sampler(Sampler(sampler_id, tenant, owned.session_id, owned.model_id, version))
+        return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler_id}
+
+    def open_sampler(
+        self, tenant: str, session_id: str, sampler_id: str, model_path: str | None, base: str | None
+    ) -> None:
+        """A sampler of a named snapshot (``model_path``), or of the base model."""
+        if model_path:
+            model_id, version = self.registry.snapshot(tenant, model_path)
+            sampler = Sampler(sampler_id, tenant, session_id, model_id, version, model_path)
+        else:
+            if base not in (None, self.base_model):
+                raise TinkerError("base_model", f"this server serves {self.base_model!r}, not {base!r}")
+            sampler = Sampler(sampler_id, tenant, session_id, None, None)
+        self.registry.add_sampler(sampler)
+
+    def sample_parts(
+        self, sampler: Sampler, prompt: list[int], n: int, spec: SamplingSpec, seed: int
+    ) -> tuple[list[Callable[[], Any]], list[int]]:
+        """``n`` samples as calls of at most ``tinker.sample_batch_tokens`` tokens each (sample ``j``
+        seeded ``seed + j``), and what each can cost; refused over ``tinker.max_sample_tokens``.
+        Each call first checks that the sampler's version is still the slot's."""
+        s = self.settings
+        room = max(self.backend.rank.max_seq_len - len(prompt), 1)
+        each = min(spec.max_new_tokens, room)  # what one sample can cost
+        if n * each > s.max_sample_tokens:
+            raise TinkerError(
+                "num_samples", f"num_samples x max_tokens = {n} x {each} = {n * each} (max_tokens counted up to "
+                f"the context left after the prompt) is over the cap of {s.max_sample_tokens} "
+                "(tinker.max_sample_tokens): ask for fewer samples or fewer tokens per call",
+            )  # fmt: skip
+        self.backend.check_sample(prompt, spec)
+        per_call = max(1, s.sample_batch_tokens // each)
+        starts = list(range(0, n, per_call))
+        counts = [min(per_call, n - first) for first in starts]
+
+        def part(first: int, count: int) -> Callable[[], Any]:
+            def run() -> Any:
+                if sampler.model_id is not None:
+                    live = self.backend.model(sampler.model_id).version
+                    if live != sampler.version:
+                        raise TinkerError(
+                            "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, "
+                            f"whose slot now holds version {live}; save_weights_for_sampler again for the "
+                            "current weights",
+                        )  # fmt: skip
+                return self.backend.sample(sampler.model_id, prompt, count, spec, seed + first)
+
+            return run
+
+        return [part(f, c) for f, c in zip(starts, counts, strict=True)], [c * each for c in counts]
+
+
+# ---------------------------------------------------------------------------- results
+def failure(exc: BaseException) -> Outcome:
+    """A failed request's result: ``user`` for what the request got wrong, ``server`` otherwise."""
+    if isinstance(exc, ConfigError):  # TinkerError / SpecError included
+        body = {"error": str(exc), "category": "user"}
+    elif isinstance(exc, QueueStopped):
+        body = {"error": str(exc), "category": "server"}
+    else:
+        logger.error("tinker: a request failed", exc_info=exc)
+        body = {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
+    return Outcome(json.dumps(body).encode(), JSON_MEDIA)
+
+
+def encoder(kind: str) -> Callable[[Future], Outcome]:
+    """How a finished request of ``kind`` (``forward_backward``, ``sample``, ``json``) is answered."""
+
+    def encode(future: Future) -> Outcome:
+        exc = future.exception()
+        if exc is not None:
+            return failure(exc)
+        try:
+            result = future.result()
+            if kind == "forward_backward":
+                return Outcome(encode_forward_backward(result), PROTOBUF)
+            if kind == "sample":
+                return Outcome(encode_samples(result), PROTOBUF)
+            return Outcome(json.dumps(result).encode(), JSON_MEDIA)
+        except Exception as error:  # noqa: BLE001 - an encoding bug fails this request only
+            return failure(error)
+
+    return encode

@@ -1,0 +1,102 @@
+"""What a trainer rank is built from: the Megatron model with its MultiLoRA slots, its tokenizer,
+and its rollout engine (the embedded engine on the rank's own model, or an HTTP engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_multilora.config.run import RunConfig
+from miles_multilora.lora import apply_multi_lora
+from miles_multilora.models import provider
+from miles_multilora.models.paths import MAX_CONTEXT, resolve_model_path
+from miles_multilora.rollout import RolloutEngine
+from miles_multilora.trainer.tokenizer import load_tokenizer
+
+
+@dataclass
+class BuiltModel:
+    """The model with its slots, and what callers need to feed it."""
+
+    model: torch.nn.Module
+    vocab_size: int  # the tokenizer's vocabulary (logits may be padded beyond it)
+    max_seq_len: int  # prompt + completion tokens the rank handles
+    hf_config: Any  # the checkpoint's transformers config (None for the tiny model): PEFT export names
+    tokenizer: Any
+    pad_id: int
+
+
+def build_model(cfg: RunConfig) -> BuiltModel:
+    """``cfg.model`` (tiny random, or an HF checkpoint through megatron-bridge) with ``cfg.lora``'s
+    slots in its target layers. ``compat.init_distributed`` must have run."""
+    model_path = resolve_model_path(cfg)
+    if model_path is None:
+        t = cfg.model.tiny
+        model = provider.build_tiny_gpt(
+            t.num_layers, t.hidden_size, t.ffn_hidden_size, t.num_attention_heads, t.num_query_groups,
+            t.vocab_size, t.max_seq_len, seed=cfg.trainer.seed, dtype=cfg.model.dtype,
+            recompute=cfg.trainer.recompute, num_experts=t.num_experts, moe_router_topk=t.moe_router_topk,
+            moe_ffn_hidden_size=t.moe_ffn_hidden_size, moe_token_dispatcher=cfg.model.moe_token_dispatcher,
+        )  # fmt: skip
+        vocab_size, max_seq_len, hf_config = t.vocab_size, t.max_seq_len, None
+    else:
+        loaded = provider.load_hf_model(
+            model_path,
+            dtype=cfg.model.dtype,
+            recompute=cfg.trainer.recompute,
+            moe_token_dispatcher=cfg.model.moe_token_dispatcher,
+        )
+        model, vocab_size, hf_config = loaded.model, loaded.vocab_size, loaded.hf_config
+        max_seq_len = int(min(getattr(hf_config, "max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT))
+    tokenizer = load_tokenizer(model_path, vocab_size)
+    targets = list(cfg.lora.target_modules)
+    apply_multi_lora(
+        model,
+        targets[0] if targets == ["all-linear"] else targets,
+        num_slots=cfg.lora.num_slots,
+        max_rank=cfg.lora.max_rank,
+        kernels=cfg.lora.kernels,
+        shared_expert_a=cfg.lora.shared_expert_a,
+        expert_routing=cfg.lora.expert_routing,
+    )
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return BuiltModel(
+        model, vocab_size, max_seq_len, hf_config, tokenizer, int(pad if pad is not None else 0)
+    )
+
+
+def build_engine(cfg: RunConfig, built: BuiltModel, *, manages_adapters: bool, dp_rank: int) -> RolloutEngine:
+    """``cfg.rollout``'s engine: the embedded engine serves ``built.model`` itself; an HTTP engine
+    (SGLang, vLLM) gets each adapter version as an exported PEFT dir. ``manages_adapters``: this
+    rank loads adapters on the servers (one rank does); DP ranks start at different servers."""
+    eos = getattr(built.tokenizer, "eos_token_id", None)
+    r = cfg.rollout
+    if r.engine != "embedded":
+        from miles_multilora.rollout.factory import remote_engine
+
+        return remote_engine(
+            r,
+            manages_adapters=manages_adapters,
+            first_server=dp_rank,
+            eos_token_ids=eos,
+            export_root=str(Path(cfg.trainer.output_dir) / "sync"),  # where the rank exports versions
+        )
+    from miles_multilora.rollout.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(
+        built.model,
+        vocab_size=built.vocab_size,
+        max_seq_len=built.max_seq_len,
+        tokenizer=built.tokenizer,
+        eos_token_ids=eos,
+        max_batch_size=r.max_batch_size,
+        pad_id=built.pad_id,
+        page_size=r.page_size,
+        kv_cache_tokens=r.kv_cache_tokens,
+        kv_cache_fraction=r.kv_cache_fraction,
+        cuda_graphs=r.cuda_graphs,
+        sync_interval=r.sync_interval,
+    )

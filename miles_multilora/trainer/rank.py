@@ -1,0 +1,321 @@
+"""One trainer rank's primitives: slots, sampling, forward/backward, the optimizer step, slot state.
+
+:class:`TrainerRank` knows nothing of RL, Ray or HTTP; the RL recipe (:mod:`miles_multilora.rl`) and
+the Tinker door (:mod:`miles_multilora.tinker`) are its two clients. Every rank of a run is built
+from the same config and called with the same arguments in the same order (the collectives inside
+match up); data parallelism is inside the primitives: :meth:`TrainerRank.sample` generates each
+group of requests on one DP rank and gathers the results, :meth:`TrainerRank.forward_backward`
+trains each rank's share of the rows and sums the metrics, :meth:`TrainerRank.optim_step` sums
+the active slots' gradients first. So a client sees the whole batch on every rank.
+
+Each open slot has one weight version: 0 when opened, +1 for every optimizer step that moved it,
+the saved version when its state is loaded with the optimizer's, a new one when only the weights
+are. The rank publishes every new version to its rollout engine, so requests tagged with it are
+served those weights (embedded engine: the tag only; HTTP engines: a PEFT export per version).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_multilora.config.adapter import OptimizerSpec
+from miles_multilora.config.run import RunConfig
+from miles_multilora.errors import ConfigError, SpecError
+from miles_multilora.lora import clear_slot, export_slot, init_slot, load_slot_state, slot_state
+from miles_multilora.models import compat
+from miles_multilora.optim import SlotAdamW
+from miles_multilora.optim.slot_adamw import SlotStepStats
+from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutError
+from miles_multilora.trainer import shard
+from miles_multilora.trainer.data_parallel import (
+    DPLayout,
+    allreduce_slot_grads,
+    balance,
+    generate_sharded,
+    sum_metrics,
+)
+from miles_multilora.trainer.model_build import build_engine, build_model
+from miles_multilora.trainer.primitives import ForwardBackwardResult, LossFn, ScoredRow, forward_backward_rows
+
+
+@dataclass
+class OpenSlot:
+    """A slot in use: its holder's ``name`` (the engine's adapter name), LoRA shape and init seed,
+    and its weight version. ``run``: the holder's id of this opening, naming its export directories
+    (a name opened again never shares them)."""
+
+    slot: int
+    name: str
+    rank: int
+    alpha: float
+    seed: int
+    version: int = 0
+    run: str = ""
+
+
+class TrainerRank:
+    """The Megatron model with its resident LoRA slots, their optimizer and the rollout engine of
+    one rank (``rank`` of ``world_size``: dp x tp)."""
+
+    def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.cfg = cfg
+        self.global_rank = rank
+        self.world_size = world_size
+        torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", os.cpu_count() or 1))))
+        compat.init_distributed(
+            tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
+        )
+        self.layout = DPLayout.from_megatron(world_size)
+        built = build_model(cfg)
+        self.model = built.model
+        self.tokenizer = built.tokenizer
+        self.vocab_size = built.vocab_size
+        self.max_seq_len = built.max_seq_len
+        self.hf_config = built.hf_config
+        self.pad_id = built.pad_id
+        self.optimizer = SlotAdamW(self.model)
+        self.remote_engine = cfg.rollout.engine != "embedded"
+        self.engine = build_engine(cfg, built, manages_adapters=self.is_writer, dp_rank=self.layout.dp_rank)
+        self.export_root = Path(cfg.trainer.output_dir) / "sync"
+        self.slots: dict[int, OpenSlot] = {}
+
+    @property
+    def is_writer(self) -> bool:
+        """Global rank 0: it writes what one rank writes (PEFT exports, checkpoint state) and scores."""
+        return self.global_rank == 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.cfg.lora.num_slots
+
+    @property
+    def max_rank(self) -> int:
+        return self.cfg.lora.max_rank
+
+    # ----------------------------------------------------------------- slots
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.num_slots) if s not in self.slots]
+
+    def open_slot(
+        self,
+        slot: int,
+        rank: int,
+        alpha: float,
+        seed: int,
+        optimizer: OptimizerSpec,
+        name: str,
+        *,
+        total_steps: int | None = None,
+        run: str = "",
+        restore: str | Path | None = None,
+    ) -> OpenSlot:
+        """A fresh LoRA of ``rank`` in ``slot`` for ``name`` (``A`` drawn from ``seed``, ``B = 0``),
+        stepped with ``optimizer`` (``total_steps``: the schedule's horizon), at version 0; with
+        ``restore``, the state saved there instead (weights, optimizer, version). Published."""
+        if slot in self.slots:
+            raise ConfigError(
+                "slot", f"slot {slot} is open (held by {self.slots[slot].name!r}): close it first"
+            )
+        init_slot(self.model, slot, rank, alpha, seed, self.optimizer)
+        self.optimizer.configure_slot(slot, optimizer, total_steps=total_steps)
+        opened = self.slots[slot] = OpenSlot(slot, name, rank, float(alpha), seed, 0, run)
+        if restore is not None:
+            self._load(opened, restore, optimizer=True)
+        self._publish([slot])
+        return opened
+
+    def close_slot(self, slot: int) -> None:
+        """Erase ``slot`` (weights, grads, optimizer state and step) and stop serving its holder."""
+        opened = self.slots.pop(slot, None)
+        clear_slot(self.model, slot, self.optimizer)
+        if opened is not None:
+            self.engine.remove_adapters([opened.name])
+
+    def slot(self, slot: int) -> OpenSlot:
+        opened = self.slots.get(slot)
+        if opened is None:
+            raise ConfigError("slot", f"slot {slot} is not open")
+        return opened
+
+    def version(self, slot: int) -> int:
+        """The weight version of open ``slot``."""
+        return self.slot(slot).version
+
+    # ----------------------------------------------------------------- sampling
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise :class:`RolloutError` when the engine cannot serve ``request``."""
+        self.engine.check_request(request)
+
+    def sample(self, groups: Sequence[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
+        """The results of each group of requests, on every rank. Groups are generated whole, round
+        robin over DP ranks (request seeds do not depend on the rank), then gathered."""
+
+        def generate(part: list[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
+            results = self.engine.generate([r for group in part for r in group])
+            out, start = [], 0
+            for group in part:
+                out.append(results[start : start + len(group)])
+                start += len(group)
+            return out
+
+        # a TP-sharded (embedded) engine needs every rank of the TP group; an HTTP one only the first
+        return generate_sharded(list(groups), generate, self.layout, every_tp_rank=not self.remote_engine)
+
+    # ----------------------------------------------------------------- training
+    def forward_backward(
+        self,
+        rows: Sequence[ScoredRow],
+        loss_fn: LossFn,
+        *,
+        reference: bool = False,
+        backward: bool = True,
+        return_logprobs: bool = True,
+    ) -> ForwardBackwardResult:
+        """``rows`` through the model with ``loss_fn`` (see
+        :func:`~miles_multilora.trainer.primitives.forward_backward_rows`); gradients accumulate in
+        the rows' slots. Under DP every rank passes every row and runs its share: whole groups
+        (``row.group``), balanced by tokens; the metric sums (and logprobs) cover every row."""
+        mine = self._dp_share(rows)
+        result = forward_backward_rows(
+            self.model, [rows[i] for i in mine], loss_fn, self.cfg.trainer, self.pad_id, self.vocab_size,
+            backward=backward, reference=reference, return_logprobs=return_logprobs,
+        )  # fmt: skip
+        if self.layout.dp_size == 1:
+            return result
+        per_slot = sum_metrics(result.per_slot, self.layout)
+        logprobs: list[list[float]] = [[] for _ in rows]
+        if return_logprobs:
+            parts: list[Any] = [None] * self.layout.dp_size
+            dist.all_gather_object(parts, (mine, result.logprobs), group=self.layout.dp_group)
+            for indices, values in parts:
+                for i, lp in zip(indices, values, strict=True):
+                    logprobs[i] = lp
+        return ForwardBackwardResult(logprobs, per_slot, result.local_tokens)
+
+    def _dp_share(self, rows: Sequence[ScoredRow]) -> list[int]:
+        """Indices of the rows this DP rank trains: whole groups, largest first onto the least
+        loaded rank (every rank computes the same split)."""
+        if self.layout.dp_size == 1:
+            return list(range(len(rows)))
+        groups: dict[Any, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(("row", i) if r.group is None else r.group, []).append(i)
+        members = list(groups.values())
+        owner = balance([sum(len(rows[i].tokens) for i in m) for m in members], self.layout.dp_size)
+        return [i for m, o in zip(members, owner, strict=True) if o == self.layout.dp_rank for i in m]
+
+    def optim_step(
+        self, slots: Iterable[int], settings: Mapping[int, OptimizerSpec] | None = None
+    ) -> dict[int, SlotStepStats]:
+        """One AdamW step of each of ``slots`` (``settings``: new optimizer settings for some of them
+        first): their gradients summed over DP, stepped, zeroed. A slot whose gradient norm is not
+        finite does not move; each one that moved gets the next version, published."""
+        active = sorted(set(slots))
+        for slot, spec in (settings or {}).items():
+            self.optimizer.configure_slot(slot, spec)
+        if self.layout.dp_size > 1:
+            allreduce_slot_grads(self.optimizer.params, active, self.layout.dp_group)
+        stats = self.optimizer.step(active)
+        self.optimizer.zero_grad(active)
+        moved = [s for s, st in stats.items() if not st.skipped and s in self.slots]
+        for slot in moved:
+            self.slots[slot].version += 1
+        self._publish(moved)
+        return stats
+
+    # ----------------------------------------------------------------- slot state
+    def save_slot(self, slot: int, directory: str | Path) -> None:
+        """Write ``slot``'s state (exact tensors, optimizer state, meta) into ``directory``: one shard
+        per TP rank, written by DP rank 0 (:mod:`~miles_multilora.trainer.shard`)."""
+        opened = self.slot(slot)
+        if not self.layout.is_shard_writer:
+            return
+        meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
+        shard.write_shard(
+            directory,
+            self.layout.tp_rank,
+            slot_state(self.model, slot),
+            self.optimizer.slot_state_dict(slot),
+            meta,
+        )
+
+    def load_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None:
+        """Put the state saved in ``directory`` into open ``slot``: with ``optimizer``, the weights,
+        optimizer state and version saved; without, the weights alone, as a new version. Published."""
+        self._load(self.slot(slot), directory, optimizer)
+        self._publish([slot])
+
+    def _load(self, opened: OpenSlot, directory: str | Path, optimizer: bool) -> None:
+        saved = shard.read_shard(directory, self.layout.tp_rank)
+        meta = shard.shard_meta(saved)
+        if meta is not None and meta.rank != opened.rank:
+            raise SpecError(
+                "rank", f"the saved state has LoRA rank {meta.rank}, the slot holds {opened.rank}"
+            )
+        load_slot_state(self.model, opened.slot, saved["slot"])
+        if optimizer:
+            self.optimizer.load_slot_state_dict(opened.slot, saved["optimizer"])
+            opened.version = meta.version if meta is not None else int(saved["optimizer"]["step"])
+        else:
+            self.optimizer.refresh_masters(opened.slot)
+            opened.version += 1
+
+    def export_peft(self, slot: int, directory: str | Path) -> None:
+        """``slot`` as a PEFT adapter dir (the full, TP-gathered tensors; global rank 0 writes)."""
+        export_slot(self.model, slot, Path(directory), self.hf_config, write=self.is_writer)
+
+    def _publish(self, slots: Sequence[int]) -> None:
+        """Tell the engine each slot's current version (an HTTP engine gets a PEFT export of it). A
+        failure to update the engine raises on every rank."""
+        changed = {}
+        for slot in slots:
+            opened = self.slots[slot]
+            path = None
+            if self.remote_engine:
+                out = self.export_root / opened.name / opened.run / f"v{opened.version:06d}"
+                self.export_peft(slot, out)
+                if self.world_size > 1:
+                    dist.barrier()
+                path = str(out.resolve())
+            changed[opened.name] = AdapterVersion(slot, opened.version, path)
+        if not changed:
+            return
+        if self.world_size == 1 or not self.remote_engine:
+            self.engine.update_adapters(changed)
+            return
+        error = None  # only rank 0 talks to the servers: every rank must see its failure
+        try:
+            self.engine.update_adapters(changed)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+        error = next((e for e in self.gather(error) if e is not None), None)
+        if error is not None:
+            raise RolloutError(error)
+
+    # ----------------------------------------------------------------- the world
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (a collective)."""
+        if self.world_size == 1:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        """Global rank 0's ``value`` on every rank (a collective)."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's counters since the last call (an HTTP engine's adapter loads, ``lora_*``)."""
+        return self.engine.step_stats()
