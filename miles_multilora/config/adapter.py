@@ -54,7 +54,6 @@ LIMITS = {
 EVAL_MAX_TRAIN_ITEMS = 100_000
 LR_SCHEDULES = ("constant", "cosine")
 EXTRACTION_RULES = ("last_number", "hash", "boxed", "none")
-FORMAT_MODES = ("bonus", "gate")
 
 
 @dataclass
@@ -107,11 +106,8 @@ class RewardSpec:
 
     type: str = "exact_match"
     extract: str = "last_number"  # exact_match extraction rule: last_number | hash | boxed | none
-    format_regex: str | None = None  # for type=format, or shaping the base score (format_mode)
+    format_regex: str | None = None  # for type=format (or as an additive bonus when format_weight > 0)
     format_weight: float = 0.0
-    # bonus: + format_weight when format_regex matches. gate: an answer counts (reward and correct)
-    # only when it matches; one that does not keeps format_weight (0..1) of its reward, never correct
-    format_mode: str = "bonus"
     overlong_buffer_len: int = 0  # DAPO overlong shaping; 0 disables
     overlong_penalty_factor: float = 1.0
     timeout_s: float = 10.0  # per reward call
@@ -255,15 +251,6 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     _check(rw.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _check(rw.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")
     _check(rw.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
-    _check(rw.format_mode in FORMAT_MODES, "reward.format_mode", f"must be one of {FORMAT_MODES}")
-    if rw.format_mode == "gate":
-        _check(bool(rw.format_regex), "reward.format_regex", "format_mode 'gate' needs a format_regex")
-        _check(
-            0.0 <= rw.format_weight <= 1.0,
-            "reward.format_weight",
-            "must be in [0, 1] with format_mode 'gate' (the share of the reward an answer in another "
-            "format keeps)",
-        )
     sp = spec.sampling
     _check(
         sp.temperature == 0 or sp.temperature >= MIN_TEMPERATURE,

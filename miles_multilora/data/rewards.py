@@ -8,9 +8,7 @@ Built-ins (``reward.type``): ``reasoning_gym`` (the task's own ``score_answer``)
 - batched (``reward.batched``): ``fn(prompts, completions, answers, metadatas, **kwargs) -> list[float]``
 
 Either may be ``async def``. A result may also be a mapping ``{"reward": float, "correct": bool}``.
-On top of the base score: ``format_weight * (format_regex matches)`` (``format_mode: bonus``), or,
-with ``format_mode: gate``, the score kept whole only when ``format_regex`` matches (an answer in
-another format keeps ``format_weight`` of it and is never correct); then the DAPO overlong penalty.
+On top of the base score: ``format_weight * (format_regex matches)`` and the DAPO overlong penalty.
 
 A spec's ``format_regex`` is matched with the ``regex`` package, whose matcher stops itself after
 ``reward.timeout_s`` of CPU time (stdlib ``re`` cannot be stopped and holds the GIL throughout).
@@ -144,7 +142,7 @@ def runs_in_process(spec: AdapterSpec) -> bool:
 
 
 class RewardFunction:
-    """An adapter's reward: a base score, its format bonus or gate, and overlong shaping.
+    """An adapter's reward: a base score plus format bonus and overlong shaping.
 
     ``batched`` functions score a whole list in one call (:meth:`score_batch`); others one sample
     at a time (:meth:`score`). Thread-safe; timeouts and failure counting live in the manager.
@@ -160,15 +158,9 @@ class RewardFunction:
         self._format = UserPattern(spec.format_regex, spec.timeout_s) if spec.format_regex else None
 
     def _shape(self, sample: RewardSample, out: RewardOutput) -> RewardOutput:
-        reward, correct = out.reward, out.correct
-        if self._format is not None and self.spec.type != "format":
-            matches = self._format.search(sample.completion)
-            if self.spec.format_mode == "gate":
-                if not matches:
-                    reward *= self.spec.format_weight
-                    correct = False if correct is not None else None
-            elif self.spec.format_weight > 0:
-                reward += self.spec.format_weight * float(matches)
+        reward = out.reward
+        if self._format is not None and self.spec.format_weight > 0 and self.spec.type != "format":
+            reward += self.spec.format_weight * float(bool(self._format.search(sample.completion)))
         if self.spec.overlong_buffer_len > 0 and sample.response_length is not None:
             limit = sample.max_new_tokens or self.max_new_tokens
             reward += overlong_penalty(
@@ -177,7 +169,7 @@ class RewardFunction:
                 self.spec.overlong_buffer_len,
                 self.spec.overlong_penalty_factor,
             )
-        return RewardOutput(reward, correct)
+        return RewardOutput(reward, out.correct)
 
     def score(self, sample: RewardSample) -> RewardOutput:
         """Reward of one sample (per-sample functions)."""

@@ -271,11 +271,15 @@ def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
-    colors = {a: f"C{i % 10}" for i, a in enumerate(sorted({r["adapter"] for r in rows if "adapter" in r}))}
+    adapters = sorted({r["adapter"] for r in rows if "adapter" in r})
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.6), squeeze=False)
+    colors = {a: f"C{i % 10}" for i, a in enumerate(adapters)}
     for ax, (key, label) in zip(axes[0], panels, strict=True):
-        draw_panel(ax, rows, key, label, colors)
-    fig.tight_layout()
+        draw_panel(ax, rows, key, label, colors, legend=False)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend for all panels, below them
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(adapters)), fontsize="small")
+    rows_of_legend = -(-len(labels) // max(1, len(adapters)))
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
@@ -283,10 +287,16 @@ def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
 
 
 def draw_panel(
-    ax: Any, rows: list[dict[str, Any]], key: str, label: str, colors: dict[str, str] | None = None
+    ax: Any,
+    rows: list[dict[str, Any]],
+    key: str,
+    label: str,
+    colors: dict[str, str] | None = None,
+    legend: bool = True,
 ) -> bool:
     """Draw training metric ``key`` (solid) and held-out ``eval/<key>`` (dashed, +/- SE) of every
-    adapter in ``rows`` on matplotlib axes ``ax``; False when there is nothing to draw."""
+    adapter in ``rows`` on matplotlib axes ``ax`` (with its own legend unless ``legend`` is False);
+    False when there is nothing to draw."""
     series, held_out = train_series(rows, key), eval_points(rows, EVAL_PREFIX + key)
     adapters = sorted(set(series) | set(held_out))
     if not adapters:
@@ -301,10 +311,13 @@ def draw_panel(
             _plot_held_out(ax, held_out[adapter], color, f"{adapter} (held-out eval ± SE)")
     ax.set_xlabel("adapter step")
     ax.set_ylabel(label)
-    title = f"{label} per adapter" + (" (dashed: held-out eval, band: ± 1 SE)" if held_out else "")
+    title = f"{label} per adapter" + (
+        " (solid: training samples, dashed: held-out eval ± 1 SE)" if held_out else ""
+    )
     ax.set_title(title, fontsize="medium")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if legend:
+        ax.legend(fontsize="small")
     return True
 
 

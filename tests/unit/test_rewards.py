@@ -98,42 +98,6 @@ def test_format_reward_and_format_bonus():
     assert bonus.score(_sample("#### 7")).reward == pytest.approx(0.25)
 
 
-def test_format_gate_counts_an_answer_only_in_the_asked_format():
-    bare = r"^\s*-?\d+\s*\.?\s*$"
-    gate = build_reward(
-        _spec({"type": "exact_match", "format_regex": bare, "format_mode": "gate", "format_weight": 0.25})
-    )
-    right, wrong = _sample(" 1200\n"), _sample("7")
-    assert (gate.score(right).reward, gate.score(right).correct) == (1.0, True)
-    assert (gate.score(wrong).reward, gate.score(wrong).correct) == (0.0, False)
-    wordy = _sample("The answer is 1200")  # right by last_number, not in the asked format
-    assert (gate.score(wordy).reward, gate.score(wordy).correct) == (pytest.approx(0.25), False)
-    strict = build_reward(_spec({"type": "exact_match", "format_regex": bare, "format_mode": "gate"}))
-    assert strict.score(wordy).reward == 0.0 and strict.score(right).reward == 1.0
-    digits = {"type": "tests.e2e.toy_rewards:fraction_of_digits", "batched": True}  # knows no correctness
-    unknown = build_reward(
-        _spec({**digits, "format_regex": "^a", "format_mode": "gate", "format_weight": 0.5})
-    )
-    scored = unknown.score_batch([_sample("ab12"), _sample("12ab")])
-    assert [(o.reward, o.correct) for o in scored] == [(0.5, None), (pytest.approx(0.25), None)]
-
-
-@pytest.mark.parametrize(
-    ("reward", "key"),
-    [
-        ({"format_mode": "gate"}, "reward.format_regex"),
-        ({"format_mode": "gate", "format_regex": "x", "format_weight": 1.5}, "reward.format_weight"),
-        ({"format_mode": "filter", "format_regex": "x"}, "reward.format_mode"),
-    ],
-)
-def test_format_gate_specs_are_checked(reward, key):
-    from miles_multilora.errors import SpecError
-
-    with pytest.raises(SpecError) as info:
-        _spec({"type": "exact_match", **reward})
-    assert info.value.key == key
-
-
 def test_overlong_penalty_applied_from_response_length():
     fn = build_reward(
         _spec({"type": "exact_match", "overlong_buffer_len": 4, "overlong_penalty_factor": 1.0})

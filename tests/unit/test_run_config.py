@@ -13,8 +13,9 @@ def test_default_configs_compose_and_validate():
     cfg = load_run_config("train", ["lora.num_slots=3", "algo=dapo", "trainer.max_steps=2"])
     assert cfg.lora.num_slots == 3 and cfg.algo.name == "dapo" and cfg.trainer.max_steps == 2
     specs = parse_adapters(cfg)
-    assert [s.name for s in specs] == ["arithmetic", "letter_count", "gcd"]
-    assert {s.reward.type for s in specs} == {"reasoning_gym", "exact_match", "math_verify"}
+    assert [s.name for s in specs] == ["arithmetic", "letter_count", "multiplication"]
+    assert {s.reward.type for s in specs} == {"reasoning_gym", "exact_match"}
+    assert all(s.eval is not None and s.eval.at_start for s in specs)  # the demo evaluates from step 0
     service = load_run_config("service")
     assert service.adapters == [] and service.controller.port > 0
     vllm = load_run_config("train", ["rollout=vllm", "rollout.vllm_url='http://a:8000,http://b:8000'"])
@@ -33,7 +34,7 @@ def test_default_configs_compose_and_validate():
         (["trainer.world_size=4", "model.dp=3"], "trainer.world_size", "model.dp * model.tp"),
         (["model.dp=0"], "model.dp", ">= 1"),
         (["algo.eps_low=2"], "algo.eps_low", "[0, 1)"),
-        (["lora.max_rank=12"], "adapters[2].rank", "max_rank 12"),
+        (["lora.max_rank=4"], "adapters[0].rank", "max_rank 4"),
         (["lora.kernels=cuda"], "lora.kernels", "auto, triton or torch"),
         (["rollout.kv_cache_fraction=1.5"], "rollout.kv_cache_fraction", "(0, 1)"),
         (["rollout=vllm", "rollout.vllm_url=null"], "rollout.vllm_url", "comma-separated URLs"),
