@@ -48,6 +48,9 @@ class ModelConfig:
     pp: int = 1
     dp: int | None = None  # data-parallel replicas; None: trainer.world_size / (tp * pp), else 1
     moe_token_dispatcher: str = "alltoall"  # mixture-of-experts models: allgather | alltoall
+    # prompt + completion tokens; None: the checkpoint's max_position_embeddings (tiny: tiny.max_seq_len).
+    # A lower value caps it (less KV cache and activation memory); a higher one is refused.
+    max_context: int | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -90,7 +93,12 @@ class TrainerConfig:
     # padded tokens per micro-batch: rows sorted by length and packed under it (0: micro_batch_size rows)
     max_tokens_per_micro_batch: int = 0
     logprob_chunk_tokens: int = 1024  # response tokens per chunk of the LM head + log-softmax
-    recompute: str = "none"  # activation recompute in backward: none | selective (core attention) | full
+    # activation recompute in backward: none | selective (core attention) | full | auto (on a GPU: none
+    # when a sample of the whole context fits in a micro-batch, else full, trainer/memory_plan.py; CPU: none)
+    recompute: str = "auto"
+    # on a GPU, check at start that a step fits (trainer/memory_plan.py): resolve recompute=auto, set a
+    # token budget when micro_batch_size rows of full context would not fit, refuse what cannot fit
+    memory_check: bool = True
     seed: int = 0
     output_dir: str = "runs/default"
     resume: bool = False
@@ -227,6 +235,11 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.source in ("demo", "hf", "tiny"), "model.source", f"must be demo, hf or tiny; got {m.source!r}")
     _check(m.source != "hf" or bool(m.hf_path), "model.hf_path", "set model.hf_path for model.source=hf")
     _check(m.tp >= 1 and m.pp >= 1, "model.tp", "tp and pp must be >= 1")
+    _check(
+        m.max_context is None or m.max_context >= 2,
+        "model.max_context",
+        f"must be >= 2 tokens (or null: the checkpoint's), got {m.max_context}",
+    )
     _check(cfg.lora.num_slots >= 1, "lora.num_slots", "must be >= 1")
     _check(cfg.lora.max_rank >= 1, "lora.max_rank", "must be >= 1")
     _check(
@@ -295,9 +308,9 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(t.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch", "must be >= 0 (0: off)")
     _check(t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
     _check(
-        t.recompute in ("none", "selective", "full"),
+        t.recompute in ("auto", "none", "selective", "full"),
         "trainer.recompute",
-        f"must be none, selective or full; got {t.recompute!r}",
+        f"must be auto, none, selective or full; got {t.recompute!r}",
     )
     _check(t.max_prompt_chars >= 1, "trainer.max_prompt_chars", "must be >= 1")
     _check(t.max_skipped_steps >= 0, "trainer.max_skipped_steps", "must be >= 0 (0: never fail for it)")

@@ -46,7 +46,8 @@ def patch_cuda_current_device() -> None:
 
 
 # 7. megatron-core builds its default causal mask with `device="cuda"`; on CPU we build it on
-#    the CPU instead (patched where it is defined and where the softmax imported it).
+#    the CPU instead (patched where it is defined and where the softmax imported it). Only the
+#    unfused attention path uses it; a few lengths are cached (each is sq x sq bytes: 1 GiB at 32k).
 def patch_causal_mask() -> None:
     if not is_cpu():
         return
@@ -58,7 +59,7 @@ def patch_causal_mask() -> None:
     if getattr(utils.get_default_causal_mask, "_miles_cpu_patch", False):
         return
 
-    @functools.cache
+    @functools.lru_cache(maxsize=4)
     def get_default_causal_mask(sq: int) -> torch.Tensor:
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 

@@ -2,17 +2,19 @@
 
 Light on purpose (JSON only, no torch or Megatron): the service driver and the controller's
 admission rules read the context window before any trainer rank exists.
+
+The context is the checkpoint's own ``max_position_embeddings`` (the tiny random model's
+``model.tiny.max_seq_len``); ``model.max_context`` may lower it, never raise it.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
-
-MAX_CONTEXT = 4096  # the trainer's context cap, whatever the checkpoint allows
 
 
 def resolve_model_path(cfg: RunConfig) -> Path | None:
@@ -33,13 +35,41 @@ def resolve_model_path(cfg: RunConfig) -> Path | None:
     return path
 
 
+def read_checkpoint_config(path: Path) -> dict[str, Any]:
+    """``path/config.json`` as a dict (a ConfigError naming ``model.hf_path`` when unreadable)."""
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError("model.hf_path", f"cannot read {path / 'config.json'}: {exc}") from exc
+
+
+def capped_context(cfg: RunConfig, native: int | None, source: str) -> int:
+    """The context the run uses: the model's own ``native`` length (read from ``source``, named in
+    errors), or ``model.max_context`` when set, which may not exceed it."""
+    cap = cfg.model.max_context
+    if native is None:
+        if cap is None:
+            raise ConfigError(
+                "model.max_context",
+                f"{source} states no max_position_embeddings: set model.max_context to the context "
+                "length the model was trained for",
+            )
+        return int(cap)
+    if cap is None:
+        return int(native)
+    if cap > native:
+        raise ConfigError(
+            "model.max_context",
+            f"{cap} exceeds the model's context of {native} tokens ({source}); use at most {native}, "
+            "or null for the model's own",
+        )
+    return int(cap)
+
+
 def context_length(cfg: RunConfig) -> int:
     """Tokens of prompt + completion the trainer handles for ``cfg.model``."""
     path = resolve_model_path(cfg)
     if path is None:
-        return int(cfg.model.tiny.max_seq_len)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError("model.hf_path", f"cannot read {path / 'config.json'}: {exc}") from exc
-    return int(min(config.get("max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT))
+        return capped_context(cfg, int(cfg.model.tiny.max_seq_len), "model.tiny.max_seq_len")
+    native = read_checkpoint_config(path).get("max_position_embeddings")
+    return capped_context(cfg, None if native is None else int(native), str(path / "config.json"))

@@ -1,5 +1,10 @@
 """What a trainer rank is built from: the Megatron model with its MultiLoRA slots, its tokenizer,
-and its rollout engine (the embedded engine on the rank's own model, or an HTTP engine)."""
+and its rollout engine (the embedded engine on the rank's own model, or an HTTP engine).
+
+The rank's context is the checkpoint's own (``max_position_embeddings``; the tiny model's
+``model.tiny.max_seq_len``), or ``model.max_context`` below it. Before the model is built, the
+memory plan (:mod:`~miles_multilora.trainer.memory_plan`) checks on a GPU that a step fits and
+resolves ``trainer.recompute=auto``."""
 
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ import torch
 from miles_multilora.config.run import RunConfig
 from miles_multilora.lora import apply_multi_lora
 from miles_multilora.models import provider
-from miles_multilora.models.paths import MAX_CONTEXT, resolve_model_path
+from miles_multilora.models.paths import capped_context, resolve_model_path
 from miles_multilora.rollout import RolloutEngine
+from miles_multilora.trainer.memory_plan import MemoryPlan, ModelShape, plan_rank
 from miles_multilora.trainer.tokenizer import load_tokenizer
 
 
@@ -27,22 +33,31 @@ class BuiltModel:
     hf_config: Any  # the checkpoint's transformers config (None for the tiny model): PEFT export names
     tokenizer: Any
     pad_id: int
+    memory: MemoryPlan | None = None  # the start-up memory plan (None on a CPU or without the check)
 
 
 def build_model(cfg: RunConfig) -> BuiltModel:
     """``cfg.model`` (tiny random, or an HF checkpoint through megatron-bridge) with ``cfg.lora``'s
-    slots in its target layers. ``compat.init_distributed`` must have run."""
+    slots in its target layers. ``compat.init_distributed`` must have run. The memory plan's choices
+    are written into ``cfg.trainer`` first (``recompute`` resolved; a token budget when it sets one)."""
     model_path = resolve_model_path(cfg)
     if model_path is None:
         t = cfg.model.tiny
+        max_seq_len = capped_context(cfg, t.max_seq_len, "model.tiny.max_seq_len")
+        memory = plan_rank(cfg, ModelShape.from_tiny(t), max_seq_len)
         model = provider.build_tiny_gpt(
             t.num_layers, t.hidden_size, t.ffn_hidden_size, t.num_attention_heads, t.num_query_groups,
             t.vocab_size, t.max_seq_len, seed=cfg.trainer.seed, dtype=cfg.model.dtype,
             recompute=cfg.trainer.recompute, num_experts=t.num_experts, moe_router_topk=t.moe_router_topk,
             moe_ffn_hidden_size=t.moe_ffn_hidden_size, moe_token_dispatcher=cfg.model.moe_token_dispatcher,
         )  # fmt: skip
-        vocab_size, max_seq_len, hf_config = t.vocab_size, t.max_seq_len, None
+        vocab_size, hf_config = t.vocab_size, None
     else:
+        config = provider.read_hf_config(model_path)
+        native = config.get("max_position_embeddings")
+        source = str(model_path / "config.json")
+        max_seq_len = capped_context(cfg, None if native is None else int(native), source)
+        memory = plan_rank(cfg, ModelShape.from_hf_config(config), max_seq_len)
         loaded = provider.load_hf_model(
             model_path,
             dtype=cfg.model.dtype,
@@ -50,7 +65,6 @@ def build_model(cfg: RunConfig) -> BuiltModel:
             moe_token_dispatcher=cfg.model.moe_token_dispatcher,
         )
         model, vocab_size, hf_config = loaded.model, loaded.vocab_size, loaded.hf_config
-        max_seq_len = int(min(getattr(hf_config, "max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT))
     tokenizer = load_tokenizer(model_path, vocab_size)
     targets = list(cfg.lora.target_modules)
     apply_multi_lora(
@@ -64,7 +78,7 @@ def build_model(cfg: RunConfig) -> BuiltModel:
     )
     pad = getattr(tokenizer, "pad_token_id", None)
     return BuiltModel(
-        model, vocab_size, max_seq_len, hf_config, tokenizer, int(pad if pad is not None else 0)
+        model, vocab_size, max_seq_len, hf_config, tokenizer, int(pad if pad is not None else 0), memory
     )
 
 

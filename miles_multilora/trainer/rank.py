@@ -80,6 +80,7 @@ class TrainerRank:
         self.max_seq_len = built.max_seq_len
         self.hf_config = built.hf_config
         self.pad_id = built.pad_id
+        self.memory_plan = built.memory  # what the start-up memory plan chose (None on a CPU)
         self.optimizer = SlotAdamW(self.model)
         self.remote_engine = cfg.rollout.engine != "embedded"
         self.engine = build_engine(cfg, built, manages_adapters=self.is_writer, dp_rank=self.layout.dp_rank)
