@@ -38,7 +38,7 @@ from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.paged_model import PagedModel
 from miles_multilora.rollout.routing import check_servable_slots
 from miles_multilora.rollout.rows import pages_for
-from miles_multilora.rollout.scheduler import Scheduler
+from miles_multilora.rollout.scheduler import Scheduler, StopCondition, StreamState
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
@@ -133,6 +133,7 @@ class EmbeddedEngine(RolloutEngine):
         self._cache: PagedKVCache | None = None
         self._batch: DecodeBatch | None = None
         self._graphs: DecodeGraphs | None = None
+        self._stream: Scheduler | None = None
         self.stats: dict[str, float] = {
             "decode_steps": 0,  # device decode steps (graph replays or eager steps)
             "decode_ms": 0.0,  # time of those steps (CUDA events on a GPU), host checks excluded
@@ -158,6 +159,11 @@ class EmbeddedEngine(RolloutEngine):
     def remove_adapters(self, names: Iterable[str]) -> None:
         for name in list(names):
             self._adapters.pop(name, None)
+
+    def current_version(self, req: GenerationRequest) -> int:
+        """The version of ``req``'s adapter whose weights the model holds now."""
+        served = self._adapters.get(req.adapter)
+        return served.version if served is not None and served.slot == req.slot else req.version
 
     # ----------------------------------------------------------------- checks
     def check_request(self, req: GenerationRequest, index: int = 0) -> None:
@@ -222,11 +228,15 @@ class EmbeddedEngine(RolloutEngine):
         longest request (memory stays modest) and a later, larger call grows it."""
         capacity = self._capacity_tokens()
         if capacity is None:
-            rows = min(self.max_batch_size, len(requests))
+            rows = min(self.max_batch_size, len(requests) + self.in_flight())
             longest = max(len(r.prompt_ids) + self.budget(r) for r in requests)
             capacity = rows * (longest + self.page_size)
         pages = -(-capacity // self.page_size) + 1  # + the null page
         if self._cache is None or self._cache.num_pages < pages:
+            carried = self._stream is not None and not self._stream.idle
+            if carried:
+                assert self._stream is not None
+                self._stream._preempt_all()  # rows in flight resume in the new cache
             self._cache = self._batch = self._graphs = None  # free the old cache before the new one
             self._cache = self.paged.new_cache(pages, self.page_size)
             self._batch = DecodeBatch(
@@ -238,21 +248,63 @@ class EmbeddedEngine(RolloutEngine):
                 self.layers,
             )
             self._graphs = DecodeGraphs(self._batch, self.model) if self.use_graphs else None
+            if self._stream is not None:
+                self._stream.rebind()
+        if self._stream is None:
+            self._stream = Scheduler(self)
 
     # --------------------------------------------------------------- generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generate ``requests`` to the end; work submitted earlier and still in flight decodes
+        alongside and stays in the stream."""
+        ids = self.submit(requests)
+        if not ids:
+            return []
+        pending = set(ids)
+        self.run(lambda state: pending <= state.finished)
+        return self.take(ids)
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[int]:
+        """Queue ``requests`` in the engine's stream (checked first: a bad request queues nothing);
+        returns their ids. They decode during :meth:`run` (or :meth:`generate`) calls."""
         self._check(requests)
         if not requests:
             return []
         self._ensure_state(requests)
-        assert self._batch is not None and self._cache is not None
-        results: list[GenerationResult | None] = [None] * len(requests)
-        with generation_mode(self.model):
-            self._batch.sync_lora()  # before the graph check: a first stacking moves base weights
-            if self._graphs is not None:
-                self._graphs.check()
-            Scheduler(self, requests, results).run()
-        return results  # type: ignore[return-value]
+        assert self._stream is not None
+        return self._stream.submit(requests)
+
+    def run(self, stop: StopCondition | None = None) -> StreamState:
+        """Decode the stream until ``stop`` holds at a host check or nothing is left; rows still
+        decoding keep their KV pages for the next call. Returns the stream's state."""
+        if self._stream is None:
+            return StreamState(frozenset(), 0, 0, self.max_batch_size)
+        stream = self._stream
+        if not stream.idle:
+            assert self._batch is not None
+            with generation_mode(self.model):
+                self._batch.sync_lora()  # before the graph check: a first stacking moves base weights
+                if self._graphs is not None:
+                    self._graphs.check()
+                stream.run(stop)
+        return stream.state()
+
+    def take(self, ids: Sequence[int]) -> list[GenerationResult]:
+        """The results of finished requests ``ids``, removed from the stream."""
+        assert self._stream is not None
+        return self._stream.take(ids)
+
+    def cancel(self, ids: Iterable[int]) -> None:
+        """Drop requests ``ids`` from the stream (their pages given back)."""
+        if self._stream is not None:
+            self._stream.cancel(ids)
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        if self._stream is None:
+            return 0
+        state = self._stream.state()
+        return state.active_rows + state.waiting_rows
 
     def finish_reason(self, output: list[int], budget: int, stops: list[str]) -> FinishReason | None:
         """Today's per-token decision for the last token of ``output``: eos, then stop, then length."""

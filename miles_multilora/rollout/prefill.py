@@ -139,6 +139,7 @@ class RowStarter:
                     stops=list(req.sampling.stop),
                     filtered=filters(req),
                     admitted=next(self.admission_order),
+                    versions=[(0, engine.current_version(req))],
                 )
             )
         return rows

@@ -43,6 +43,16 @@ class Row:
     # while preempted: the outputs so far (the last one sampled, not yet fed to the model)
     saved_tokens: list[int] = field(default_factory=list)
     saved_logprobs: list[float] = field(default_factory=list)
+    # (first output index, adapter version) of each run of outputs sampled with one version
+    versions: list[tuple[int, int]] = field(default_factory=list)
+
+    def token_versions(self, n: int) -> list[int]:
+        """The adapter version that sampled each of the first ``n`` outputs."""
+        out: list[int] = []
+        ends = [start for start, _ in self.versions[1:]] + [n]
+        for (_, version), end in zip(self.versions, ends, strict=True):
+            out += [version] * max(0, min(end, n) - len(out))
+        return out
 
     def pages_ahead(self, steps: int, page_size: int) -> int:
         """Pages it must hold before ``steps`` more decode steps: the next step writes the K/V of

@@ -15,6 +15,12 @@ The loop, from one host check to the next:
    resume (:mod:`~miles_multilora.rollout.prefill`), never an out-of-memory;
 4. **decode** ``steps`` device steps (``rollout.sync_interval``, fewer when a row's budget ends
    sooner).
+
+The scheduler lives as long as the engine's KV cache: work is submitted (:meth:`Scheduler.submit`),
+then run until the caller's condition holds (:meth:`Scheduler.run`); rows that are still decoding
+when a run returns keep their KV pages and go on at the next run (continuous rollout). Weights may
+change between runs (an optimizer step): every output token is tagged with the version of its
+adapter that sampled it (:attr:`GenerationResult.token_versions`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,43 +44,104 @@ if TYPE_CHECKING:
     from miles_multilora.rollout.embedded import EmbeddedEngine
 
 
-class Scheduler:
-    """One ``generate`` call: the waiting groups, the preempted rows, the rows in the batch."""
+@dataclass(frozen=True)
+class StreamState:
+    """What a run's stop condition sees at each host check."""
 
-    def __init__(
-        self,
-        engine: EmbeddedEngine,
-        requests: Sequence[GenerationRequest],
-        results: list[GenerationResult | None],
-    ) -> None:
-        self.engine, self.requests, self.results = engine, requests, results
+    finished: frozenset[int]  # submitted request ids whose results wait to be taken
+    active_rows: int  # rows decoding in the batch
+    waiting_rows: int  # rows not yet admitted or preempted
+    max_rows: int
+
+
+StopCondition = Callable[[StreamState], bool]
+
+
+class Scheduler:
+    """The engine's work: waiting groups, preempted rows, the rows in the batch, finished results."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.engine = engine
         assert engine._batch is not None and engine._cache is not None
         self.batch, self.cache = engine._batch, engine._cache
         self.page_size = self.cache.page_size
+        self.requests: list[GenerationRequest] = []  # every submitted request, by id
+        self.results: dict[int, GenerationResult] = {}  # finished, not yet taken
         self.rows: list[Row] = []
-        self.waiting: deque[Group] = deque(self._groups())
+        self.waiting: deque[Group] = deque()
         self.preempted: list[Row] = []  # in admission order
-        self.starter = RowStarter(engine, self.batch, self.cache, requests, itertools.count())
+        self.starter = RowStarter(engine, self.batch, self.cache, self.requests, itertools.count())
         self.timers: list[_StepTimer] = []
+        self.batch.reset_rows(0, self.batch.max_rows)
 
-    def _groups(self) -> list[Group]:
+    # ------------------------------------------------------------------ the stream
+    @property
+    def idle(self) -> bool:
+        """Nothing waits, decodes or is preempted."""
+        return not (self.waiting or self.preempted or self.rows)
+
+    def rebind(self) -> None:
+        """Take the engine's new cache and batch (a larger cache): every row in the batch is
+        preempted first (its outputs kept on the host), so it resumes in the new cache."""
+        if self.rows:
+            self._preempt_all()
+        self.batch, self.cache = self.engine._batch, self.engine._cache
+        self.starter.batch, self.starter.cache = self.batch, self.cache
+        self.batch.reset_rows(0, self.batch.max_rows)
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[int]:
+        """Queue ``requests`` (checked by the engine); returns their ids, in order."""
+        first = len(self.requests)
+        self.requests.extend(requests)
+        ids = list(range(first, len(self.requests)))
         by_key: dict[tuple, Group] = {}
-        for i, req in enumerate(self.requests):
+        for i in ids:
+            req = self.requests[i]
             key = (req.adapter, req.slot, req.version, tuple(req.prompt_ids))
             group = by_key.setdefault(key, Group(req.slot, list(req.prompt_ids), []))
             group.members.append(i)
         # groups larger than the batch are admitted in pieces (each piece prefills once)
         cap = self.engine.max_batch_size
-        return [
+        self.waiting.extend(
             Group(g.slot, g.prompt, g.members[i : i + cap])
             for g in by_key.values()
             for i in range(0, len(g.members), cap)
-        ]
+        )
+        return ids
 
-    def run(self) -> None:
-        self.batch.reset_rows(0, self.batch.max_rows)
+    def take(self, ids: Iterable[int]) -> list[GenerationResult]:
+        """The results of finished requests ``ids`` (removed from the stream)."""
+        return [self.results.pop(i) for i in ids]
+
+    def cancel(self, ids: Iterable[int]) -> None:
+        """Forget requests ``ids``: waiting ones leave the queue, decoding and preempted ones give
+        their pages back, finished results are dropped."""
+        gone = set(ids)
+        if not gone:
+            return
+        for i in gone:
+            self.results.pop(i, None)
+        self.waiting = deque(
+            Group(g.slot, g.prompt, [m for m in g.members if m not in gone])
+            for g in self.waiting
+            if any(m not in gone for m in g.members)
+        )
+        self.preempted = [r for r in self.preempted if r.request not in gone]
+        leaving = {i for i, r in enumerate(self.rows) if r.request in gone}
+        for i in leaving:
+            self.cache.release(self.rows[i].pages)
+        if leaving:
+            self._remove(leaving)
+
+    def run(self, stop: StopCondition | None = None) -> None:
+        """Decode until ``stop`` holds at a host check (or nothing is left to do). Rows still
+        decoding stay in the batch for the next run; an error gives every page back and forgets
+        all work in the stream."""
+        self._tag_new_versions()
+        if stop is not None and stop(self.state()):
+            return
         try:
-            while self.waiting or self.preempted or self.rows:
+            while not self.idle:
                 self._admit()
                 if not self.rows:
                     raise RolloutError(
@@ -84,10 +152,31 @@ class Scheduler:
                 self._grow(steps)
                 self._decode(steps)
                 self._retire()
-        finally:
-            for row in self.rows:  # an error mid-call: give every page back
-                self.cache.release(row.pages)
-            self.batch.reset_rows(0, self.batch.max_rows)
+                if stop is not None and stop(self.state()):
+                    break
+        except BaseException:
+            self.reset()
+            raise
+
+    def state(self) -> StreamState:
+        waiting = len(self.preempted) + sum(len(g.members) for g in self.waiting)
+        return StreamState(frozenset(self.results), len(self.rows), waiting, self.engine.max_batch_size)
+
+    def reset(self) -> None:
+        """Forget every request and give every page back."""
+        for row in self.rows:
+            self.cache.release(row.pages)
+        self.rows, self.preempted, self.waiting = [], [], deque()
+        self.results.clear()
+        self.batch.reset_rows(0, self.batch.max_rows)
+
+    def _tag_new_versions(self) -> None:
+        """Rows carried from an earlier run sample their next tokens with their adapter's current
+        weights: a new version segment starts at their next output."""
+        for row in [*self.rows, *self.preempted]:
+            version = self.engine.current_version(self.requests[row.request])
+            if row.versions[-1][1] != version:
+                row.versions.append((row.count, version))
 
     # ------------------------------------------------------------------ admission
     def _growth_pages(self) -> int:
@@ -174,6 +263,19 @@ class Scheduler:
             victims.append(i)
         if total > self.cache.free_pages:
             raise RolloutError("the KV cache cannot hold one request alone; raise rollout.kv_cache_tokens")
+        self._save_and_remove(victims)
+
+    def _preempt_all(self) -> None:
+        """Preempt every row in the batch (their pages given back, outputs kept on the host)."""
+        if not self.rows:
+            return
+        for row in self.rows:
+            self.cache.release(row.pages)
+            row.pages = []
+        self._save_and_remove(list(range(len(self.rows))))
+
+    def _save_and_remove(self, victims: list[int]) -> None:
+        """Keep rows ``victims``' outputs on the host, queue them to resume, drop them from the batch."""
         index = torch.tensor(victims, device=self.batch.out_tokens.device)
         width = max(self.rows[i].count for i in victims)
         tokens = self.batch.out_tokens[index, :width].cpu().tolist()
@@ -281,6 +383,7 @@ class Scheduler:
             text=text,
             seed=req.seed,
             metadata=dict(req.metadata),
+            token_versions=row.token_versions(len(output)),
         )
 
 

@@ -54,6 +54,8 @@ class GenerationResult:
     string appeared in the decoded output, special tokens skipped; generation ends with the token that
     completed it, and ``text`` keeps the stop string) or ``"length"`` (max_new_tokens or the context
     window). ``text`` is the decoded output (special tokens skipped), ``None`` without a tokenizer.
+    ``token_versions[i]`` is the adapter version whose weights sampled ``output_ids[i]`` (an engine
+    that keeps decoding across optimizer steps mixes versions; ``None``: all are ``version``).
     """
 
     adapter: str
@@ -66,6 +68,13 @@ class GenerationResult:
     text: str | None = None
     seed: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The version that sampled each output token."""
+        if self.token_versions is None:
+            return [self.version] * len(self.output_ids)
+        return list(self.token_versions)
 
     @property
     def tag(self) -> tuple[str, int]:
