@@ -11,8 +11,8 @@ own state; per-adapter states travel in per-adapter checkpoints via :meth:`adapt
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,8 @@ class _Cursor:
     epoch: int = 0
     offset: int = 0
     drawn: int = 0
+    # (epoch, offset) of prompts drawn before a checkpoint and not trained: drawn again first
+    requeue: list[tuple[int, int]] = field(default_factory=list)
     _perm_epoch: int = -1
     _perm: np.ndarray | None = None
 
@@ -45,7 +47,7 @@ class _Cursor:
 
     @property
     def exhausted(self) -> bool:
-        return self.spec.num_epochs is not None and self.epoch >= self.spec.num_epochs
+        return not self.requeue and self.spec.num_epochs is not None and self.epoch >= self.spec.num_epochs
 
     def permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch or self._perm is None:
@@ -59,7 +61,7 @@ class _Cursor:
 
     def state(self) -> dict[str, Any]:
         ds = self.spec.dataset
-        return {
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "offset": self.offset,
             "drawn": self.drawn,
@@ -67,6 +69,9 @@ class _Cursor:
             "seed": ds.seed,
             "shuffle": ds.shuffle,
         }
+        if self.requeue:
+            state["requeue"] = [list(p) for p in self.requeue]
+        return state
 
     def check_state(self, name: str, state: dict[str, Any]) -> None:
         """Raise :class:`ConfigError` when ``state`` does not fit this adapter's data."""
@@ -85,6 +90,7 @@ class _Cursor:
     def load(self, state: dict[str, Any]) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self.drawn = int(state.get("drawn", 0))
+        self.requeue = [(int(e), int(o)) for e, o in state.get("requeue", [])]
 
 
 class MultiLoRADataSource:
@@ -164,40 +170,51 @@ class MultiLoRADataSource:
     def _take(self, name: str, k: int) -> list[PromptItem]:
         """Up to ``k`` prompts of ``name``; on any error its cursor stays where it was."""
         cursor = self._cursor(name)
-        saved = (cursor.epoch, cursor.offset, cursor.drawn)
+        saved = (cursor.epoch, cursor.offset, cursor.drawn, list(cursor.requeue))
         try:
             return self._draw(name, cursor, k)
         except BaseException:
-            cursor.epoch, cursor.offset, cursor.drawn = saved
+            cursor.epoch, cursor.offset, cursor.drawn, cursor.requeue = saved
             raise
 
     def _draw(self, name: str, cursor: _Cursor, k: int) -> list[PromptItem]:
         items: list[PromptItem] = []
+        while len(items) < k and cursor.requeue:  # drawn before a checkpoint, never trained
+            epoch, offset = cursor.requeue[0]
+            items.append(self._item(name, cursor, epoch, offset))
+            cursor.requeue.pop(0)
         while len(items) < k and not cursor.exhausted:
-            index = int(cursor.permutation()[cursor.offset])
-            row = cursor.dataset.row(index)
-            try:
-                prompt = render_prompt(row, cursor.spec.prompt, self.tokenizer, self.max_prompt_chars)
-            except SpecError as exc:
-                raise SpecError(exc.key, f"dataset row {index}: {exc.message}") from exc
-            items.append(
-                PromptItem(
-                    adapter=name,
-                    index=index,
-                    uid=f"{name}:{cursor.epoch}:{cursor.offset}",
-                    epoch=cursor.epoch,
-                    prompt=prompt,
-                    answer=row.answer,
-                    metadata=row.metadata,
-                    question=row.prompt,
-                )
-            )
+            items.append(self._item(name, cursor, cursor.epoch, cursor.offset))
             cursor.offset += 1
             cursor.drawn += 1
             if cursor.offset >= cursor.size:
                 cursor.epoch += 1
                 cursor.offset = 0
         return items
+
+    def _item(self, name: str, cursor: _Cursor, epoch: int, offset: int) -> PromptItem:
+        """The prompt at ``offset`` of ``name``'s epoch ``epoch``."""
+        saved = cursor.epoch
+        cursor.epoch = epoch
+        try:
+            index = int(cursor.permutation()[offset])
+        finally:
+            cursor.epoch = saved
+        row = cursor.dataset.row(index)
+        try:
+            prompt = render_prompt(row, cursor.spec.prompt, self.tokenizer, self.max_prompt_chars)
+        except SpecError as exc:
+            raise SpecError(exc.key, f"dataset row {index}: {exc.message}") from exc
+        return PromptItem(
+            adapter=name,
+            index=index,
+            uid=f"{name}:{epoch}:{offset}",
+            epoch=epoch,
+            prompt=prompt,
+            answer=row.answer,
+            metadata=row.metadata,
+            question=row.prompt,
+        )
 
     def next_batch(
         self, names: Iterable[str] | None = None, errors: dict[str, Exception] | None = None
@@ -233,9 +250,14 @@ class MultiLoRADataSource:
         return self._take(name, k)
 
     # --- state ----------------------------------------------------------------------------------
-    def adapter_state(self, name: str) -> dict[str, Any]:
-        """``name``'s data position, for its own checkpoint."""
-        return self._cursor(name).state()
+    def adapter_state(self, name: str, untrained: Sequence[PromptItem] = ()) -> dict[str, Any]:
+        """``name``'s data position, for its own checkpoint. ``untrained``: prompts it drew and has
+        not trained (continuous rollout): a resume draws them again first."""
+        state = self._cursor(name).state()
+        again = [[int(p) for p in item.uid.rsplit(":", 2)[1:]] for item in untrained]
+        if again:
+            state["requeue"] = [*state.get("requeue", []), *again]
+        return state
 
     def restore_adapter_state(self, name: str, state: dict[str, Any]) -> None:
         """Put ``name`` back at a position saved by :meth:`adapter_state` (checked first)."""
