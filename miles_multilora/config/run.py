@@ -84,6 +84,13 @@ class RolloutConfig:
     vllm_group_samples: bool = True  # a prompt's samples go as one request with n (seeds seed, seed+1, ...)
     # what the vLLM servers run with (--logprobs-mode): raw_logprobs (vLLM's default) | processed_logprobs
     vllm_logprobs_mode: str = "raw_logprobs"
+    # continuous rollout (embedded engine): the engine keeps decoding across steps and a step trains the
+    # groups that are complete; a trained token is at most this many versions old (0: synchronous steps)
+    max_staleness: int = 1
+    adapter_pace: bool = True  # an adapter whose step is complete trains without waiting for slower ones
+    # with adapter_pace: an engine run ends once some adapter is ready and fewer rows than this share
+    # of rollout.max_batch_size decode with nothing waiting
+    occupancy_floor: float = 0.8
 
 
 @dataclass
@@ -278,6 +285,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         f"must be in (0, 1), got {r.kv_cache_fraction}",
     )
     _check(r.sync_interval is None or r.sync_interval >= 1, "rollout.sync_interval", "must be >= 1")
+    _check(r.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0: synchronous steps)")
+    _check(0 < r.occupancy_floor <= 1, "rollout.occupancy_floor", "must be in (0, 1]")
     _check(
         cfg.rollout.engine != "sglang" or bool(cfg.rollout.sglang_url),
         "rollout.sglang_url",

@@ -8,7 +8,7 @@ of it at once, so an adapter is either wholly resident or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +66,8 @@ class Residents:
         self.rewards = rewards
         self.eval_rewards = eval_rewards
         self._adapters: dict[str, ResidentAdapter] = {}
+        self.on_forget: list[Callable[[str], None]] = []  # told of every adapter forgotten
+        self.has_carried: Callable[[str], bool] = lambda name: False  # drawn prompts not trained yet
 
     def __getitem__(self, name: str) -> ResidentAdapter:
         return self._adapters[name]
@@ -87,7 +89,7 @@ class Residents:
         spec = self._adapters[name].spec
         if spec.num_steps is not None:
             return self.version(name) >= spec.num_steps
-        return self.data.is_exhausted(name)
+        return self.data.is_exhausted(name) and not self.has_carried(name)
 
     # ----------------------------------------------------------------- start and end
     def ensure(self, assignment: SlotAssignment) -> Resumed | None:
@@ -147,6 +149,8 @@ class Residents:
     def forget(self, name: str) -> None:
         """Drop ``name`` from this rank: its record, prompts, rewards and slot (erased, unserved)."""
         adapter = self._adapters.pop(name, None)
+        for hook in self.on_forget:
+            hook(name)
         if name in self.data.names:
             self.data.remove_adapter(name)
         if name in self.rewards.names:

@@ -25,6 +25,7 @@ from miles_multilora.data.reward_process import RewardProcessLimits
 from miles_multilora.data.reward_registry import import_reward_modules
 from miles_multilora.rl.adapters import ResidentAdapter, Residents
 from miles_multilora.rl.checkpoint import CheckpointError, write_checkpoint
+from miles_multilora.rl.continuous import ContinuousRollout, staleness_metrics
 from miles_multilora.rl.evaluation import eval_due, evaluate, start_eval_due
 from miles_multilora.rl.faults import AdapterFailures, failure_reason
 from miles_multilora.rl.rollout import Group, Rollout, build_groups, generate, score, training_requests
@@ -54,9 +55,29 @@ class RLStep:
         self.rewards = RewardManager(limits)
         self.eval_rewards = RewardManager(limits)  # own failure counters: eval never touches training's
         self.residents = Residents(rank, cfg, self.data, self.rewards, self.eval_rewards)
+        self.continuous = self._continuous_rollout(cfg)
         self.last_train_tokens = 0  # tokens (prompt + response) of the last step's training rows
         self.last_rank_train_tokens = 0  # the share of them this rank trained
         self._warned_small_step = False
+
+    def _continuous_rollout(self, cfg: RunConfig) -> ContinuousRollout | None:
+        """Continuous rollout when ``rollout.max_staleness > 0`` and the engine keeps work across
+        calls (the embedded engine); otherwise synchronous steps."""
+        r = cfg.rollout
+        if r.max_staleness == 0:
+            return None
+        if not hasattr(getattr(self.rank, "engine", None), "submit"):
+            if self.rank.is_writer:
+                log.info(
+                    "rollout.max_staleness=%d: the %s engine runs synchronous steps (continuous rollout "
+                    "needs the embedded engine)", r.max_staleness, r.engine,
+                )  # fmt: skip
+            return None
+        continuous = ContinuousRollout(
+            self.residents, r.max_staleness, pace=r.adapter_pace, occupancy_floor=r.occupancy_floor
+        )
+        self.residents.has_carried = continuous.has_carried
+        return continuous
 
     @classmethod
     def build(cls, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> RLStep:
@@ -82,7 +103,7 @@ class RLStep:
         drained: dict[str, str] = {}
         with timer.phase("setup"):
             resumed = self._start_adapters(snapshot, failures)
-            for a in snapshot.draining:  # no in-flight work in a synchronous step: final checkpoint now
+            for a in snapshot.draining:  # final checkpoint now (prompts in flight are drawn again on resume)
                 if a.name not in failures and (path := self._checkpoint(a.name, failures)) is not None:
                     drained[a.name] = path
             running = self._finish_at_budget(snapshot.running, failures, resumed, results, finished)
@@ -92,7 +113,12 @@ class RLStep:
             }
             training = [a for a in running if a.name not in starting]
         with timer.phase("rollout"):
-            rollout = self._rollout(training, failures) if training else Rollout()
+            if not training:
+                rollout, stepped = Rollout(), set()
+            elif self.continuous is not None:
+                rollout, stepped = self._rollout_continuous(training, failures)
+            else:
+                rollout, stepped = self._rollout(training, failures), {a.name for a in training}
         with timer.phase("train"):
             trained = train(rollout.groups, self.residents, self.algo)  # versions move and are published
             self.last_train_tokens, self.last_rank_train_tokens = trained.tokens, trained.rank_tokens
@@ -104,8 +130,8 @@ class RLStep:
             ]
             evals = evaluate(self.residents, due, self.eval_rewards, failures) if due else {}
         with timer.phase("checkpoint"):
-            for a in running:
-                if a.name not in failures:
+            for a in running:  # continuous rollout: an adapter whose step is not complete waits
+                if a.name not in failures and (a.name in stepped or a.name in starting):
                     result = self._conclude(a, rollout, trained, evals.get(a.name, {}), failures, finished)
                     if result is not None:
                         results[a.name] = replace(result, resumed=resumed.get(a.name))
@@ -193,6 +219,32 @@ class RLStep:
         if not self.algo.dynamic_sampling:
             return Rollout(groups, reports)
         return self._dynamic_sampling(groups, reports, failures)
+
+    def _rollout_continuous(
+        self, training: list[SlotAssignment], failures: AdapterFailures
+    ) -> tuple[Rollout, set[str]]:
+        """Draw what each adapter may start, decode until some adapters' steps are complete,
+        reward those (with dynamic sampling's refills); returns them with their rollout."""
+        assert self.continuous is not None
+        names = [a.name for a in training]
+        self.continuous.draw(names, failures)
+        for name in failures.agree():  # every rank drops the same adapters
+            self.residents.forget(name)
+        names = [n for n in names if n not in failures]
+        if not names:
+            return Rollout(), set()
+        ready = self.continuous.run(names)
+        groups = self.continuous.collect(ready)
+        reports = score(self.residents, groups, self.rewards)
+        rollout = (
+            self._dynamic_sampling(groups, reports, failures)
+            if self.algo.dynamic_sampling
+            else Rollout(groups, reports)
+        )
+        for name in ready:
+            mine = [g for g in rollout.groups if g.adapter == name]
+            rollout.sampling.setdefault(name, {}).update(staleness_metrics(mine, self.version(name)))
+        return rollout, set(ready)
 
     def _generate(self, groups: list[Group]) -> None:
         dp = self.rank.layout.dp_size
@@ -323,8 +375,10 @@ class RLStep:
         """Checkpoint resident ``name`` at its current version (a collective: every rank calls it);
         raises :class:`~miles_multilora.rl.checkpoint.CheckpointError` on every rank on a failure."""
         adapter = self.residents[name]
+        untrained = self.continuous.carried_items(name) if self.continuous is not None else []
         return write_checkpoint(
-            self.rank, Path(self.cfg.trainer.output_dir), adapter.assignment, self.data.adapter_state(name),
+            self.rank, Path(self.cfg.trainer.output_dir), adapter.assignment,
+            self.data.adapter_state(name, untrained),
             self.cfg.trainer.keep_checkpoints,
         )  # fmt: skip
 

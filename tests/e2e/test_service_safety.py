@@ -37,7 +37,7 @@ from tests.e2e.test_service import (
 
 SCRIPTS = REPO_ROOT / "examples" / "multi_lora"
 DATA = Path(TOY_PROMPTS).parent
-LONG = 60  # steps of the long-running adapters (never reached: the test stops the service first)
+LONG = 100_000  # steps of the long-running adapters (never reached: the test stops the service first)
 
 
 def _start(out: Path, port: int, ray_tmp: str, log: Path, canary: Path) -> subprocess.Popen:

@@ -29,7 +29,7 @@ from tests.e2e.conftest import REWARDS, TOY_PROMPTS, toy_adapter
 from tests.e2e.test_service import SCRIPTS, _env, _metric_lines, _records, _wait_for, stop_service
 from tests.e2e.test_stuck_adapters import BACKTRACKS
 
-LONG = 200  # steps of the long-running adapters (never reached)
+LONG = 100_000  # steps of the long-running adapters (never reached)
 
 
 def _start(out: Path, port: int, ray_tmp: str, log: Path, *extra: str) -> subprocess.Popen:
