@@ -121,6 +121,8 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
             "lora": {"num_slots": args.adapters, "max_rank": args.rank},
             "rollout": {
                 "max_batch_size": args.adapters * args.prompts * args.samples,
+                "max_staleness": max(staleness_values(args)),
+                "adapter_pace": not getattr(args, "no_pace", False),
                 **({"kv_cache_fraction": args.kv_cache_fraction} if args.kv_cache_fraction else {}),
             },
             "trainer": {
@@ -170,7 +172,15 @@ def schedule(worker: RLStep, specs: list[dict], steps: int, warmup: int) -> list
     ``steps``, each with its generation's engine stats (:func:`generation_report`)."""
     rows = []
     engine = worker.rank.engine
-    for i in range(warmup + steps):
+    names = [parse_adapter_spec(raw, max_rank=64).name for group in specs for raw in group]
+    i = 0
+    while len(rows) < steps:
+        if (
+            i == warmup
+            and worker.continuous is not None
+            and min(worker.versions().get(n, 0) for n in names) < 1
+        ):
+            warmup += 1  # continuous rollout: warm up until every adapter stepped (rewards, graphs)
         running = []
         for raw in specs[i % len(specs)]:
             parsed = parse_adapter_spec(raw, max_rank=64)
@@ -199,7 +209,66 @@ def schedule(worker: RLStep, specs: list[dict], steps: int, warmup: int) -> list
                 i + 1 - warmup, timing["generation"], timing["generated"], worker.cfg.rollout.max_batch_size
             )
             rows.append(timing)
+        i += 1
     return rows
+
+
+def use_staleness(worker: RLStep, k: int, continuous: Any) -> None:
+    """Switch ``worker`` between synchronous steps (``k == 0``) and continuous rollout."""
+    worker.continuous = continuous if k > 0 else None
+    if continuous is not None:
+        continuous.max_staleness = max(k, 1)
+    worker.residents.has_carried = continuous.has_carried if k > 0 else (lambda name: False)
+
+
+def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
+    """Schedule (a) once per ``--staleness`` value on one worker, then one table side by side:
+    step time, decode occupancy, generated and trained tok/s, end-to-end trained tok/s."""
+    continuous, max_rows = worker.continuous, worker.cfg.rollout.max_batch_size
+    rows: dict[str, dict[str, float]] = {}
+    for m, (label, k, pace) in enumerate(staleness_modes(args)):
+        use_staleness(worker, k, continuous)
+        if continuous is not None:
+            continuous.pace = pace
+        specs = [[spec(f"m{m}a{i}", args.prompts, args) for i in range(args.adapters)]]
+        start = time.perf_counter()
+        steps = schedule(worker, specs, args.steps, args.warmup)
+        wall = time.perf_counter() - start
+        decode = sum(r["generation"]["decode_steps"] for r in steps)
+        row_steps = sum(r["generation"]["row_steps"] for r in steps)
+        total = sum(r["step_s"] for r in steps)
+        rows[label] = {
+            "step_s": statistics.median(r["step_s"] for r in steps),
+            "rollout_s": sum(r["rollout_s"] for r in steps) / len(steps),
+            "train_s": sum(r["train_s"] for r in steps) / len(steps),
+            "occupancy": row_steps / max(decode * max_rows, 1),
+            "gen_tok_s": row_steps / max(sum(r["rollout_s"] for r in steps), 1e-9),
+            "train_tok_s": sum(r["trained"] for r in steps) / max(sum(r["train_s"] for r in steps), 1e-9),
+            "e2e_tok_s": sum(r["trained"] for r in steps) / max(total, 1e-9),
+            "trained": sum(r["trained"] for r in steps) / len(steps),
+        }
+        worker.residents.clear_slots(tuple(range(args.adapters)))
+        r = rows[label]
+        print(
+            f"  ran max_staleness={label}: {len(steps)} timed steps in {wall:.1f} s; median step {r['step_s']:.2f} s, "
+            f"occupancy {r['occupancy']:.1%}, {r['trained']:.0f} trained tokens per step, "
+            f"{r['e2e_tok_s']:.0f} trained tok/s end to end", flush=True,
+        )  # fmt: skip
+    header = (
+        f"{'max_staleness':>13} {'step s':>7} {'rollout s':>9} {'train s':>8} {'occupancy':>9} "
+        f"{'gen tok/s':>10} {'train tok/s':>11} {'trained/step':>12} {'e2e tok/s':>10} {'vs sync':>8}"
+    )
+    print(f"\nschedule (a), {args.steps} timed steps each (step s: median; the rest: over all timed steps; "
+          "a trailing s: without per-adapter pace)")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    base = rows.get("0", next(iter(rows.values())))["e2e_tok_s"]
+    for k, r in rows.items():
+        print(
+            f"{k:>13} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} {r['train_s']:>8.2f} {r['occupancy']:>9.1%} "
+            f"{r['gen_tok_s']:>10.0f} {r['train_tok_s']:>11.0f} {r['trained']:>12.0f} {r['e2e_tok_s']:>10.0f} "
+            f"{r['e2e_tok_s'] / base:>7.2f}x"
+        )  # fmt: skip
 
 
 def profile_last_train(calls: int) -> None:
@@ -229,6 +298,9 @@ def add_workload_args(
 ) -> None:
     """The model shape, the step's workload and the training settings (shared with dp_step.py)."""
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="a workload of docs/benchmarks.md"
+    )
     parser.add_argument("--moe", action="store_true", help="a mixture-of-experts model (MOE_SHAPE)")
     parser.add_argument("--experts", type=int, default=None, help="experts per MoE layer (0: dense)")
     parser.add_argument("--topk", type=int, default=None, help="experts per token")
@@ -258,8 +330,33 @@ def add_workload_args(
     )
 
 
+PRESETS = {
+    # issue 26's realistic GRPO shape: 512 rows, prompt 200, <= 3800 new tokens (mean ~1200)
+    "realistic": dict(prompt_len=200, new_tokens=3800, mean_len=1200, prompts=4, samples=8,
+                      micro_batch=64, max_tokens=16384),
+    # long samples: 128 rows, <= 12000 new tokens (mean ~2000), full recompute
+    "long": dict(prompt_len=200, new_tokens=12000, mean_len=2000, prompts=1, samples=8,
+                 micro_batch=64, max_tokens=16384, recompute="full"),
+}  # fmt: skip
+
+
+def staleness_values(args: argparse.Namespace) -> list[int]:
+    """The ``--staleness`` values to compare (``[0]`` without the flag; a trailing ``s``: strict,
+    without per-adapter pace)."""
+    raw = getattr(args, "staleness", None)
+    return [int(x.rstrip("s")) for x in raw.split(",")] if raw else [0]
+
+
+def staleness_modes(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
+    """(label, max_staleness, adapter pace) of each ``--staleness`` value."""
+    raw = getattr(args, "staleness", None) or "0"
+    return [(x, int(x.rstrip("s")), not x.endswith("s") and not args.no_pace) for x in raw.split(",")]
+
+
 def finish_workload_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill in the shape preset (the tiny one and a small workload with ``--cpu``), dtype and context."""
+    for key, value in PRESETS.get(getattr(args, "preset", None) or "", {}).items():
+        setattr(args, key, value)
     preset = CPU_SHAPE if args.cpu else SHAPE
     if args.moe:
         preset = MOE_CPU_SHAPE if args.cpu else MOE_SHAPE
@@ -282,6 +379,12 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
     parser.add_argument("--schedules", default="a,b,c")
     parser.add_argument(
+        "--staleness",
+        default=None,
+        help="compare rollout.max_staleness values side by side on schedule (a), e.g. 0,1 (0: synchronous)",
+    )
+    parser.add_argument("--no-pace", action="store_true", help="rollout.adapter_pace=false")
+    parser.add_argument(
         "--profile", action="store_true", help="print a profile of the last step's train phase"
     )
     args = finish_workload_args(parser.parse_args())
@@ -302,6 +405,11 @@ def main() -> None:
     if args.profile:
         profile_last_train(args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if args.staleness:
+        print(f"{base_params / 1e9:.2f} B base parameters on {device}; {args.adapters} x {args.prompts} prompts x "
+              f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len})")  # fmt: skip
+        compare_staleness(worker, args)
+        return
     print(f"{base_params / 1e9:.2f} B base parameters{' active per token' if args.moe else ''} on {device}; {args.adapters} x {args.prompts} prompts x "
           f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len}); "
           f"micro-batch {args.micro_batch} rows / {args.max_tokens or '-'} tokens, recompute {args.recompute}")  # fmt: skip
