@@ -72,7 +72,7 @@ class RolloutConfig:
     max_batch_size: int = 64  # rows the embedded engine decodes at once (continuous batching)
     page_size: int = 16  # tokens per KV-cache page (a power of 2 >= 8)
     # KV cache size in tokens; 0: kv_cache_fraction of the GPU's memory (CPU: a full batch of the
-    # call's longest request). Pages are taken as rows grow; when they run out, rows are preempted.
+    # longest request, at most 131072 tokens). Pages are taken as rows grow; when they run out, rows are preempted.
     kv_cache_tokens: int = 0
     kv_cache_fraction: float = 0.25  # the GPU memory share of the KV cache when kv_cache_tokens is 0
     cuda_graphs: bool = True  # replay captured decode steps on CUDA

@@ -44,6 +44,7 @@ from miles_multilora.rollout.types import AdapterVersion, FinishReason, Generati
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
 DEFAULT_SYNC_INTERVAL = 8  # on CUDA; the CPU checks every step (no sync cost there)
 DEFAULT_KV_CACHE_FRACTION = 0.25  # of the GPU's memory (rollout.kv_cache_fraction)
+CPU_KV_CACHE_TOKENS = 1 << 17  # the most a CPU cache sizes itself for (one row's request beyond it)
 
 
 class Tokenizer(Protocol):
@@ -224,13 +225,16 @@ class EmbeddedEngine(RolloutEngine):
     def _ensure_state(self, requests: Sequence[GenerationRequest]) -> None:
         """Allocate the KV cache and batch state (again only when a larger cache is needed).
 
-        On a CPU without ``rollout.kv_cache_tokens`` the cache holds a full batch of this call's
-        longest request (memory stays modest) and a later, larger call grows it."""
+        On a CPU without ``rollout.kv_cache_tokens`` the cache holds a full batch of the longest
+        request (at most ``CPU_KV_CACHE_TOKENS``, or one such request when it is longer) and a later,
+        larger submission grows it."""
         capacity = self._capacity_tokens()
         if capacity is None:
             rows = min(self.max_batch_size, len(requests) + self.in_flight())
-            longest = max(len(r.prompt_ids) + self.budget(r) for r in requests)
-            capacity = rows * (longest + self.page_size)
+            longest = max(len(r.prompt_ids) + self.budget(r) for r in requests) + self.page_size
+            # rows take pages as they grow (preempted when none are left): long budgets need not
+            # be reserved for every row at once
+            capacity = max(longest, min(rows * longest, CPU_KV_CACHE_TOKENS))
         pages = -(-capacity // self.page_size) + 1  # + the null page
         if self._cache is None or self._cache.num_pages < pages:
             carried = self._stream is not None and not self._stream.idle

@@ -5,27 +5,15 @@ a larger cache taken mid-stream resumes the carried rows (CPU, fp32, a real tiny
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.rollout import AdapterVersion
+from tests.unit import test_rollout_batching as batching
 from tests.unit.test_rollout_batching import _engine_for, _key
-from tests.unit.test_rollout_embedded import _char_tokenizer, _lora_gpt
 from tests.unit.test_rollout_kv_pages import _requests
 
-
-@pytest.fixture(scope="module")
-def model():
-    from miles_multilora.models.compat import init_distributed
-
-    init_distributed()
-    return _lora_gpt(seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return _char_tokenizer()
+model, tokenizer = batching.model, batching.tokenizer  # the module-scoped fixtures, shared
 
 
 def _free_pages_at_rest(engine) -> int:
@@ -113,3 +101,18 @@ def test_a_larger_cache_taken_mid_stream_resumes_the_carried_rows(model, tokeniz
     for a, b in zip(got, want, strict=True):
         assert _key(a) == _key(b)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_cache_is_capped_and_rows_beyond_it_wait_their_turn(model, tokenizer, monkeypatch):
+    from miles_multilora.rollout import embedded
+
+    requests = _requests(tokenizer)
+    want = _engine_for(model, tokenizer, max_batch_size=8).generate(requests)
+    monkeypatch.setattr(embedded, "CPU_KV_CACHE_TOKENS", 96)
+    engine = _engine_for(model, tokenizer, max_batch_size=8)
+    got = engine.generate(requests)
+    longest = max(len(r.prompt_ids) + engine.budget(r) for r in requests) + engine.page_size
+    assert (engine._cache.num_pages - 1) * engine.page_size < 8 * longest  # not a full batch's worth
+    assert engine.stats["preemptions"] > 0 or engine.stats["peak_rows"] < 8
+    for a, b in zip(got, want, strict=True):
+        assert _key(a) == _key(b)
