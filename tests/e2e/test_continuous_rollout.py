@@ -35,7 +35,7 @@ def worker(tmp_path: Path) -> Iterator[RLStep]:
     compat.destroy_distributed()
 
 
-def _record(worker: RLStep) -> list[tuple[str, int, str, list[int]]]:
+def record_trained(worker: RLStep) -> list[tuple[str, int, str, list[int]]]:
     """Every group the step trains: (adapter, its version then, prompt uid, token versions)."""
     seen: list[tuple[str, int, str, list[int]]] = []
     assert worker.continuous is not None
@@ -71,7 +71,7 @@ def _run(worker: RLStep, specs: list[dict[str, Any]], first: Snapshot | None = N
 
 def test_every_prompt_trains_once_in_order_within_the_staleness_bound(worker: RLStep) -> None:
     specs = _specs()
-    seen = _record(worker)
+    seen = record_trained(worker)
     outs = _run(worker, specs)
     assert all(worker.version(s["name"]) == STEPS for s in specs)
     for s in specs:
@@ -123,7 +123,7 @@ def test_a_checkpoint_lists_prompts_in_flight_and_a_resume_draws_them_first(
     resumed = RLStep.build(
         tiny_run_config(tmp_path / "run", specs[:1], rollout={"max_staleness": 1, "max_batch_size": 8})
     )
-    seen = _record(resumed)
+    seen = record_trained(resumed)
     snap = snapshot_of(1, specs[:1], {"lower": version})
     a = snap.running[0]
     snap = Snapshot(1, 1, (type(a)(a.name, a.run_id, a.slot, a.spec, version, version, path, True),), (), ())
