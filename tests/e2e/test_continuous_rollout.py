@@ -132,3 +132,35 @@ def test_a_checkpoint_lists_prompts_in_flight_and_a_resume_draws_them_first(
     assert resumed.version("lower") == version + 1
     trained = [uid for _, _, uid, _ in seen]
     assert trained == in_flight[: len(trained)] and trained  # the in-flight prompts came back first
+
+
+def test_cancel_and_register_mid_stream(worker: RLStep) -> None:
+    specs = _specs()
+    for i in range(2):
+        assert not worker.step(snapshot_of(i + 1, specs, worker.versions(), init=i == 0)).failed
+    engine = worker.rank.engine
+    stream = engine._stream
+
+    def queued(name: str) -> int:  # requests of ``name`` waiting, decoding or preempted
+        rows = [stream.requests[r.request] for r in stream.rows + stream.preempted]
+        waiting = [stream.requests[m] for g in stream.waiting for m in g.members]
+        return sum(r.adapter == name for r in rows + waiting)
+
+    assert queued("digits") > 0  # its next step was in flight
+    newcomer = toy_adapter("newcomer", "fraction_of_lowercase", steps=2)
+    kept = [specs[0], specs[1], newcomer]  # digits leaves, newcomer takes its slot
+    before = worker.versions()
+    for i in range(2, 8):
+        snap = snapshot_of(i + 1, kept, worker.versions(), init=False)
+        if "newcomer" not in worker.residents:  # only the newcomer's slot is initialised
+            a = snap.running[2]
+            fresh = type(a)(a.name, a.run_id, a.slot, a.spec, 0, 0, None, True)
+            snap = Snapshot(snap.snapshot_id, snap.num_slots, (*snap.running[:2], fresh), (), ())
+        out = worker.step(snap)
+        assert not out.failed, out.failed
+        assert "digits" not in out.results
+        if worker.residents.get("newcomer") and worker.version("newcomer") >= 1:
+            break
+    assert queued("digits") == 0 and "digits" not in worker.residents  # its carried work was cancelled
+    assert worker.version("newcomer") >= 1  # a newcomer trains mid-stream
+    assert worker.version("lower") > before["lower"]
