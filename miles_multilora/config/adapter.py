@@ -123,6 +123,7 @@ class SamplingSpec:
     top_k: int = -1
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # a sample ends with any of these (kept)
 
 
 @dataclass
@@ -277,6 +278,17 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     for i, stop in enumerate(sp.stop):
         _check(
             0 < len(stop) <= MAX_STOP_CHARS, f"sampling.stop[{i}]", f"must have 1-{MAX_STOP_CHARS} characters"
+        )
+    _check(
+        len(sp.stop_token_ids) <= MAX_STOP_STRINGS,
+        "sampling.stop_token_ids",
+        f"at most {MAX_STOP_STRINGS} stop token ids",
+    )
+    for i, token in enumerate(sp.stop_token_ids):
+        _check(
+            isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+            f"sampling.stop_token_ids[{i}]",
+            f"must be a token id (an integer >= 0), got {token!r}",
         )
     for key, text in (
         ("prompt.template", spec.prompt.template),

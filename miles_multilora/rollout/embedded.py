@@ -177,6 +177,8 @@ class EmbeddedEngine(RolloutEngine):
             )
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
             raise RolloutError(f"{where}: prompt token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in req.sampling.stop_token_ids):
+            raise RolloutError(f"{where}: sampling.stop_token_ids must be in [0, {self.vocab_size})")
         if req.sampling.stop and self.tokenizer is None:
             raise RolloutError(f"{where}: sampling.stop needs the engine to have a tokenizer")
         capacity = self._capacity_tokens()

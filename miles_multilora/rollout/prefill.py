@@ -137,6 +137,7 @@ class RowStarter:
                     prompt_len=plen,
                     budget=engine.budget(req),
                     stops=list(req.sampling.stop),
+                    stop_ids=frozenset(req.sampling.stop_token_ids),
                     filtered=filters(req),
                     admitted=next(self.admission_order),
                     versions=[(0, engine.current_version(req))],

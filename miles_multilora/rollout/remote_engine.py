@@ -131,6 +131,11 @@ class RemoteEngine(RolloutEngine):
         failed = self._failed.get(req.adapter)
         if failed is not None:
             raise RolloutError(f"request {index}: {failed}")
+        if req.sampling.stop_token_ids:
+            raise RolloutError(
+                f"request {index} ({req.adapter!r}): sampling.stop_token_ids needs the embedded engine; "
+                "pass stop strings (sampling.stop) to an SGLang or vLLM engine"
+            )
         super().check_request(req, index)
 
     def step_stats(self) -> dict[str, float]:

@@ -35,11 +35,12 @@ class Row:
     prompt_len: int
     budget: int  # output tokens it may produce
     stops: list[str]
+    stop_ids: frozenset[int]  # token ids that end the sample (kept as its last output)
     filtered: bool  # samples from a top-k / top-p filtered distribution
     admitted: int  # admission order of its first admission: preemption takes the latest first
     count: int = 1  # output tokens as of the last host check
-    checked: int = 0  # output tokens already scanned for stop strings
-    stop_at: int | None = None  # output length when a stop string completed
+    checked: int = 0  # output tokens already scanned for stop strings and stop token ids
+    stop_at: int | None = None  # output length when a stop string or stop token completed
     # while preempted: the outputs so far (the last one sampled, not yet fed to the model)
     saved_tokens: list[int] = field(default_factory=list)
     saved_logprobs: list[float] = field(default_factory=list)

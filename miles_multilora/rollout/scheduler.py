@@ -332,7 +332,7 @@ class Scheduler:
         engine.stats["decode_ms"] += sum(t.elapsed_ms() for t in self.timers)  # the device is idle now
         self.timers.clear()
         active, count = host[0].tolist(), host[1].tolist()
-        stop_rows = [i for i, r in enumerate(self.rows) if r.stops]
+        stop_rows = [i for i, r in enumerate(self.rows) if r.stops or r.stop_ids]
         if stop_rows:
             rows_t = torch.tensor(stop_rows, device=batch.out_tokens.device)
             tokens = batch.out_tokens[rows_t].cpu().tolist()
@@ -340,7 +340,9 @@ class Scheduler:
                 row = self.rows[i]
                 output = toks[: count[i]]
                 for j in range(row.checked, count[i]):
-                    if engine.finish_reason(output[: j + 1], row.budget, row.stops) == "stop":
+                    if output[j] in row.stop_ids or (
+                        row.stops and engine.finish_reason(output[: j + 1], row.budget, row.stops) == "stop"
+                    ):
                         row.stop_at = j + 1
                         break
                 row.checked = count[i]

@@ -154,8 +154,11 @@ def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int]:
     stop = params.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise TinkerError(f"{where}stop", "stop token ids are not supported; pass stop strings")
+    if stop is not None and not isinstance(stop, list):
+        raise TinkerError(f"{where}stop", "must be a string, a list of strings or a list of token ids")
+    stop = stop or []
+    if any(isinstance(s, bool) or not isinstance(s, str | int) for s in stop):
+        raise TinkerError(f"{where}stop", "each stop must be a string or an integer token id")
     try:
         spec = SamplingSpec(
             temperature=number(params, "temperature", 1.0, low=0.0, where=f"{where}temperature"),
@@ -164,7 +167,8 @@ def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int]:
             max_new_tokens=integer(
                 params, "max_tokens", DEFAULT_MAX_TOKENS, low=1, where=f"{where}max_tokens"
             ),
-            stop=list(stop or []),
+            stop=[s for s in stop if isinstance(s, str)],
+            stop_token_ids=[s for s in stop if isinstance(s, int)],
         )
     except TinkerError:
         raise

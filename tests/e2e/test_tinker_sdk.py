@@ -152,6 +152,25 @@ def test_two_clients_train_at_once_and_sample_their_own_adapters(server: Any) ->
     sc.close("success")
 
 
+def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> None:
+    sc = _client(server)
+    client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+
+    def sample(**stop: Any) -> Any:
+        params = tinker.SamplingParams(max_tokens=12, temperature=1.0, seed=11, **stop)
+        return sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences[0]
+
+    free = sample()
+    token = list(free.tokens)[4]
+    cut = list(free.tokens).index(token) + 1
+    stopped = sample(stop=[token])
+    assert list(stopped.tokens) == list(free.tokens)[:cut]
+    assert stopped.stop_reason == "stop"
+    sc.close("success")
+
+
 @pytest.mark.filterwarnings(
     "ignore:DEPRECATED. TrainingClient.load_state:FutureWarning"
 )  # older clients' call

@@ -221,6 +221,26 @@ def test_stop_string_truncates_after_its_tokens(model, tokenizer):
     assert stopped.text.endswith(stop)
 
 
+def test_stop_token_ids_end_a_sample_at_their_first_output_with_stop_strings_beside(model, tokenizer):
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=20)
+    free = _engine(model, tokenizer).generate(_base_requests(tokenizer, sampling))
+    stop_id = free[2].output_ids[6]
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=20, stop=["@@never"], stop_token_ids=[stop_id])
+    stopped = _engine(model, tokenizer, sync_interval=4).generate(_base_requests(tokenizer, spec))
+    for a, b in zip(stopped, free, strict=True):
+        if stop_id in b.output_ids:
+            cut = b.output_ids.index(stop_id) + 1  # kept as the last output, like EOS
+            assert a.finish_reason == "stop" and a.output_ids == b.output_ids[:cut]
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs[:cut]))
+        else:
+            assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+    assert stopped[2].output_ids == free[2].output_ids[: free[2].output_ids.index(stop_id) + 1]
+    with pytest.raises(RolloutError, match="stop_token_ids"):
+        _engine(model, tokenizer).generate(
+            _base_requests(tokenizer, SamplingSpec(stop_token_ids=[len(tokenizer) + 5]))
+        )
+
+
 def test_eos_stops_generation(model, tokenizer):
     free = _engine(model, tokenizer).generate(
         _base_requests(tokenizer, SamplingSpec(temperature=0.0, max_new_tokens=20))

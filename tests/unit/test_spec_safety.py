@@ -179,3 +179,11 @@ def test_after_a_restart_specs_accepted_before_the_checks_fail_with_the_reason(t
     assert records["cold"]["state"] == "FAILED" and "sampling.temperature" in records["cold"]["reason"]
     assert records["fine"]["state"] == "PENDING"
     assert [a.name for a in restored.snapshot().running] == ["fine"]
+
+
+@pytest.mark.parametrize("bad", [[-1], [True]])
+def test_stop_token_ids_must_be_token_ids(bad):
+    with pytest.raises(SpecError) as info:
+        parse_adapter_spec(spec(sampling={"stop_token_ids": bad}))
+    assert info.value.key == "sampling.stop_token_ids[0]"
+    assert parse_adapter_spec(spec(sampling={"stop_token_ids": [0, 7]})).sampling.stop_token_ids == [0, 7]

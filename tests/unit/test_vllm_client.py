@@ -165,3 +165,13 @@ def test_server_errors_are_surfaced(servers):
     with pytest.raises(RolloutError, match="unreachable"):
         lost.generate([GenerationRequest.for_base([1, 2])])
     assert engine.is_healthy() and not lost.is_healthy()
+
+
+def test_stop_token_ids_are_refused_with_the_fix_named(servers, tmp_path):
+    a, _ = servers
+    engine = VLLMEngine(a.url, eos_token_ids=[7])
+    engine.update_adapters({"math": AdapterVersion(0, 3, _peft_dir(tmp_path, "m3"))})
+    req = GenerationRequest("math", 0, 3, [5, 6], SamplingSpec(stop_token_ids=[4]))
+    with pytest.raises(RolloutError, match="stop_token_ids needs the embedded engine"):
+        engine.generate([req])
+    assert not a.completion_payloads  # refused before any call
