@@ -38,7 +38,7 @@ class SlotStepStats:
 
 def _check_spec(spec: OptimizerSpec) -> None:
     checks = (
-        (spec.lr > 0, "optimizer.lr", "must be > 0"),
+        (spec.lr >= 0, "optimizer.lr", "must be >= 0 (0: the moments update, the weights stay)"),
         (0 <= spec.beta1 < 1, "optimizer.beta1", "must be in [0, 1)"),
         (0 <= spec.beta2 < 1, "optimizer.beta2", "must be in [0, 1)"),
         (spec.eps > 0, "optimizer.eps", "must be > 0"),

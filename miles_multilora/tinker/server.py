@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -176,7 +177,9 @@ def create_app(
         seq = params.integer(body, "model_seq_id", low=0)
         lora = params.mapping(body, "lora_config")
         rank = params.integer(lora, "rank", 32, where="lora_config.rank")
-        seed = params.integer(lora, "seed", 0, low=0, high=2**62, where="lora_config.seed")
+        seed = params.integer(lora, "seed", None, low=0, high=2**62, where="lora_config.seed")
+        if seed is None:  # the SDK's None: a random seed (0 is a seed like any other)
+            seed = secrets.randbelow(2**31)
         base = params.text(body, "base_model", None)
         model_id = f"{session.session_id}:train:{seq}"
 

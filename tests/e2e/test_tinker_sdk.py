@@ -171,6 +171,31 @@ def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> No
     sc.close("success")
 
 
+def test_seed_zero_is_a_seed_and_no_seed_is_random(server: Any) -> None:
+    def after_one_step(seeds: tuple[Any, Any]) -> list[list[float]]:
+        sc = _client(server)
+        out = []
+        for seed in seeds:
+            tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=seed).result()
+            tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+            tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+            out.append(
+                list(
+                    tc.forward([_sft_datum(TEXT)], "cross_entropy")
+                    .result()
+                    .loss_fn_outputs[0]["logprobs"]
+                    .data
+                )
+            )
+        sc.close("success")
+        return out
+
+    zero_a, zero_b = after_one_step((0, 0))
+    assert zero_a == zero_b  # seed 0 reproduces
+    free_a, free_b = after_one_step((None, None))
+    assert free_a != free_b  # no seed: each model its own random LoRA init
+
+
 @pytest.mark.filterwarnings(
     "ignore:DEPRECATED. TrainingClient.load_state:FutureWarning"
 )  # older clients' call

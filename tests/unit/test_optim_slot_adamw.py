@@ -149,7 +149,7 @@ def test_bf16_params_keep_fp32_masters():
 def test_bad_input_raises_and_changes_nothing():
     opt = SlotAdamW(_layers())
     with pytest.raises(SpecError, match="optimizer.lr"):
-        opt.configure_slot(0, OptimizerSpec(lr=0.0))
+        opt.configure_slot(0, OptimizerSpec(lr=-1e-3))
     with pytest.raises(SpecError, match="optimizer.total_steps"):
         opt.configure_slot(0, OptimizerSpec(schedule="cosine"))
     with pytest.raises(SpecError, match="optimizer.schedule"):
@@ -163,3 +163,14 @@ def test_bad_input_raises_and_changes_nothing():
     state["exp_avg"]["l0.lora_A"] = torch.zeros(1)
     with pytest.raises(ConfigError, match="l0.lora_A"):
         opt.load_slot_state_dict(0, state)
+
+
+def test_a_zero_learning_rate_moves_the_moments_not_the_weights():
+    layers = _layers()
+    opt = SlotAdamW(layers)
+    opt.configure_slot(0, OptimizerSpec(lr=0.0, weight_decay=0.1))
+    before = [p[0].detach().clone() for p in _params(layers)]
+    _set_grads(layers, 0)
+    opt.step([0])
+    assert all(torch.equal(p[0], b) for p, b in zip(_params(layers), before, strict=True))
+    assert any(float(m[0].abs().sum()) > 0 for m in opt.exp_avg)  # the step ran: its moments moved
