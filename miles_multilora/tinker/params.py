@@ -146,8 +146,29 @@ def prompt_tokens(body: dict[str, Any]) -> list[int]:
     return tokens
 
 
+UNSERVED_SAMPLE_FIELDS = {  # sample-request fields this server does not compute yet
+    "prompt_logprobs": "prompt logprobs",
+    "topk_prompt_logprobs": "top-k prompt logprobs",
+    "target_prompt_logprobs": "target prompt logprobs",
+    "prompt_logprobs_last_n": "prompt logprobs",
+}
+
+
+def refuse_unserved(body: dict[str, Any]) -> None:
+    """A clear error for a feature asked for and not served (never a silent empty field)."""
+    for key, what in UNSERVED_SAMPLE_FIELDS.items():
+        value = body.get(key)
+        if value not in (None, False, 0):
+            raise TinkerError(
+                key,
+                f"{what} are not served by this server yet; score the prompt with a training "
+                "client's forward (cross_entropy, logprobs in loss_fn_outputs) instead",
+            )
+
+
 def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int]:
     """``(num_samples, spec, seed)`` of a sample request (``max_tokens`` defaults to 128)."""
+    refuse_unserved(body)
     n = integer(body, "num_samples", 1, low=1, high=1 << 20)
     params = mapping(body, "sampling_params")
     where = "sampling_params."

@@ -171,6 +171,21 @@ def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> No
     sc.close("success")
 
 
+def test_prompt_logprobs_are_refused_with_a_clear_error_never_none(server: Any) -> None:
+    sc = _client(server)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    with pytest.raises(Exception, match="prompt logprobs are not served"):
+        sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT)).result()
+    params = tinker.SamplingParams(max_tokens=2, seed=1)
+    with pytest.raises(Exception, match="top-k prompt logprobs are not served"):
+        sampler.sample(
+            prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params,
+            topk_prompt_logprobs=2,
+        ).result()  # fmt: skip
+    sc.close("success")
+
+
 def test_seed_zero_is_a_seed_and_no_seed_is_random(server: Any) -> None:
     def after_one_step(seeds: tuple[Any, Any]) -> list[list[float]]:
         sc = _client(server)
