@@ -1,8 +1,10 @@
 """Tinker's loss functions over a mixed micro-batch: each is a *sum* over the datum's tokens.
 
 Per-position inputs as Tinker sends them (aligned with ``target_tokens``): ``weights`` for
-``cross_entropy``; ``logprobs`` (the sampler's) and ``advantages`` for ``importance_sampling`` and
-``ppo`` (clip thresholds ``clip_low_threshold`` / ``clip_high_threshold``, default 0.8 / 1.2).
+``cross_entropy``; ``logprobs`` (the sampler's) and ``advantages`` for ``importance_sampling``,
+``ppo`` (clip thresholds ``clip_low_threshold`` / ``clip_high_threshold``, default 0.8 / 1.2) and
+``cispo`` (the ratio clipped to the thresholds, default 0 / 4, is a detached coefficient of the
+logprob: ``-sg(clip(ratio)) * logprob * advantage``).
 Metrics come back per request (the row's ``tag``): ``loss`` (the sum) and ``num_tokens``.
 """
 
@@ -19,8 +21,12 @@ LOSS_INPUTS = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
 }
-PPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+CONFIG_DEFAULTS = {
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+}
 
 
 def check_loss(name: str, config: Mapping[str, float] | None) -> dict[str, float]:
@@ -28,7 +34,7 @@ def check_loss(name: str, config: Mapping[str, float] | None) -> dict[str, float
     if name not in LOSS_INPUTS:
         raise SpecError("loss_fn", f"unknown loss {name!r}; supported: {', '.join(LOSS_INPUTS)}")
     config = dict(config or {})
-    allowed = PPO_DEFAULTS if name == "ppo" else {}
+    allowed = CONFIG_DEFAULTS.get(name, {})
     unknown = sorted(set(config) - set(allowed))
     if unknown:
         raise SpecError(
@@ -37,6 +43,8 @@ def check_loss(name: str, config: Mapping[str, float] | None) -> dict[str, float
     resolved = {**allowed, **{k: float(v) for k, v in config.items()}}
     if name == "ppo" and not 0 < resolved["clip_low_threshold"] <= 1 <= resolved["clip_high_threshold"]:
         raise SpecError("loss_fn_config", "ppo needs 0 < clip_low_threshold <= 1 <= clip_high_threshold")
+    if name == "cispo" and not 0 <= resolved["clip_low_threshold"] <= resolved["clip_high_threshold"]:
+        raise SpecError("loss_fn_config", "cispo needs 0 <= clip_low_threshold <= clip_high_threshold")
     return resolved
 
 
@@ -50,6 +58,9 @@ def per_token_loss(name: str, config: Mapping[str, float], batch: MicroBatch) ->
         adv = batch.values("advantages")
         if name == "importance_sampling":
             loss = -ratio * adv
+        elif name == "cispo":
+            low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+            loss = -torch.clamp(ratio, low, high).detach() * lp * adv
         else:
             clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
             loss = -torch.minimum(ratio * adv, clipped * adv)

@@ -108,7 +108,7 @@ def test_rl_losses_on_own_samples_give_the_policy_gradient(backend: TinkerBacken
     assert {(r.adapter, r.version) for r in results} == {("rl", 1)}
     slot = backend.model("rl").slot
     grads = {}
-    for loss_fn, config in (("importance_sampling", {}), ("ppo", {}), ("cross_entropy", {})):
+    for loss_fn, config in (("importance_sampling", {}), ("ppo", {}), ("cispo", {}), ("cross_entropy", {})):
         data = []
         for j, r in enumerate(results):
             tokens = TEXT[:4] + r.output_ids
@@ -128,7 +128,7 @@ def test_rl_losses_on_own_samples_give_the_policy_gradient(backend: TinkerBacken
         grads[loss_fn] = slot_grads(backend, slot)
         backend.rank.optimizer.zero_grad()
     assert any(g.abs().max() > 0 for g in grads["cross_entropy"])
-    for name in ("importance_sampling", "ppo"):
+    for name in ("importance_sampling", "ppo", "cispo"):
         for x, y in zip(grads["cross_entropy"], grads[name], strict=True):
             # the ratio is 1 only up to the rollout/trainer logprob difference (<= 1e-5)
             assert_close_at_scale(y, x, 1e-4, name)
