@@ -239,13 +239,10 @@ class TrainerRank:
         if not self.layout.is_shard_writer:
             return
         meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
-        shard.write_shard(
-            directory,
-            self.layout.tp_rank,
-            slot_state(self.model, slot),
-            self.optimizer.slot_state_dict(slot),
-            meta,
-        )
+        tensors, optimizer = shard.trim_to_rank(
+            slot_state(self.model, slot), self.optimizer.slot_state_dict(slot)
+        )  # the adapter's own rank, not the slot's max_rank
+        shard.write_shard(directory, self.layout.tp_rank, tensors, optimizer, meta)
 
     def load_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None:
         """Put the state saved in ``directory`` into open ``slot``: with ``optimizer``, the weights,
@@ -262,7 +259,11 @@ class TrainerRank:
             )
         load_slot_state(self.model, opened.slot, saved["slot"])
         if optimizer:
-            self.optimizer.load_slot_state_dict(opened.slot, saved["optimizer"])
+            shapes = {
+                n: tuple(p.shape[1:])
+                for n, p in zip(self.optimizer.names, self.optimizer.params, strict=True)
+            }
+            self.optimizer.load_slot_state_dict(opened.slot, shard.pad_optimizer(saved["optimizer"], shapes))
             opened.version = meta.version if meta is not None else int(saved["optimizer"]["step"])
         else:
             self.optimizer.refresh_masters(opened.slot)

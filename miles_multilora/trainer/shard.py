@@ -5,6 +5,10 @@
 :class:`SlotMeta` (``"meta"``: its owner's name, LoRA rank, alpha, seed and weight version). Written
 atomically (a ``.part`` file renamed into place) and read with ``torch.load(weights_only=True)``:
 tensors and plain values only. Shards written before ``meta`` existed (RL checkpoints) have none.
+
+A shard keeps each layer's A and B (and their optimizer moments and fp32 masters) at the layer's
+own LoRA rank, not the slot's ``max_rank`` (:func:`trim_to_rank`); loading pads them back with
+zeros (:func:`pad_optimizer`), which is what the slot holds beyond its rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,50 @@ class SlotMeta:
     alpha: float
     seed: int
     version: int
+
+
+def _rank_dim(name: str) -> int | None:
+    """The LoRA-rank dimension of a slot tensor named ``<layer>.lora_A`` / ``<layer>.lora_B``."""
+    if name.endswith(".lora_A"):
+        return -2
+    if name.endswith(".lora_B"):
+        return -1
+    return None
+
+
+def _trim(tensors: dict[str, torch.Tensor], ranks: dict[str, int]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        dim, layer = _rank_dim(name), name.rsplit(".", 1)[0]
+        out[name] = t.narrow(dim, 0, ranks[layer]).clone() if dim is not None and layer in ranks else t
+    return out
+
+
+def trim_to_rank(slot: dict[str, torch.Tensor], optimizer: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """``slot`` tensors and ``optimizer`` state cut to each layer's own rank (``<layer>.rank``)."""
+    ranks = {name[: -len(".rank")]: int(t) for name, t in slot.items() if name.endswith(".rank")}
+    optimizer = {
+        k: (_trim(v, ranks) if k in ("exp_avg", "exp_avg_sq", "master") else v) for k, v in optimizer.items()
+    }
+    return _trim(slot, ranks), optimizer
+
+
+def pad_optimizer(optimizer: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """``optimizer`` state whose rank-cut tensors are zero-padded to ``shapes`` (name -> full shape)."""
+
+    def pad(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in tensors.items():
+            full = shapes.get(name)
+            if full is None or tuple(t.shape) == tuple(full) or len(full) != t.dim():
+                out[name] = t
+                continue
+            padded = t.new_zeros(full)
+            padded[tuple(slice(0, n) for n in t.shape)] = t
+            out[name] = padded
+        return out
+
+    return {k: (pad(v) if k in ("exp_avg", "exp_avg_sq", "master") else v) for k, v in optimizer.items()}
 
 
 def shard_path(directory: str | Path, tp_rank: int) -> Path:

@@ -192,6 +192,10 @@ def test_errors_are_clear_and_change_nothing(backend: TinkerBackend, tmp_path: P
     backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
     backend.optim_step("a", lr=1e-2)
     saved = backend.save_state("a", tmp_path / "a")
+    shard = torch.load(saved / "slot_rank0.pt", weights_only=True)  # the adapter's rank 4, not max_rank 8
+    a_keys = [k for k in shard["slot"] if k.endswith(".lora_A")]
+    assert a_keys and all(shard["slot"][k].shape[-2] == 4 for k in a_keys)
+    assert all(shard["optimizer"]["exp_avg"][k].shape[-2] == 4 for k in a_keys)
     slot = backend.model("a").slot
     before = [p[slot].detach().clone() for p in backend.rank.optimizer.params]
     moments = backend.rank.optimizer.slot_state_dict(slot)
