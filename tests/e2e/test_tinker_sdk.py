@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 def _client(server: Any) -> Any:
     return tinker.ServiceClient(base_url=server.url, api_key=KEY)
+
+
+def _close(sc: Any, server: Any) -> None:
+    """End the session and wait until its models are unloaded (the server unloads them in the
+    tenant's queue lane, after answering), so the next test finds every slot free."""
+    sc.close("success")
+    deadline = time.monotonic() + 60
+    while server.state.backend.models and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.state.backend.models, f"models still loaded: {sorted(server.state.backend.models)}"
 
 
 def _tensor(values: list[float], dtype: Any) -> Any:
@@ -149,7 +160,7 @@ def test_two_clients_train_at_once_and_sample_their_own_adapters(server: Any) ->
     other = rl.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     assert own[len(PROMPT) - 1 :] == pytest.approx(list(seq.logprobs), abs=1e-4)
     assert max(abs(a - b) for a, b in zip(own, other, strict=True)) > 1e-3
-    sc.close("success")
+    _close(sc, server)
 
 
 def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> None:
@@ -168,7 +179,7 @@ def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> No
     stopped = sample(stop=[token])
     assert list(stopped.tokens) == list(free.tokens)[:cut]
     assert stopped.stop_reason == "stop"
-    sc.close("success")
+    _close(sc, server)
 
 
 def test_prompt_logprobs_are_refused_with_a_clear_error_never_none(server: Any) -> None:
@@ -183,7 +194,7 @@ def test_prompt_logprobs_are_refused_with_a_clear_error_never_none(server: Any) 
             prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params,
             topk_prompt_logprobs=2,
         ).result()  # fmt: skip
-    sc.close("success")
+    _close(sc, server)
 
 
 def test_seed_zero_is_a_seed_and_no_seed_is_random(server: Any) -> None:
@@ -202,7 +213,7 @@ def test_seed_zero_is_a_seed_and_no_seed_is_random(server: Any) -> None:
                     .data
                 )
             )
-        sc.close("success")
+        _close(sc, server)
         return out
 
     zero_a, zero_b = after_one_step((0, 0))
@@ -276,7 +287,7 @@ def test_save_load_round_trips_errors_change_nothing_and_finish_frees_slots(serv
     assert all(torch.equal(x, y) for x, y in zip(saved, _slot_tensors(server, model_r), strict=True))
     assert server.state.backend.model(model_r).version == 1
     assert set(server.state.backend.models) == {third.get_info().model_id, model_r}
-    second.close("success")
+    _close(second, server)
 
 
 @pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state:FutureWarning")
@@ -299,7 +310,7 @@ def test_a_sampler_saved_before_loading_other_weights_is_refused(server: Any) ->
         sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
     fresh = tc.save_weights_and_get_sampling_client().result()
     assert fresh.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences
-    sc.close("success")
+    _close(sc, server)
 
 
 def test_the_api_key_is_required_and_the_config_refuses_an_open_bind(tmp_path: Path) -> None:

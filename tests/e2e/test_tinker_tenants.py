@@ -432,7 +432,7 @@ def test_malformed_input_is_a_400_naming_the_field_and_changes_nothing(served: S
         ({"max_tokens": 1.5}, "sampling_params.max_tokens"),
         ({"top_p": 2}, "sampling_params.top_p"),
         ({"top_k": 0}, "sampling_params.top_k"),
-        ({"stop": [3, 4]}, "sampling_params.stop"),
+        ({"stop": [1.5]}, "sampling_params.stop"),  # token ids and strings are stops; a float is not
     ):
         refused(post(served, KEY_A, "asample", {**sample, "sampling_params": params}), field)
     refused(
