@@ -121,7 +121,7 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
             "lora": {"num_slots": args.adapters, "max_rank": args.rank},
             "rollout": {
                 "max_batch_size": args.adapters * args.prompts * args.samples,
-                "max_staleness": max(staleness_values(args)),
+                "max_staleness": max(k for _, k, _ in staleness_modes(args)),
                 "adapter_pace": not getattr(args, "no_pace", False),
                 **({"kv_cache_fraction": args.kv_cache_fraction} if args.kv_cache_fraction else {}),
             },
@@ -340,17 +340,12 @@ PRESETS = {
 }  # fmt: skip
 
 
-def staleness_values(args: argparse.Namespace) -> list[int]:
-    """The ``--staleness`` values to compare (``[0]`` without the flag; a trailing ``s``: strict,
-    without per-adapter pace)."""
-    raw = getattr(args, "staleness", None)
-    return [int(x.rstrip("s")) for x in raw.split(",")] if raw else [0]
-
-
 def staleness_modes(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """(label, max_staleness, adapter pace) of each ``--staleness`` value."""
+    """(label, max_staleness, adapter pace) of each ``--staleness`` value (``0`` without the flag; a
+    trailing ``s``: strict, without per-adapter pace)."""
     raw = getattr(args, "staleness", None) or "0"
-    return [(x, int(x.rstrip("s")), not x.endswith("s") and not args.no_pace) for x in raw.split(",")]
+    no_pace = getattr(args, "no_pace", False)
+    return [(x, int(x.rstrip("s")), not x.endswith("s") and not no_pace) for x in raw.split(",")]
 
 
 def finish_workload_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -15,17 +15,25 @@ from miles_multilora.errors import ConfigError
 TOKEN_ENV = "MILES_MULTILORA_TOKEN"
 
 
+def read_private_file(path: str | Path, key: str, what: str) -> str:
+    """The text of a secret file (``what``: how errors name it) that only its owner may read;
+    a :class:`ConfigError` naming ``key`` when it cannot be read or others can read it."""
+    path = Path(path).expanduser()
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read the {what} {path}: {exc}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(key, f"{path} is readable by others: run `chmod 600 {path}`")
+    return text
+
+
 def read_token(token_file: str | Path | None = None, key: str = "controller.token_file") -> str | None:
     """The token of ``token_file`` when given, else ``$MILES_MULTILORA_TOKEN``, else None."""
     if token_file:
         path = Path(token_file).expanduser()
-        try:
-            mode = path.stat().st_mode
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(key, f"cannot read the token file {path}: {exc}") from exc
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(key, f"{path} is readable by others: run `chmod 600 {path}`")
+        token = read_private_file(path, key, "token file").strip()
         if not token:
             raise ConfigError(key, f"the token file {path} is empty")
         return token

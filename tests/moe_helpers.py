@@ -8,13 +8,10 @@ from typing import Any
 
 import torch
 
+from miles_multilora.testing.lora import TINY_GPT_SIZES
+
 MOE_SIZES = dict(
-    num_layers=2,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=64,
+    TINY_GPT_SIZES,
     max_seq_len=64,
     num_experts=4,
     moe_router_topk=2,

@@ -49,14 +49,16 @@ class _Cursor:
     def exhausted(self) -> bool:
         return not self.requeue and self.spec.num_epochs is not None and self.epoch >= self.spec.num_epochs
 
-    def permutation(self) -> np.ndarray:
-        if self._perm_epoch != self.epoch or self._perm is None:
+    def permutation(self, epoch: int | None = None) -> np.ndarray:
+        """The row order of ``epoch`` (default: the current one); the last one asked is cached."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._perm_epoch != epoch or self._perm is None:
             ds = self.spec.dataset
             if ds.shuffle:
-                self._perm = np.random.default_rng([ds.seed, self.epoch]).permutation(self.size)
+                self._perm = np.random.default_rng([ds.seed, epoch]).permutation(self.size)
             else:
                 self._perm = np.arange(self.size)
-            self._perm_epoch = self.epoch
+            self._perm_epoch = epoch
         return self._perm
 
     def state(self) -> dict[str, Any]:
@@ -194,12 +196,7 @@ class MultiLoRADataSource:
 
     def _item(self, name: str, cursor: _Cursor, epoch: int, offset: int) -> PromptItem:
         """The prompt at ``offset`` of ``name``'s epoch ``epoch``."""
-        saved = cursor.epoch
-        cursor.epoch = epoch
-        try:
-            index = int(cursor.permutation()[offset])
-        finally:
-            cursor.epoch = saved
+        index = int(cursor.permutation(epoch)[offset])
         row = cursor.dataset.row(index)
         try:
             prompt = render_prompt(row, cursor.spec.prompt, self.tokenizer, self.max_prompt_chars)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 
 from miles_multilora.data.records import PromptItem
@@ -130,7 +130,7 @@ class ContinuousRollout:
         version = self.residents.version(name)
         return [c for c in self.carried.get(name, []) if c.target <= version]
 
-    def _ready_here(self, name: str, finished: frozenset[int]) -> bool:
+    def _ready_here(self, name: str, finished: Set[int]) -> bool:
         return all(set(c.ids) <= finished for c in self._due(name))
 
     def run(self, names: list[str]) -> list[str]:

@@ -66,7 +66,7 @@ class RLStep:
         r = cfg.rollout
         if r.max_staleness == 0:
             return None
-        if not hasattr(getattr(self.rank, "engine", None), "submit"):
+        if not getattr(getattr(self.rank, "engine", None), "streams", False):
             if self.rank.is_writer:
                 log.info(
                     "rollout.max_staleness=%d: the %s engine runs synchronous steps (continuous rollout "

@@ -90,6 +90,8 @@ class EmbeddedEngine(RolloutEngine):
         pad_id: token id placed in prompt padding (masked out; any valid id works).
     """
 
+    streams = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -239,10 +241,8 @@ class EmbeddedEngine(RolloutEngine):
             capacity = max(longest, min(rows * longest, CPU_KV_CACHE_TOKENS))
         pages = -(-capacity // self.page_size) + 1  # + the null page
         if self._cache is None or self._cache.num_pages < pages:
-            carried = self._stream is not None and not self._stream.idle
-            if carried:
-                assert self._stream is not None
-                self._stream._preempt_all()  # rows in flight resume in the new cache
+            if self._stream is not None:
+                self._stream.preempt_all()  # rows in flight resume in the new cache
             self._cache = self._batch = self._graphs = None  # free the old cache before the new one
             self._cache = self.paged.new_cache(pages, self.page_size)
             self._batch = DecodeBatch(
@@ -284,7 +284,7 @@ class EmbeddedEngine(RolloutEngine):
         """Decode the stream until ``stop`` holds at a host check or nothing is left; rows still
         decoding keep their KV pages for the next call. Returns the stream's state."""
         if self._stream is None:
-            return StreamState(frozenset(), 0, 0, self.max_batch_size)
+            return StreamState(set(), 0, 0, self.max_batch_size)
         stream = self._stream
         if not stream.idle:
             assert self._batch is not None

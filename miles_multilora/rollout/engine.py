@@ -28,6 +28,10 @@ class RolloutEngine(ABC):
     produced by the base model or another adapter by mistake.
     """
 
+    streams = False
+    """Whether work may stay in the engine across calls (``submit`` / ``run`` / ``take`` /
+    ``cancel``; continuous rollout): the embedded engine's stream."""
+
     def __init__(self) -> None:
         self._adapters: dict[str, AdapterVersion] = {}
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 class StreamState:
     """What a run's stop condition sees at each host check."""
 
-    finished: frozenset[int]  # submitted request ids whose results wait to be taken
+    finished: Set[int]  # submitted request ids whose results wait to be taken (a live view)
     active_rows: int  # rows decoding in the batch
     waiting_rows: int  # rows not yet admitted or preempted
     max_rows: int
@@ -81,10 +81,9 @@ class Scheduler:
         return not (self.waiting or self.preempted or self.rows)
 
     def rebind(self) -> None:
-        """Take the engine's new cache and batch (a larger cache): every row in the batch is
-        preempted first (its outputs kept on the host), so it resumes in the new cache."""
-        if self.rows:
-            self._preempt_all()
+        """Take the engine's new cache and batch (a larger cache); the rows of the old one were
+        preempted (:meth:`preempt_all`) before it was freed, and resume in the new one."""
+        assert not self.rows, "preempt_all() before the cache is replaced"
         self.batch, self.cache = self.engine._batch, self.engine._cache
         self.starter.batch, self.starter.cache = self.batch, self.cache
         self.batch.reset_rows(0, self.batch.max_rows)
@@ -160,7 +159,7 @@ class Scheduler:
 
     def state(self) -> StreamState:
         waiting = len(self.preempted) + sum(len(g.members) for g in self.waiting)
-        return StreamState(frozenset(self.results), len(self.rows), waiting, self.engine.max_batch_size)
+        return StreamState(self.results.keys(), len(self.rows), waiting, self.engine.max_batch_size)
 
     def reset(self) -> None:
         """Forget every request and give every page back."""
@@ -265,7 +264,7 @@ class Scheduler:
             raise RolloutError("the KV cache cannot hold one request alone; raise rollout.kv_cache_tokens")
         self._save_and_remove(victims)
 
-    def _preempt_all(self) -> None:
+    def preempt_all(self) -> None:
         """Preempt every row in the batch (their pages given back, outputs kept on the host)."""
         if not self.rows:
             return

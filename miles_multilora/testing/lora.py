@@ -97,6 +97,17 @@ def peft_reference(layer: MultiLoRALinear, base_fn, x: torch.Tensor, slot_ids: t
     return y + torch.stack(rows), x_ref, params
 
 
+TINY_GPT_SIZES = dict(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=64,
+    max_seq_len=32,
+)  # the tests' tiny GPT (tests/moe_helpers.py adds experts)
+
+
 def tiny_gpt_with_lora(
     num_slots: int,
     max_rank: int,
@@ -114,17 +125,7 @@ def tiny_gpt_with_lora(
     from miles_multilora.models.provider import build_tiny_gpt
 
     compat.init_distributed(tp=tp, pp=1, seed=0, rank=rank, world_size=None if rank is None else tp)
-    kwargs = dict(
-        num_layers=2,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=64,
-        max_seq_len=32,
-    )
-    kwargs.update(sizes)
-    model = build_tiny_gpt(seed=seed, **kwargs)
+    model = build_tiny_gpt(seed=seed, **{**TINY_GPT_SIZES, **sizes})
     apply_multi_lora(model, "all-linear", num_slots=num_slots, max_rank=max_rank, kernels=kernels)
     return model
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from miles_multilora.api_token import read_private_file
 from miles_multilora.errors import ConfigError
 
 ANONYMOUS = "local"
@@ -29,13 +29,7 @@ def tenant_id(key: str) -> str:
 def read_key_file(path: str | Path, key: str = "tinker.api_key_file") -> list[str]:
     """The keys of a key file (each line one key; blank lines and ``# comments`` skipped)."""
     path = Path(path).expanduser()
-    try:
-        mode = path.stat().st_mode
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read the key file {path}: {exc}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(key, f"{path} is readable by others: run `chmod 600 {path}`")
+    lines = read_private_file(path, key, "key file").splitlines()
     keys: list[str] = []
     for number, line in enumerate(lines, 1):
         line = line.strip()
