@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot multi-LoRA training run. After `bash provision.sh`, on a 2-core CPU this trains the
 # demo model (SmolLM2-135M-Instruct) with 3 adapters on 3 reasoning-gym tasks, each with its
-# own reward function, in about 10 minutes. Hydra overrides pass through, e.g.
+# own reward function, in about 7 minutes. Hydra overrides pass through, e.g.
 #
 #   bash examples/multi_lora/single_run.sh trainer.output_dir=runs/mine algo=dapo
 #   bash examples/multi_lora/single_run.sh model=qwen3_4b model.hf_path=/models/Qwen3-4B \
