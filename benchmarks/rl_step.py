@@ -135,7 +135,14 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
     )  # fmt: skip
 
 
-GENERATION_STATS = ("decode_steps", "row_steps", "preemptions", "resumed_tokens")
+GENERATION_STATS = (
+    "decode_steps",
+    "decode_ms",
+    "row_steps",
+    "kv_token_steps",
+    "preemptions",
+    "resumed_tokens",
+)
 
 
 def generation_report(engine: Any, before: dict[str, float], timing: dict[str, float]) -> dict[str, float]:
@@ -172,7 +179,8 @@ def schedule(worker: RLStep, specs: list[dict], steps: int, warmup: int) -> list
     ``steps``, each with its generation's engine stats (:func:`generation_report`)."""
     rows = []
     engine = worker.rank.engine
-    names = [parse_adapter_spec(raw, max_rank=64).name for group in specs for raw in group]
+    parsed_specs = [[parse_adapter_spec(raw, max_rank=64) for raw in group] for group in specs]  # once
+    names = [parsed.name for group in parsed_specs for parsed in group]
     i = 0
     while len(rows) < steps:
         if (
@@ -182,8 +190,7 @@ def schedule(worker: RLStep, specs: list[dict], steps: int, warmup: int) -> list
         ):
             warmup += 1  # continuous rollout: warm up until every adapter stepped (rewards, graphs)
         running = []
-        for raw in specs[i % len(specs)]:
-            parsed = parse_adapter_spec(raw, max_rank=64)
+        for parsed in parsed_specs[i % len(specs)]:
             step = worker.versions().get(parsed.name, 0)
             init = parsed.name not in worker.residents
             slot = len(running)
@@ -225,6 +232,9 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
     """Schedule (a) once per ``--staleness`` value on one worker, then one table side by side:
     step time, decode occupancy, generated and trained tok/s, end-to-end trained tok/s."""
     continuous, max_rows = worker.continuous, worker.cfg.rollout.max_batch_size
+    engine = worker.rank.engine
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv_token_bytes = engine.paged.kv_bytes_per_token()
     rows: dict[str, dict[str, float]] = {}
     for m, (label, k, pace) in enumerate(staleness_modes(args)):
         use_staleness(worker, k, continuous)
@@ -236,6 +246,9 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
         wall = time.perf_counter() - start
         decode = sum(r["generation"]["decode_steps"] for r in steps)
         row_steps = sum(r["generation"]["row_steps"] for r in steps)
+        kv_tokens = sum(r["generation"]["kv_token_steps"] for r in steps)
+        decode_ms = sum(r["generation"]["decode_ms"] for r in steps)
+        roofline_ms = (decode * weight_bytes + kv_tokens * kv_token_bytes) / args.bandwidth * 1e3
         total = sum(r["step_s"] for r in steps)
         rows[label] = {
             "step_s": statistics.median(r["step_s"] for r in steps),
@@ -246,6 +259,8 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
             "train_tok_s": sum(r["trained"] for r in steps) / max(sum(r["train_s"] for r in steps), 1e-9),
             "e2e_tok_s": sum(r["trained"] for r in steps) / max(total, 1e-9),
             "trained": sum(r["trained"] for r in steps) / len(steps),
+            "decode_ms": decode_ms / max(decode, 1),
+            "roofline": decode_ms / max(roofline_ms, 1e-9),
         }
         worker.residents.clear_slots(tuple(range(args.adapters)))
         r = rows[label]
@@ -256,17 +271,19 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
         )  # fmt: skip
     header = (
         f"{'max_staleness':>13} {'step s':>7} {'rollout s':>9} {'train s':>8} {'occupancy':>9} "
-        f"{'gen tok/s':>10} {'train tok/s':>11} {'trained/step':>12} {'e2e tok/s':>10} {'vs sync':>8}"
+        f"{'gen tok/s':>10} {'decode ms':>9} {'x roofline':>10} {'train tok/s':>11} {'trained/step':>12} "
+        f"{'e2e tok/s':>10} {'vs sync':>8}"
     )
     print(f"\nschedule (a), {args.steps} timed steps each (step s: median; the rest: over all timed steps; "
-          "a trailing s: without per-adapter pace)")  # fmt: skip
+          "a trailing s: without per-adapter pace; decode ms: device time per decode step; x roofline: "
+          "over every weight byte + the KV pages of the batch's rows, at --bandwidth)")  # fmt: skip
     print(header)
     print("-" * len(header))
     base = rows.get("0", next(iter(rows.values())))["e2e_tok_s"]
     for k, r in rows.items():
         print(
             f"{k:>13} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} {r['train_s']:>8.2f} {r['occupancy']:>9.1%} "
-            f"{r['gen_tok_s']:>10.0f} {r['train_tok_s']:>11.0f} {r['trained']:>12.0f} {r['e2e_tok_s']:>10.0f} "
+            f"{r['gen_tok_s']:>10.0f} {r['decode_ms']:>9.2f} {r['roofline']:>10.2f} {r['train_tok_s']:>11.0f} {r['trained']:>12.0f} {r['e2e_tok_s']:>10.0f} "
             f"{r['e2e_tok_s'] / base:>7.2f}x"
         )  # fmt: skip
 
@@ -379,6 +396,12 @@ def main() -> None:
         help="compare rollout.max_staleness values side by side on schedule (a), e.g. 0,1 (0: synchronous)",
     )
     parser.add_argument("--no-pace", action="store_true", help="rollout.adapter_pace=false")
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=3.0e12,
+        help="bytes/s for the decode roofline (H100: 3.0 TB/s copy)",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="print a profile of the last step's train phase"
     )

@@ -88,8 +88,8 @@ class RolloutConfig:
     # groups that are complete; a trained token is at most this many versions old (0: synchronous steps)
     max_staleness: int = 1
     adapter_pace: bool = True  # an adapter whose step is complete trains without waiting for slower ones
-    # with adapter_pace: an engine run ends once some adapter is ready and fewer rows than this share
-    # of rollout.max_batch_size decode with nothing waiting
+    # with adapter_pace: an engine run ends once fewer rows than this share of rollout.max_batch_size
+    # decode with nothing waiting and the ready adapters bring at least the rest in new work
     occupancy_floor: float = 0.8
 
 

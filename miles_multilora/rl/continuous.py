@@ -13,8 +13,9 @@ the new weights: every output token carries the version that sampled it and its 
 An adapter steps when every group of its current target is complete (on every DP rank: each rank
 generates and keeps its own groups, the ready set is agreed). With per-adapter pace a run of the
 engine also ends when the batch drains (nothing waits, fewer than ``occupancy_floor`` of the rows
-decode) and the adapters that are ready bring enough new work to refill the free rows: they train
-and refill the batch while the others go on decoding. ``max_staleness=0`` is never served here: it is the synchronous step.
+decode) and the adapters that are ready bring at least ``1 - occupancy_floor`` of the rows in new
+work: they train and refill the batch while the others go on decoding. (Waiting until the ready
+ones could refill every free row kept ready adapters idle for most of a long-sample run.) ``max_staleness=0`` is never served here: it is the synchronous step.
 
 Samples in flight are not checkpointed: an adapter's checkpoint lists the prompts it drew and did
 not train yet, and a resumed adapter draws those again first (they are generated anew).
@@ -85,6 +86,15 @@ class ContinuousRollout:
     def has_carried(self, name: str) -> bool:
         return bool(self.carried.get(name))
 
+    def step_skipped(self, name: str) -> None:
+        """``name`` took its step's groups but its weights did not move (nothing trainable, a
+        vetoed update, a failed reward): its later groups move one step earlier, so the next step
+        has its groups and new ones may be drawn (else it would stay ready with nothing due)."""
+        for c in self.carried.get(name, []):
+            c.target -= 1
+        if name in self.next_target:
+            self.next_target[name] -= 1
+
     # ----------------------------------------------------------------- drawing
     def draw(self, names: Iterable[str], failures: AdapterFailures) -> None:
         """Draw every group each adapter may start now (targets up to its version +
@@ -154,7 +164,8 @@ class ContinuousRollout:
 
     def _stop_condition(self, names: list[str], strict: bool) -> Callable[[StreamState], bool]:
         """When an engine run ends: every adapter of ``names`` is ready here, or (with per-adapter
-        pace, ``strict`` off) the batch drains and the ready ones can refill what is free."""
+        pace, ``strict`` off) more than ``1 - occupancy_floor`` of the rows are free and the ready
+        ones bring at least that many rows of new work (a pause to train is worth it)."""
 
         def stop(state: StreamState) -> bool:
             ready = [n for n in names if self._ready_here(n, state.finished)]
@@ -162,8 +173,8 @@ class ContinuousRollout:
                 return True
             if strict or not ready or state.waiting_rows:
                 return False
-            free = state.max_rows - state.active_rows
-            return free > (1 - self.occupancy_floor) * state.max_rows and self._refill_rows(ready) >= free
+            enough = (1 - self.occupancy_floor) * state.max_rows
+            return state.max_rows - state.active_rows > enough and self._refill_rows(ready) >= enough
 
         return stop
 

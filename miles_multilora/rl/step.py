@@ -121,6 +121,10 @@ class RLStep:
                 rollout, stepped = self._rollout(training, failures), {a.name for a in training}
         with timer.phase("train"):
             trained = train(rollout.groups, self.residents, self.algo)  # versions move and are published
+            if self.continuous is not None:
+                for name in stepped - set(failures.reasons):
+                    if not trained.moved(name):
+                        self.continuous.step_skipped(name)
             self.last_train_tokens, self.last_rank_train_tokens = trained.tokens, trained.rank_tokens
         with timer.phase("eval"):  # after training: the new weights
             due = [

@@ -143,6 +143,7 @@ class EmbeddedEngine(RolloutEngine):
             "prefill_forwards": 0,
             "prefilled_prompts": 0,
             "row_steps": 0,  # rows in the batch, summed over decode steps (/ decode_steps: mean rows)
+            "kv_token_steps": 0,  # KV tokens (whole pages) of the batch's rows, summed over decode steps
             "preemptions": 0,  # rows that gave their pages back to resume later
             "resumed_tokens": 0,  # tokens prefilled again to resume preempted rows
             "peak_rows": 0,  # the most rows decoded at once (since reset_peaks)

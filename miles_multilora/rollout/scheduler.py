@@ -321,6 +321,7 @@ class Scheduler:
         stats = engine.stats
         stats["decode_steps"] += steps
         stats["row_steps"] += n * steps
+        stats["kv_token_steps"] += sum(len(r.pages) for r in self.rows) * self.cache.page_size * steps
         stats["peak_rows"] = max(stats["peak_rows"], n)
 
     def _retire(self) -> None:

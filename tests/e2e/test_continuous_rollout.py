@@ -164,3 +164,30 @@ def test_cancel_and_register_mid_stream(worker: RLStep) -> None:
     assert queued("digits") == 0 and "digits" not in worker.residents  # its carried work was cancelled
     assert worker.version("newcomer") >= 1  # a newcomer trains mid-stream
     assert worker.version("lower") > before["lower"]
+
+
+def test_a_step_that_does_not_move_the_weights_keeps_the_stream_going(
+    worker: RLStep, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that trains nothing for an adapter (no trainable rows, a vetoed update) leaves its
+    version where it was: its carried groups take that step's place and it goes on stepping."""
+    import miles_multilora.rl.step as rl_step_module
+
+    train, dropped = rl_step_module.train, []
+
+    def drop_lower_once(groups: list[Any], residents: Any, algo: Any) -> Any:
+        if not dropped and any(g.adapter == "lower" for g in groups):
+            dropped.extend(g.item.uid for g in groups if g.adapter == "lower")
+            groups = [g for g in groups if g.adapter != "lower"]
+        return train(groups, residents, algo)
+
+    monkeypatch.setattr(rl_step_module, "train", drop_lower_once)
+    specs = _specs()
+    seen = record_trained(worker)
+    _run(worker, specs)
+    assert dropped  # the first step of ``lower`` trained nothing
+    assert all(worker.version(s["name"]) == STEPS for s in specs)
+    uids = [uid for a, _, uid, _ in seen if a == "lower"]
+    assert len(uids) == len(set(uids)) == STEPS * 2 + len(dropped)  # the dropped ones were replaced
+    ages = [version - v for _, version, _, versions in seen for v in versions]
+    assert 0 <= min(ages) and max(ages) <= 1
