@@ -187,6 +187,11 @@ class TinkerConfig:
     sample_batch_tokens: int = 65_536  # num_samples x max_tokens sampled at once; larger requests in pieces
     max_pending_requests: int = 256  # per tenant: queued and running requests; more get 429 (the SDK retries)
     max_sessions: int = 64  # per tenant: open sessions; more get 429
+    # models beyond lora.num_slots are parked off the GPU (least recently used first) and restored exactly
+    max_models: int = 1024  # models the server holds at once, resident or parked; more are refused
+    offload_host_gb: float = (
+        16.0  # parked models' state in host memory; past it, on disk (<output_dir>/offload)
+    )
     # lifetimes
     session_timeout_s: float = 120.0  # a session without a heartbeat for this long ends; its models unload
     result_ttl_s: float = 3600.0  # an unretrieved result is dropped after this
@@ -333,8 +338,9 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
     for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
                 "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
-                "max_held_results_mb"):  # fmt: skip
+                "max_held_results_mb", "max_models"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
+    _check(tk.offload_host_gb >= 0, "tinker.offload_host_gb", "must be >= 0 (0: parked models go to disk)")
     for key in ("body_timeout_s", "keep_alive_s", "session_timeout_s", "result_ttl_s",
                 "retrieved_result_ttl_s"):  # fmt: skip
         _check(getattr(tk, key) > 0, f"tinker.{key}", "must be > 0 (seconds)")

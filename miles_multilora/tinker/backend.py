@@ -6,11 +6,18 @@ version are the rank's. The forward/backward requests of several models run as *
 batch; each model's gradient is what it would get alone (its loss is a sum over its own tokens and
 its LoRA weights are its own). :meth:`TinkerBackend.check` validates a request before it joins a
 batch, so a bad one fails alone; :mod:`~miles_multilora.tinker.scheduler` runs the operations.
+
+Models are not limited to the slots: when an operation needs a model that is not resident and no
+slot is free, the least recently used resident model is parked (its whole state, unapplied
+gradients included, to host memory, and past ``offload_host_bytes`` of parked state on to disk;
+:mod:`~miles_multilora.trainer.offload`) and the model comes back into the freed slot exactly as it
+was. Only ``max_models`` bounds how many a server holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +27,7 @@ from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.tinker.losses import LOSS_INPUTS, check_loss, tinker_loss
+from miles_multilora.trainer.offload import ParkedSlot, park, unpark
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, TrainerRank
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
@@ -99,40 +107,134 @@ class ForwardBackwardOutput:
 
 
 class TinkerBackend:
-    """The client models of one trainer rank (built without adapters): model id -> its slot."""
+    """The client models of one trainer rank (built without adapters): model id -> its slot, or
+    its parked state when it is not resident."""
 
-    def __init__(self, rank: TrainerRank) -> None:
+    def __init__(
+        self,
+        rank: TrainerRank,
+        *,
+        max_models: int = 1024,
+        offload_host_bytes: int = 16 << 30,
+        offload_dir: str | Path | None = None,
+    ) -> None:
         self.rank = rank
-        self.models: dict[str, int] = {}
+        self.max_models = max_models
+        self.offload_host_bytes = offload_host_bytes
+        self.offload_dir = Path(offload_dir or Path(rank.cfg.trainer.output_dir) / "offload")
+        shutil.rmtree(self.offload_dir, ignore_errors=True)  # a previous server's spills: its models ended
+        self._ids: dict[str, None] = {}  # every model held (read by HTTP threads while models move)
+        self.resident: dict[str, int] = {}  # model id -> its slot
+        self.parked: dict[str, ParkedSlot] = {}  # model id -> its state off the GPU
+        self._used: dict[str, int] = {}  # model id -> when an operation last needed it (LRU)
+        self._clock = 0
+        self.stats = {"parked": 0, "restored": 0, "spilled": 0}
 
     # ------------------------------------------------------------------ models
+    @property
+    def models(self) -> KeysView[str]:
+        """Every model this backend holds, resident or parked."""
+        return self._ids.keys()
+
     def model(self, model_id: str) -> OpenSlot:
-        """The model's slot: its LoRA rank, seed and weight version (``name`` is the model id)."""
-        slot = self.models.get(model_id)
-        if slot is None:
+        """The model's LoRA rank, seed and weight version (``name`` is the model id; ``slot`` is -1
+        while it is parked). Reads only, safe beside the thread that moves models: a model being
+        parked or restored is in ``parked`` until its slot holds it and in ``resident`` until its
+        parked state is complete."""
+        slot = self.resident.get(model_id)
+        opened = self.rank.slots.get(slot) if slot is not None else None
+        if opened is not None and opened.name == model_id:
+            return opened
+        parked = self.parked.get(model_id)
+        if parked is None:
             raise TinkerError("model_id", f"unknown model {model_id!r} (never created, or unloaded)")
-        return self.rank.slot(slot)
+        m = parked.meta
+        return OpenSlot(-1, m.name, m.rank, m.alpha, m.seed, m.version, parked.run)
 
     def create_model(self, model_id: str, rank: int, seed: int = 0) -> OpenSlot:
-        """Take a free slot and initialise a fresh LoRA of ``rank`` in it."""
-        if model_id in self.models:
+        """Initialise a fresh LoRA of ``rank`` in a slot (parking the least recently used model
+        when none is free)."""
+        if model_id in self._ids:
             raise TinkerError("model_id", f"model {model_id!r} exists already")
-        max_rank, num_slots = self.rank.max_rank, self.rank.num_slots
+        max_rank = self.rank.max_rank
         if not 1 <= rank <= max_rank:
             raise TinkerError("lora_config.rank", f"must be in 1..{max_rank} (lora.max_rank), got {rank}")
-        free = self.rank.free_slots()
-        if not free:
+        if len(self._ids) >= self.max_models:
             raise TinkerError(
-                "model", f"no free slot: all {num_slots} hold models (unload one, or raise lora.num_slots)"
+                "model", f"the server holds {self.max_models} models (tinker.max_models): unload one first"
             )
-        opened = self.rank.open_slot(free[0], rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id)
-        self.models[model_id] = opened.slot
+        slot = self._free_slot(keep=set())
+        opened = self.rank.open_slot(slot, rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id)
+        self.resident[model_id] = opened.slot
+        self._ids[model_id] = None
+        self._touch(model_id)
         return opened
 
     def unload_model(self, model_id: str) -> None:
-        """Free the model's slot: weights, grads and optimizer state are erased."""
-        self.rank.close_slot(self.model(model_id).slot)
-        del self.models[model_id]
+        """Forget the model: weights, grads and optimizer state are erased (resident or parked)."""
+        self.model(model_id)
+        if model_id in self.resident:
+            self.rank.close_slot(self.resident.pop(model_id))
+        else:
+            self.parked.pop(model_id).discard()
+        self._used.pop(model_id, None)
+        self._ids.pop(model_id, None)
+
+    def _touch(self, model_id: str) -> None:
+        self._clock += 1
+        self._used[model_id] = self._clock
+
+    def _free_slot(self, keep: set[str]) -> int:
+        """A free slot, parking the least recently used resident model not in ``keep`` if needed."""
+        free = self.rank.free_slots()
+        if free:
+            return free[0]
+        victims = sorted((m for m in self.resident if m not in keep), key=lambda m: self._used.get(m, 0))
+        if not victims:
+            raise TinkerError(
+                "model", f"one batch needs more than the {self.rank.num_slots} slots (lora.num_slots)"
+            )
+        victim = victims[0]
+        slot = self.resident[victim]
+        self.parked[victim] = park(self.rank, slot)
+        del self.resident[victim]
+        self.rank.close_slot(slot)
+        self.stats["parked"] += 1
+        self._spill_past_budget()
+        return slot
+
+    def _spill_past_budget(self) -> None:
+        """Move the least recently used parked states to disk while host memory holds too much."""
+        held = sorted((m for m, p in self.parked.items() if p.in_memory), key=lambda m: self._used.get(m, 0))
+        total = sum(self.parked[m].nbytes for m in held)
+        for m in held:
+            if total <= self.offload_host_bytes:
+                break
+            total -= self.parked[m].nbytes
+            self.parked[m].spill(self.offload_dir / m, self.rank.layout.tp_rank)
+            self.stats["spilled"] += 1
+
+    def _slot_of(self, model_id: str, keep: set[str] | None = None) -> int:
+        """The slot of ``model_id`` for an operation, restoring it if it is parked (``keep``: the
+        other models the same operation needs, never parked to make room)."""
+        self.model(model_id)
+        self._touch(model_id)
+        slot = self.resident.get(model_id)
+        if slot is not None:
+            return slot
+        slot = self._free_slot(keep={model_id, *(keep or ())})
+        parked = self.parked[model_id]
+        try:
+            unpark(self.rank, parked, slot)
+        except BaseException:  # the model stays parked, the slot free
+            if slot in self.rank.slots:
+                self.rank.close_slot(slot)
+            raise
+        self.resident[model_id] = slot
+        del self.parked[model_id]
+        parked.discard()
+        self.stats["restored"] += 1
+        return slot
 
     # ------------------------------------------------------------------ training
     def check(self, request: ForwardBackwardRequest) -> dict[str, float]:
@@ -164,11 +266,21 @@ class TinkerBackend:
     def forward_backward(self, requests: Sequence[ForwardBackwardRequest]) -> list[ForwardBackwardOutput]:
         """Checked requests of any models as one mixed batch; gradients accumulate in each model's
         slot (``forward_only`` requests score without a backward)."""
+        needed = list(dict.fromkeys(r.model_id for r in requests))
+        width = self.rank.num_slots
+        if len(needed) > width:  # more models than slots: in turns of at most num_slots models
+            outputs: dict[int, ForwardBackwardOutput] = {}
+            for start in range(0, len(needed), width):
+                turn = set(needed[start : start + width])
+                picked = [i for i, r in enumerate(requests) if r.model_id in turn]
+                for i, out in zip(picked, self.forward_backward([requests[i] for i in picked]), strict=True):
+                    outputs[i] = out
+            return [outputs[i] for i in range(len(requests))]
         rows: list[ScoredRow] = []
         losses: dict[int, tuple[str, dict[str, float]]] = {}
         for tag, request in enumerate(requests):
             losses[tag] = (request.loss_fn, check_loss(request.loss_fn, request.loss_fn_config))
-            slot = self.model(request.model_id).slot
+            slot = self._slot_of(request.model_id, keep=set(needed))
             keys = [k for k in LOSS_INPUTS[request.loss_fn] if k != "target_tokens"]
             for d in request.data:
                 values = {k: _floats(d.inputs[k]) for k in keys}
@@ -202,7 +314,7 @@ class TinkerBackend:
                    eps: float = 1e-12, weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, float]:  # fmt: skip
         """One AdamW step of this model's slot with the given parameters (decoupled weight decay); a
         step that moved the weights makes the slot's next version."""
-        slot = self.model(model_id).slot
+        slot = self._slot_of(model_id)
         spec = OptimizerSpec(
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, clip_grad=grad_clip_norm
         )
@@ -221,7 +333,7 @@ class TinkerBackend:
                 GenerationRequest.for_base(prompt, sampling, seed=seed + j) for j in range(num_samples)
             ]
         else:
-            e = self.model(model_id)
+            e = self.rank.slot(self._slot_of(model_id))
             requests = [
                 GenerationRequest(model_id, e.slot, e.version, list(prompt), sampling, seed=seed + j)
                 for j in range(num_samples)
@@ -244,7 +356,7 @@ class TinkerBackend:
     # ------------------------------------------------------------------ state
     def save_state(self, model_id: str, path: str | Path) -> Path:
         """The model's exact slot tensors, optimizer state and version, in the directory ``path``."""
-        self.rank.save_slot(self.model(model_id).slot, path)
+        self.rank.save_slot(self._slot_of(model_id), path)
         return Path(path)
 
     def load_state(self, model_id: str, path: str | Path, optimizer: bool = True) -> None:
@@ -255,7 +367,7 @@ class TinkerBackend:
         meta = read_state(path)
         if meta.rank != e.rank:
             raise TinkerError("path", f"the saved state has rank {meta.rank}, the model {e.rank}")
-        self.rank.load_slot(e.slot, path, optimizer=optimizer)
+        self.rank.load_slot(self._slot_of(model_id), path, optimizer=optimizer)
 
 
 def read_state(path: str | Path) -> SlotMeta:

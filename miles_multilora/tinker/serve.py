@@ -62,8 +62,10 @@ def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:
         from miles_multilora.trainer.rank import TrainerRank
 
         rank = TrainerRank(cfg)
-    backend = TinkerBackend(rank)
     t = cfg.tinker
+    backend = TinkerBackend(
+        rank, max_models=t.max_models, offload_host_bytes=int(t.offload_host_gb * (1 << 30))
+    )
     base = t.base_model or (cfg.model.hf_path if cfg.model.source == "hf" else cfg.model.source)
     return ServerState(
         backend,

@@ -115,11 +115,12 @@ class TrainerRank:
         *,
         total_steps: int | None = None,
         run: str = "",
-        restore: str | Path | None = None,
+        restore: str | Path | dict | None = None,
     ) -> OpenSlot:
         """A fresh LoRA of ``rank`` in ``slot`` for ``name`` (``A`` drawn from ``seed``, ``B = 0``),
         stepped with ``optimizer`` (``total_steps``: the schedule's horizon), at version 0; with
-        ``restore``, the state saved there instead (weights, optimizer, version). Published."""
+        ``restore``, the state saved there (or this rank's shard of it, read) instead (weights,
+        optimizer, version). Published."""
         if slot in self.slots:
             raise ConfigError(
                 "slot", f"slot {slot} is open (held by {self.slots[slot].name!r}): close it first"
@@ -250,8 +251,9 @@ class TrainerRank:
         self._load(self.slot(slot), directory, optimizer)
         self._publish([slot])
 
-    def _load(self, opened: OpenSlot, directory: str | Path, optimizer: bool) -> None:
-        saved = shard.read_shard(directory, self.layout.tp_rank)
+    def _load(self, opened: OpenSlot, source: str | Path | dict, optimizer: bool) -> None:
+        """Load a saved state (a directory, or one rank's shard already read) into ``opened``."""
+        saved = source if isinstance(source, dict) else shard.read_shard(source, self.layout.tp_rank)
         meta = shard.shard_meta(saved)
         if meta is not None and meta.rank != opened.rank:
             raise SpecError(

@@ -42,7 +42,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "model": {"source": "tiny", "tiny": {"hidden_size": 256, "ffn_hidden_size": 512}},
         "lora": {"num_slots": 2, "max_rank": 8},
         "trainer": {"output_dir": str(root / "out"), "micro_batch_size": 32},
-        "tinker": {"port": 0, "api_key_file": str(key), "base_model": "tiny", "batch_window_s": 0.05},
+        "tinker": {"port": 0, "api_key_file": str(key), "base_model": "tiny", "batch_window_s": 0.05,
+                   "max_models": 2},
         "logging": {"wandb_mode": "disabled"},
     })  # fmt: skip
     srv = start(cfg)
@@ -258,7 +259,7 @@ def test_save_load_round_trips_errors_change_nothing_and_finish_frees_slots(serv
     )
     with pytest.raises(tinker.BadRequestError, match="has 4 values for 5 input tokens"):  # a 400 at once
         b.forward_backward([bad], "cross_entropy").result()
-    with pytest.raises(tinker.RequestFailedError, match="no free slot"):
+    with pytest.raises(tinker.RequestFailedError, match=r"holds 2 models \(tinker\.max_models\)"):
         first.create_lora_training_client(base_model="tiny", rank=4).result()
     second = _client(server)
     with pytest.raises(tinker.RequestFailedError, match=r"must be in 1\.\.8"):

@@ -272,7 +272,7 @@ def test_another_tenant_is_refused_like_unknown_and_changes_nothing(served: Serv
         assert post(served, KEY_A, "retrieve_future", {"request_id": guess}).status_code == 404
     for sc in (victim_sc, shared_sc, attacker_sc):
         sc.close("success").result()
-    wait_for(lambda: served.state.backend.models == {})  # every slot back
+    wait_for(lambda: not served.state.backend.models)  # every slot back
 
 
 def test_a_wrong_key_is_a_401(served: Served) -> None:

@@ -1,0 +1,129 @@
+"""Adapters beyond the resident slots: a slot's whole state parked off the GPU and back, exactly.
+
+:func:`park` copies everything one rank holds for a slot (its LoRA tensors and optimizer state cut to
+the adapter's own rank, as a saved state is; the gradients it has accumulated and not stepped yet;
+its name, shape, seed, version and run id) into host memory, pinned on a GPU; the caller then
+closes the slot.
+:meth:`ParkedSlot.spill` moves a parked state on to disk (the saved-state shard format, one file
+per TP rank) when host memory is short. :func:`unpark` puts it into any free slot, bit for bit: an
+adapter parked and restored any number of times, in any slots, trains exactly like one that never
+moved.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from miles_multilora.config.adapter import OptimizerSpec
+from miles_multilora.lora.slots import slot_state
+from miles_multilora.trainer import shard
+
+if TYPE_CHECKING:
+    from miles_multilora.trainer.rank import OpenSlot, TrainerRank
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def _pinned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not torch.cuda.is_available():
+        return tensors
+    return {k: t.pin_memory() for k, t in tensors.items()}
+
+
+@dataclass
+class ParkedSlot:
+    """One adapter's state off the GPU: in host memory (``saved``) or spilled to ``path``."""
+
+    meta: shard.SlotMeta
+    run: str
+    total_steps: int | None
+    saved: dict[str, Any] | None  # {"slot", "optimizer", "meta", "grads"} as :func:`park` made it
+    path: Path | None = None  # where it was spilled (``saved`` is None then)
+    nbytes: int = field(default=0)
+
+    @property
+    def in_memory(self) -> bool:
+        return self.saved is not None
+
+    def spill(self, directory: str | Path, tp_rank: int) -> None:
+        """Move the state from host memory to ``directory`` (this TP rank's shard)."""
+        if self.saved is None:
+            return
+        directory = Path(directory)
+        shard.write_shard(directory, tp_rank, self.saved["slot"], self.saved["optimizer"], self.meta)
+        if self.saved["grads"]:
+            torch.save(self.saved["grads"], directory / f"grads_rank{tp_rank}.pt")
+        self.path, self.saved = directory, None
+
+    def state(self, tp_rank: int) -> dict[str, Any]:
+        """The parked state, read back from disk when it was spilled."""
+        if self.saved is not None:
+            return self.saved
+        assert self.path is not None
+        saved = shard.read_shard(self.path, tp_rank)
+        grads = self.path / f"grads_rank{tp_rank}.pt"
+        saved["grads"] = torch.load(grads, weights_only=True) if grads.exists() else {}
+        return saved
+
+    def discard(self) -> None:
+        """Forget the state (its spill directory too)."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.saved, self.path = None, None
+
+
+def park(rank: TrainerRank, slot: int) -> ParkedSlot:
+    """Copy open ``slot``'s whole state to host memory (the caller closes the slot after)."""
+    opened = rank.slot(slot)
+    optimizer = rank.optimizer
+    tensors, optim_state = shard.trim_to_rank(slot_state(rank.model, slot), optimizer.slot_state_dict(slot))
+    grads = {
+        name: p.grad[slot].detach().cpu().clone()
+        for name, p in zip(optimizer.names, optimizer.params, strict=True)
+        if p.grad is not None and bool(p.grad[slot].any())
+    }
+    meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
+    saved = {
+        "slot": _pinned(tensors),
+        "optimizer": {
+            **optim_state,
+            **{k: _pinned(optim_state[k]) for k in ("exp_avg", "exp_avg_sq", "master") if k in optim_state},
+        },
+        "meta": asdict(meta),
+        "grads": _pinned(grads),
+    }
+    parked = ParkedSlot(meta, opened.run, optim_state.get("total_steps"), saved)
+    parked.nbytes = _nbytes(saved)
+    return parked
+
+
+def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
+    """Open free ``slot`` with ``parked``'s state, exactly as it was (published to the engine)."""
+    saved = parked.state(rank.layout.tp_rank)
+    spec = saved["optimizer"].get("optimizer")
+    meta = parked.meta
+    opened = rank.open_slot(
+        slot, meta.rank, meta.alpha, meta.seed, OptimizerSpec(**spec) if spec else OptimizerSpec(), meta.name,
+        total_steps=parked.total_steps, run=parked.run, restore=saved,
+    )  # fmt: skip
+    grads = saved.get("grads") or {}
+    if grads:
+        optimizer = rank.optimizer
+        with torch.no_grad():
+            for name, p in zip(optimizer.names, optimizer.params, strict=True):
+                if name in grads:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad[slot].copy_(grads[name])
+    return opened
