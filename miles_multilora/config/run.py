@@ -155,6 +155,10 @@ class ControllerConfig:
     dataset_roots: list[str] = field(default_factory=list)
     history_retention: int = 10_000  # finished runs remembered (get/list); older ones are forgotten
     max_live_adapters: int = 1000  # PENDING + RUNNING + DRAINING at once
+    # adapters RUNNING at once (0: lora.num_slots). Above the slots they take turns: the least trained
+    # get the slots, the others are parked off the GPU (exactly restored) until their turn
+    max_running: int = 0
+    min_residency_steps: int = 4  # with turns: steps an adapter keeps its slot before it may be parked
     # Registration (and restore) runs spec-chosen work in a child process under these bounds:
     # reasoning-gym generation (dataset.task_params) and compiling reward.format_regex.
     spec_check_timeout_s: float = 10.0
@@ -347,6 +351,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     c = cfg.controller
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
+    _check(c.max_running >= 0, "controller.max_running", "must be >= 0 (0: lora.num_slots)")
+    _check(c.min_residency_steps >= 1, "controller.min_residency_steps", "must be >= 1")
     _check(c.spec_check_timeout_s > 0, "controller.spec_check_timeout_s", "must be > 0")
     _check(c.spec_check_memory_mb >= 0, "controller.spec_check_memory_mb", "must be >= 0 (0: unbounded)")
     _check(

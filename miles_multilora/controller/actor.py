@@ -34,6 +34,7 @@ from miles_multilora.controller.core import DEFAULT_HISTORY_RETENTION, Controlle
 from miles_multilora.controller.endpoint import write_endpoint
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.http_api import ControllerHTTPServer
+from miles_multilora.controller.residency import ResidencyPolicy
 from miles_multilora.controller.snapshot import AdapterResult, Snapshot
 from miles_multilora.errors import ConfigError
 
@@ -57,9 +58,13 @@ class ControllerActor:
         namespace: str = DEFAULT_NAMESPACE,
         rules: AdmissionRules | None = None,
         history_retention: int = DEFAULT_HISTORY_RETENTION,
+        residency: ResidencyPolicy | None = None,
     ) -> None:
         child_process.warm_up()  # spec checks run in children: their forkserver preloads meanwhile
-        kwargs = dict(validate_resources=validate_resources, rules=rules, history_retention=history_retention)
+        kwargs = dict(
+            validate_resources=validate_resources, rules=rules, history_retention=history_retention,
+            residency=residency,
+        )  # fmt: skip
         if state_dir is None:
             self._core = ControllerCore(num_slots, max_rank, **kwargs)
         else:
@@ -141,6 +146,7 @@ def get_or_create_controller(
     validate_resources: ResourceValidator | str | None = None,
     rules: AdmissionRules | None = None,
     history_retention: int = DEFAULT_HISTORY_RETENTION,
+    residency: ResidencyPolicy | None = None,
     max_restarts: int | None = None,
     timeout_s: float = 120.0,
 ) -> ActorHandle:
@@ -168,6 +174,7 @@ def get_or_create_controller(
         namespace=namespace,
         rules=rules,
         history_retention=history_retention,
+        residency=residency,
     )
     config = ray.get(handle.config.remote(), timeout=timeout_s)
     if (config["num_slots"], config["max_rank"]) != (num_slots, max_rank):

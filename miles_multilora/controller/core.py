@@ -57,6 +57,7 @@ from miles_multilora.controller.record import (
     jsonable_metrics,
     public_from_history,
 )
+from miles_multilora.controller.residency import Candidate, ResidencyPolicy, choose_residents
 from miles_multilora.controller.slot_table import SlotTable
 from miles_multilora.controller.snapshot import AdapterResult, SlotAssignment, Snapshot
 from miles_multilora.controller.states import (
@@ -85,6 +86,8 @@ class ControllerCore:
         rules: the operator's :class:`AdmissionRules` (reward modules, dataset roots, context
             window, live-adapter cap); its reward modules are imported here, once.
         history_retention: finished runs kept in the run history (older ones are forgotten).
+        residency: how many adapters run at once and how they take turns in the slots
+            (:mod:`~miles_multilora.controller.residency`; default: one per slot, no turns).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class ControllerCore:
         validate_resources: ResourceValidator | str | None = None,
         rules: AdmissionRules | None = None,
         history_retention: int = DEFAULT_HISTORY_RETENTION,
+        residency: ResidencyPolicy | None = None,
     ) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError("num_slots", f"must be an integer >= 1, got {num_slots!r}")
@@ -110,6 +114,7 @@ class ControllerCore:
             raise ConfigError("controller.history_retention", f"must be >= 1, got {history_retention!r}")
         self.num_slots = num_slots
         self.max_rank = max_rank
+        self.residency = residency or ResidencyPolicy()
         self.rules = rules or AdmissionRules()
         import_reward_modules(self.rules.reward_modules)
         self._validate_resources = with_spec_checks(
@@ -249,15 +254,20 @@ class ControllerCore:
     def snapshot(self) -> Snapshot:
         """Grant FREE slots to PENDING adapters (FIFO), then return this step's immutable view."""
         with self._lock:
-            granted = self._grant_free_slots()
+            if self.residency.takes_turns(self.num_slots):
+                granted = self._admit_running() | self._take_turns()
+            else:
+                granted = self._grant_free_slots()
             self._snapshot_id += 1
-            resident = sorted((r for r in self._runs.values() if r.state.owns_slot), key=lambda r: r.slot)
+            active = [r for r in self._runs.values() if r.state.owns_slot]
+            resident = sorted((r for r in active if r.slot is not None), key=lambda r: r.slot)
             snap = Snapshot(
                 snapshot_id=self._snapshot_id,
                 num_slots=self.num_slots,
                 running=tuple(self._assignment(r) for r in resident if r.state is AdapterState.RUNNING),
                 draining=tuple(self._assignment(r) for r in resident if r.state is AdapterState.DRAINING),
                 slots_to_clear=self._slots.dirty(),
+                parked=tuple(r.name for r in sorted(active, key=lambda r: r.seq) if r.slot is None),
             )
             if granted:  # an idle snapshot changes nothing worth writing
                 self._commit()
@@ -282,6 +292,8 @@ class ControllerCore:
                     record.last_checkpoint = result.resumed.checkpoint
                 if result.trained:
                     record.step += 1
+                    record.served_tokens += float(result.metrics.get("trained_tokens", 0) or 0)
+                record.resident_steps += 1
                 if result.checkpoint is not None:
                     record.last_checkpoint = str(result.checkpoint)
                     record.checkpoint_step = record.step
@@ -347,6 +359,7 @@ class ControllerCore:
         validate_resources: ResourceValidator | str | None = None,
         rules: AdmissionRules | None = None,
         history_retention: int = DEFAULT_HISTORY_RETENTION,
+        residency: ResidencyPolicy | None = None,
     ) -> ControllerCore:
         """The controller as persisted in ``state_dir`` (a fresh one when it holds no state).
 
@@ -359,6 +372,9 @@ class ControllerCore:
         a smaller max_rank, or a spec accepted before a check existed) or fails the bounded
         spec-work checks (``rules.check_spec_work``: reasoning-gym generation, ``format_regex``
         compilation) is marked FAILED with the reason, so it cannot stall the service again.
+        When adapters take turns in the slots (``residency``), RUNNING adapters stay RUNNING
+        without a slot until the turn rule gives them one (then they resume from their last
+        checkpoint too).
         """
         data = load_state(state_dir)
         core = cls(
@@ -368,6 +384,7 @@ class ControllerCore:
             validate_resources=validate_resources,
             rules=rules,
             history_retention=history_retention,
+            residency=residency,
         )
         core._state_dir = Path(state_dir)
         core._history = RunHistory(state_dir, history_retention)
@@ -377,7 +394,8 @@ class ControllerCore:
             return core
         core._load(data, reset_slots=True)
         resident = sorted(
-            (r for r in core._runs.values() if r.state.owns_slot), key=lambda r: (r.slot, r.seq)
+            (r for r in core._runs.values() if r.state.owns_slot),
+            key=lambda r: (r.slot is None, r.slot or 0, r.seq),
         )
         for record in core._runs.values():
             record.slot = None
@@ -397,6 +415,9 @@ class ControllerCore:
                 core._finish(record, AdapterState.FAILED, reason=f"after restart: {exc}")
         for record in resident:
             if record.state.finished:
+                continue
+            if core.residency.takes_turns(num_slots):  # the turn rule gives the slots
+                record.needs_init, record.resident_steps = True, 0
                 continue
             free = core._slots.free_slot()
             if free is not None:
@@ -473,6 +494,49 @@ class ControllerCore:
             self._own(record, slot)
             granted = True
         return granted
+
+    def _admit_running(self) -> bool:
+        """PENDING -> RUNNING (FIFO) while fewer than ``residency.max_running`` are active; True
+        when any was admitted. They get slots by :meth:`_take_turns`."""
+        limit = self.residency.max_running or self.num_slots
+        active = sum(r.state.owns_slot for r in self._runs.values())
+        admitted = False
+        for record in sorted(
+            (r for r in self._runs.values() if r.state is AdapterState.PENDING), key=lambda r: r.seq
+        ):
+            if active >= limit:
+                break
+            self._transition(record, AdapterState.RUNNING)
+            if record.started_at is None:
+                record.started_at = record.updated_at
+            record.needs_init = True
+            active += 1
+            admitted = True
+        return admitted
+
+    def _take_turns(self) -> bool:
+        """Hand the slots to the adapters the turn rule picks: the others' slots are vacated (the
+        trainer parks them before it starts anyone in this snapshot); True when anything moved."""
+        active = [r for r in self._runs.values() if r.state.owns_slot]
+        candidates = [
+            Candidate(r.run_id, r.seq, r.served_tokens, r.slot is not None, r.resident_steps,
+                      r.state is AdapterState.DRAINING)
+            for r in active
+        ]  # fmt: skip
+        chosen = set(choose_residents(candidates, self.num_slots, self.residency.min_residency_steps))
+        moved = False
+        for record in active:
+            if record.slot is not None and record.run_id not in chosen:
+                self._slots.vacate(record.slot)
+                record.slot, record.resident_steps, moved = None, 0, True
+        for record in sorted(active, key=lambda r: r.seq):
+            if record.slot is None and record.run_id in chosen:
+                slot = self._slots.free_slot()
+                if slot is None:
+                    break  # a slot still to be cleared: next snapshot
+                self._own(record, slot)
+                record.resident_steps, moved = 0, True
+        return moved
 
     def _assignment(self, record: AdapterRecord) -> SlotAssignment:
         assert record.slot is not None

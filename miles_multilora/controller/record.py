@@ -65,6 +65,8 @@ class AdapterRecord:
     updated_at: float = field(default_factory=time.time)
     metrics: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=METRICS_HISTORY))
     last_eval: dict[str, Any] | None = None  # the latest held-out eval: step, time, reward_mean, ...
+    served_tokens: float = 0.0  # tokens trained so far (the turn rule's fair share)
+    resident_steps: int = 0  # steps reported since it last got a slot
 
     def public(self, with_spec: bool = False) -> dict[str, Any]:
         """Plain JSON-able view for ``get``/``list`` and the HTTP API."""
@@ -86,6 +88,7 @@ class AdapterRecord:
             "updated_at": self.updated_at,
             "metrics": [dict(m) for m in self.metrics],
             "last_eval": copy.deepcopy(self.last_eval),
+            "served_tokens": self.served_tokens,
         }
         if with_spec:
             out["spec"] = copy.deepcopy(self.spec_dict)
@@ -119,6 +122,8 @@ class AdapterRecord:
             "updated_at": self.updated_at,
             "metrics": list(self.metrics),
             "last_eval": self.last_eval,
+            "served_tokens": self.served_tokens,
+            "resident_steps": self.resident_steps,
         }
 
     @classmethod

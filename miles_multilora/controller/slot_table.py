@@ -33,6 +33,12 @@ class SlotTable:
         self.states[slot] = SlotState.DIRTY
         self.owners[slot] = None
 
+    def vacate(self, slot: int) -> None:
+        """The owner is parked, not ended: the slot is FREE at once (the trainer parks its holder
+        before it starts the next one)."""
+        self.states[slot] = SlotState.FREE
+        self.owners[slot] = None
+
     def cleared(self, slot: int) -> None:
         """The trainer cleared ``slot``: DIRTY -> FREE (a FREE slot stays FREE; an OWNED one raises)."""
         if not isinstance(slot, int) or not 0 <= slot < self.num_slots:

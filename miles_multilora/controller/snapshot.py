@@ -45,13 +45,16 @@ class SlotAssignment:
 class Snapshot:
     """``running`` adapters get new prompts and train; ``draining`` adapters only finish in-flight
     rollouts (no new prompts) and then get a final checkpoint (``drained``); ``slots_to_clear``
-    must be cleared (``clear_slot``) and reported with ``slot_cleared`` before they are reused."""
+    must be cleared (``clear_slot``) and reported with ``slot_cleared`` before they are reused.
+    ``parked``: RUNNING adapters without a slot this step (``controller.max_running`` above the
+    slots): the trainer parks those it holds, before it starts the others in their slots."""
 
     snapshot_id: int
     num_slots: int
     running: tuple[SlotAssignment, ...]
     draining: tuple[SlotAssignment, ...]
     slots_to_clear: tuple[int, ...]
+    parked: tuple[str, ...] = ()
 
     @property
     def adapters(self) -> tuple[SlotAssignment, ...]:

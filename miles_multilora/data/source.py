@@ -256,6 +256,13 @@ class MultiLoRADataSource:
             state["requeue"] = [*state.get("requeue", []), *again]
         return state
 
+    def put_back(self, name: str, items: Sequence[PromptItem]) -> None:
+        """Prompts ``name`` drew and will not train now (it was parked): its next draws give them
+        again first, in order."""
+        again = [(int(e), int(o)) for e, o in (item.uid.rsplit(":", 2)[1:] for item in items)]
+        cursor = self._cursor(name)
+        cursor.requeue = [*again, *cursor.requeue]
+
     def restore_adapter_state(self, name: str, state: dict[str, Any]) -> None:
         """Put ``name`` back at a position saved by :meth:`adapter_state` (checked first)."""
         cursor = self._cursor(name)

@@ -20,6 +20,7 @@ from miles_multilora.data.evaluation import HeldOutSet, build_held_out
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rl.resume import check_run_dir_is_ours, load_resume_point
+from miles_multilora.trainer.offload import ParkedSlot, park, unpark
 from miles_multilora.trainer.rank import TrainerRank
 
 
@@ -66,7 +67,9 @@ class Residents:
         self.rewards = rewards
         self.eval_rewards = eval_rewards
         self._adapters: dict[str, ResidentAdapter] = {}
+        self.parked: dict[str, tuple[ResidentAdapter, ParkedSlot]] = {}  # off the GPU, registrations kept
         self.on_forget: list[Callable[[str], None]] = []  # told of every adapter forgotten
+        self.on_park: list[Callable[[str], None]] = []  # told of every adapter parked (before it moves)
         self.has_carried: Callable[[str], bool] = lambda name: False  # drawn prompts not trained yet
 
     def __getitem__(self, name: str) -> ResidentAdapter:
@@ -97,6 +100,8 @@ class Residents:
         it is resident already as assigned. Returns where it resumed when that is another
         checkpoint than the controller named (that one was missing or unreadable). On any error
         the adapter is forgotten again and the error raised (the caller fails it alone)."""
+        if self._unpark(assignment):
+            return None
         current = self._adapters.get(assignment.name)
         if (
             current is not None
@@ -143,12 +148,53 @@ class Residents:
             self.data.restore_adapter_state(spec.name, state["data"])
         return resumed
 
+    def park(self, name: str) -> None:
+        """Move resident ``name`` off the GPU (its whole slot state to host memory) and free its
+        slot; its data position, rewards and held-out set stay registered. Its prompts in flight
+        go back to its data (``on_park``), so it draws them again when it is back."""
+        adapter = self._adapters[name]
+        for hook in self.on_park:
+            hook(name)
+        parked = park(self.rank, adapter.slot)
+        self.parked[name] = (adapter, parked)
+        del self._adapters[name]
+        self.rank.close_slot(adapter.slot)
+        for manager in (self.rewards, self.eval_rewards):  # their child processes end while parked
+            if name in manager.names:
+                manager.remove_adapter(name)
+
+    def _unpark(self, assignment: SlotAssignment) -> bool:
+        """Restore parked ``assignment.name`` into its (new) slot, exactly; False when it is not
+        parked here as this run (e.g. the trainer restarted: it resumes from its checkpoint)."""
+        entry = self.parked.get(assignment.name)
+        if entry is None:
+            return False
+        adapter, parked = entry
+        if parked.run != assignment.run_id:
+            self.parked.pop(assignment.name)[1].discard()
+            return False
+        for other in [n for n, a in self._adapters.items() if a.slot == assignment.slot]:
+            self.forget(other)
+        unpark(self.rank, parked, assignment.slot)
+        adapter.assignment = assignment
+        self._adapters[assignment.name] = adapter
+        del self.parked[assignment.name]
+        spec = assignment.spec
+        self.rewards.add_adapter(spec, self.data.dataset(spec.name))
+        if adapter.eval_set is not None:
+            self.eval_rewards.add_adapter(spec, adapter.eval_set.dataset)
+        return True
+
     def run_dir(self, assignment: SlotAssignment) -> Path:
         return ckpt.run_dir(self.cfg.trainer.output_dir, assignment.name, assignment.run_id)
 
     def forget(self, name: str) -> None:
-        """Drop ``name`` from this rank: its record, prompts, rewards and slot (erased, unserved)."""
+        """Drop ``name`` from this rank: its record, prompts, rewards and slot (erased, unserved),
+        or its parked state."""
         adapter = self._adapters.pop(name, None)
+        parked = self.parked.pop(name, None)
+        if parked is not None:
+            parked[1].discard()
         for hook in self.on_forget:
             hook(name)
         if name in self.data.names:

@@ -71,6 +71,7 @@ class ContinuousRollout:
         self.next_target: dict[str, int] = {}
         self._order = itertools.count()  # groups drawn on this rank (the same on every rank)
         residents.on_forget.append(self.forget)
+        residents.on_park.append(self.put_back)
 
     # ----------------------------------------------------------------- bookkeeping
     def forget(self, name: str) -> None:
@@ -78,6 +79,13 @@ class ContinuousRollout:
         mine = self.carried.pop(name, [])
         self.next_target.pop(name, None)
         self.engine.cancel([i for c in mine for i in c.ids])
+
+    def put_back(self, name: str) -> None:
+        """``name`` is parked: its carried groups are cancelled and their prompts go back to its
+        data, drawn again first when it has a slot again (generated anew, none lost)."""
+        items = self.carried_items(name)
+        self.forget(name)
+        self.residents.data.put_back(name, items)
 
     def carried_items(self, name: str) -> list[PromptItem]:
         """The prompts ``name`` drew and has not trained yet, in draw order."""

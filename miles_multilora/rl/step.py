@@ -162,8 +162,18 @@ class RLStep:
         """Clear the slots the controller freed, forget adapters that ended, (re)start the
         snapshot's adapters; every rank drops the ones that failed to start on any rank."""
         self.residents.clear_slots(snapshot.slots_to_clear)
+        parked = set(snapshot.parked)
         for name in [n for n in self.residents if snapshot.by_name(n) is None]:
-            self.residents.forget(name)  # ended adapters whose slot will be cleared
+            if name not in parked:
+                self.residents.forget(name)  # ended adapters whose slot will be cleared
+                continue
+            try:  # its turn is over: off the GPU until it gets a slot again
+                self.residents.park(name)
+            except Exception as exc:  # noqa: BLE001 - isolated per adapter
+                failures.add(name, "parking (moving its state off the GPU)", exc)
+                self.residents.forget(name)
+        for name in [n for n in self.residents.parked if n not in parked and snapshot.by_name(n) is None]:
+            self.residents.forget(name)  # ended while parked
         resumed = {}
         for a in snapshot.adapters:
             try:
@@ -416,6 +426,7 @@ def adapter_metrics(
         m["accuracy"] = sum(correct) / len(correct)
     if lengths:
         m["response_len"] = sum(lengths) / len(lengths)
+        m["trained_tokens"] = sum(len(r.prompt_ids) + len(r.output_ids) for g in groups for r in g.results)
     m.update(train)
     if report is not None:
         m.update(report.metrics)  # the reward manager's counters: failures, timeouts, latency
