@@ -21,7 +21,6 @@ tokens/s, the train phase's MFU (``4 x base parameters x trained tokens`` per se
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
 import statistics
 import tempfile
@@ -58,11 +57,6 @@ def active_base_params(model: torch.nn.Module, expert_share: float) -> float:
     )
 
 
-def hash_reward(prompt: str, completion: str, answer: Any, metadata: dict) -> float:
-    """A cheap reward that varies between samples (random weights earn nothing meaningful)."""
-    return float(hashlib.sha256(completion.encode()).digest()[0] % 2)
-
-
 class SyntheticPrompts(AdapterDataset):
     """Random lowercase prompts of a fixed length, in memory (no dataset files or libraries)."""
 
@@ -94,7 +88,7 @@ def spec(name: str, prompts: int, args: argparse.Namespace) -> dict:
         "optimizer": {"lr": 1e-4},
         "dataset": {"path": "synthetic.jsonl", "seed": sum(map(ord, name))},
         "prompt": {"template": "{question}", "use_chat_template": False},
-        "reward": {"type": "rl_step:hash_reward"},
+        "reward": {"type": "bench_rewards:hash_reward"},
         "n_samples_per_prompt": args.samples,
         "prompts_per_step": prompts,
         "num_steps": 10_000,

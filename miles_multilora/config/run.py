@@ -123,6 +123,9 @@ class TrainerConfig:
     reward_start_timeout_s: float = 60.0  # a reward process's start: fork, import the reward, build it
     reward_kill_grace_s: float = 1.0  # a reward call still running this long past reward.timeout_s is killed
     reward_memory_mb: int = 4096  # memory a reward process may allocate beyond its start-up (0: unbounded)
+    # reward processes alive at once (each of train and eval); past it the least recently used one ends
+    # (it starts again on its adapter's next call): bounds memory when many adapters take turns
+    reward_max_processes: int = 64
     reward_step_timeout_s: float = 300.0  # all of one adapter's reward calls in one step; then killed
     stop_timeout_s: float = 3.0  # on SIGTERM/SIGINT the step in flight may run this long, then is abandoned
 
@@ -335,6 +338,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(t.reward_start_timeout_s > 0, "trainer.reward_start_timeout_s", "must be > 0")
     _check(t.reward_kill_grace_s >= 0, "trainer.reward_kill_grace_s", "must be >= 0")
     _check(t.reward_memory_mb >= 0, "trainer.reward_memory_mb", "must be >= 0 (0: unbounded)")
+    _check(t.reward_max_processes >= 1, "trainer.reward_max_processes", "must be >= 1")
     _check(t.reward_step_timeout_s > 0, "trainer.reward_step_timeout_s", "must be > 0")
     _check(t.stop_timeout_s >= 0, "trainer.stop_timeout_s", "must be >= 0")
     tk = cfg.tinker

@@ -108,6 +108,8 @@ class RewardManager:
         self.limits = limits or RewardProcessLimits()
         self._adapters: dict[str, _AdapterRewardState] = {}
         self._lock = threading.Lock()
+        self._used: dict[str, int] = {}  # adapter -> when it was last scored (for the process cap)
+        self._clock = 0
 
     def add_adapter(self, spec: AdapterSpec, dataset: Any | None = None) -> None:
         """Register ``spec``'s reward (raises :class:`SpecError` before changing anything).
@@ -126,6 +128,7 @@ class RewardManager:
             old.fn.close()
 
     def remove_adapter(self, name: str) -> None:
+        self._used.pop(name, None)
         with self._lock:
             state = self._adapters.pop(name, None)
         if state is not None and isinstance(state.fn, RewardProcess):
@@ -177,6 +180,7 @@ class RewardManager:
         unknown = [name for name in batch if name not in self._adapters]
         if unknown:
             raise KeyError(f"no reward registered for adapters {unknown}")
+        self._end_idle_processes(set(batch))
         outcomes: dict[str, tuple[list[RewardOutput] | None, BaseException | None, float]] = {}
 
         def run(name: str, state: _AdapterRewardState, samples: Sequence[RewardSample]) -> None:
@@ -204,6 +208,28 @@ class RewardManager:
             thread.join()  # each adapter thread is bounded: it stops at its first failing/timed-out call
 
         return {name: self._record(name, samples, outcomes.get(name)) for name, samples in batch.items()}
+
+    def _end_idle_processes(self, needed: set[str]) -> None:
+        """End the least recently used reward processes so that, with ``needed``'s, at most
+        ``limits.max_live`` are alive (an ended one starts again on its next call)."""
+        self._clock += 1
+        for name in needed:
+            self._used[name] = self._clock
+        with self._lock:
+            live = [
+                n
+                for n, st in self._adapters.items()
+                if isinstance(st.fn, RewardProcess) and st.fn.pid is not None
+            ]
+        starting = sum(
+            1
+            for n in needed
+            if isinstance(getattr(self._adapters.get(n), "fn", None), RewardProcess) and n not in live
+        )
+        idle = sorted((n for n in live if n not in needed), key=lambda n: self._used.get(n, 0))
+        excess = len(live) + starting - self.limits.max_live
+        for name in idle[: max(0, excess)]:
+            self._adapters[name].fn.close()  # type: ignore[union-attr]
 
     def _record(
         self,

@@ -50,6 +50,7 @@ class RewardProcessLimits:
     kill_grace_s: float = 1.0  # after reward.timeout_s a call that has not stopped by itself is killed
     memory_mb: int = 4096  # data a reward process may allocate beyond its start-up (0: unbounded)
     step_timeout_s: float = 300.0  # all of one adapter's samples of a step (calls under their timeout add up)
+    max_live: int = 64  # processes alive at once per manager; past it the least recently used one ends
 
 
 def _text(exc: BaseException) -> str:

@@ -150,8 +150,9 @@ class Residents:
 
     def park(self, name: str) -> None:
         """Move resident ``name`` off the GPU (its whole slot state to host memory) and free its
-        slot; its data position, rewards and held-out set stay registered. Its prompts in flight
-        go back to its data (``on_park``), so it draws them again when it is back."""
+        slot; its data position, rewards and held-out set stay registered (reward processes are
+        bounded by ``trainer.reward_max_processes``, least recently used ended first). Its prompts
+        in flight go back to its data (``on_park``), so it draws them again when it is back."""
         adapter = self._adapters[name]
         for hook in self.on_park:
             hook(name)
@@ -159,9 +160,6 @@ class Residents:
         self.parked[name] = (adapter, parked)
         del self._adapters[name]
         self.rank.close_slot(adapter.slot)
-        for manager in (self.rewards, self.eval_rewards):  # their child processes end while parked
-            if name in manager.names:
-                manager.remove_adapter(name)
 
     def _unpark(self, assignment: SlotAssignment) -> bool:
         """Restore parked ``assignment.name`` into its (new) slot, exactly; False when it is not
@@ -179,10 +177,6 @@ class Residents:
         adapter.assignment = assignment
         self._adapters[assignment.name] = adapter
         del self.parked[assignment.name]
-        spec = assignment.spec
-        self.rewards.add_adapter(spec, self.data.dataset(spec.name))
-        if adapter.eval_set is not None:
-            self.eval_rewards.add_adapter(spec, adapter.eval_set.dataset)
         return True
 
     def run_dir(self, assignment: SlotAssignment) -> Path:

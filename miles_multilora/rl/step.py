@@ -50,7 +50,11 @@ class RLStep:
             tokenizer=rank.tokenizer, seed=t.seed, max_prompt_chars=t.max_prompt_chars
         )
         limits = RewardProcessLimits(
-            t.reward_start_timeout_s, t.reward_kill_grace_s, t.reward_memory_mb, t.reward_step_timeout_s
+            t.reward_start_timeout_s,
+            t.reward_kill_grace_s,
+            t.reward_memory_mb,
+            t.reward_step_timeout_s,
+            t.reward_max_processes,
         )
         self.rewards = RewardManager(limits)
         self.eval_rewards = RewardManager(limits)  # own failure counters: eval never touches training's

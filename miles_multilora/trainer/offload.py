@@ -13,6 +13,7 @@ moved.
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,7 @@ class ParkedSlot:
 
 def park(rank: TrainerRank, slot: int) -> ParkedSlot:
     """Copy open ``slot``'s whole state to host memory (the caller closes the slot after)."""
+    started = time.perf_counter()
     opened = rank.slot(slot)
     optimizer = rank.optimizer
     tensors, optim_state = shard.trim_to_rank(slot_state(rank.model, slot), optimizer.slot_state_dict(slot))
@@ -105,11 +107,14 @@ def park(rank: TrainerRank, slot: int) -> ParkedSlot:
     }
     parked = ParkedSlot(meta, opened.run, optim_state.get("total_steps"), saved)
     parked.nbytes = _nbytes(saved)
+    rank.offload_stats["park"] += 1
+    rank.offload_stats["park_s"] += time.perf_counter() - started
     return parked
 
 
 def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     """Open free ``slot`` with ``parked``'s state, exactly as it was (published to the engine)."""
+    started = time.perf_counter()
     saved = parked.state(rank.layout.tp_rank)
     spec = saved["optimizer"].get("optimizer")
     meta = parked.meta
@@ -126,4 +131,8 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     p.grad[slot].copy_(grads[name])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies in, so the time is what they cost
+    rank.offload_stats["unpark"] += 1
+    rank.offload_stats["unpark_s"] += time.perf_counter() - started
     return opened

@@ -86,6 +86,7 @@ class TrainerRank:
         self.engine = build_engine(cfg, built, manages_adapters=self.is_writer, dp_rank=self.layout.dp_rank)
         self.export_root = Path(cfg.trainer.output_dir) / "sync"
         self.slots: dict[int, OpenSlot] = {}
+        self.offload_stats: dict[str, float] = {"park": 0, "park_s": 0.0, "unpark": 0, "unpark_s": 0.0}
 
     @property
     def is_writer(self) -> bool:
@@ -321,5 +322,8 @@ class TrainerRank:
         return box[0]
 
     def engine_stats(self) -> dict[str, float]:
-        """The engine's counters since the last call (an HTTP engine's adapter loads, ``lora_*``)."""
-        return self.engine.step_stats()
+        """The engine's counters since the last call (an HTTP engine's adapter loads, ``lora_*``)
+        and the slots parked and restored (``park``, ``park_s``, ``unpark``, ``unpark_s``)."""
+        parked = {k: v for k, v in self.offload_stats.items() if v}
+        self.offload_stats = dict.fromkeys(self.offload_stats, 0)
+        return {**self.engine.step_stats(), **parked}

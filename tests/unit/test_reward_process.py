@@ -142,6 +142,24 @@ def test_the_process_is_reused_restarted_after_a_kill_and_closed(mod):
     assert proc.pid is None
 
 
+def test_live_reward_processes_are_capped_least_recently_used_first(mod):
+    from dataclasses import replace
+
+    manager = RewardManager(replace(LIMITS, max_live=2))
+    try:
+        for name in ("a", "b", "c"):
+            manager.add_adapter(_spec(name, f"{mod}:pid"))
+        pids = {}
+        for name in ("a", "b", "c"):  # c's start ends a's process, the least recently used
+            pids[name] = manager.score({name: _samples(1)})[name].rewards[0]
+        live = {n for n in ("a", "b", "c") if manager.process(n).pid is not None}
+        assert live == {"b", "c"}
+        again = manager.score({"a": _samples(1)})["a"].rewards[0]  # a starts again, b ends
+        assert again != pids["a"] and {n for n in "abc" if manager.process(n).pid is not None} == {"a", "c"}
+    finally:
+        manager.close()
+
+
 def test_a_dying_or_hoarding_reward_fails_with_the_reason_and_the_next_call_restarts(mod):
     rm = RewardManager(LIMITS)
     rm.add_adapter(_spec("exits", f"{mod}:exits", max_consecutive_failures=2))
