@@ -184,6 +184,10 @@ class AdapterSpec:
     save_interval: int = 10  # steps between checkpoints; 0 = only the final one
     seed: int = 0  # LoRA init and sampling seed
     eval: EvalSpec | None = None  # optional held-out evaluation (EvalSpec)
+    # when adapters take turns in the slots (controller.max_running above lora.num_slots): a higher
+    # priority gets a slot first; among equal priorities, trained tokens are shared in proportion to share
+    priority: int = 0
+    share: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         out = OmegaConf.to_container(OmegaConf.structured(self), resolve=True)
@@ -273,6 +277,8 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     if spec.num_epochs is not None:
         _check(spec.num_epochs >= 1, "num_epochs", "must be >= 1")
     _check(spec.save_interval >= 0, "save_interval", "must be >= 0")
+    _check(-100 <= spec.priority <= 100, "priority", f"must be in -100..100, got {spec.priority}")
+    _check(0.01 <= spec.share <= 100, "share", f"must be in 0.01..100, got {spec.share}")
     _check(sp.top_k == -1 or sp.top_k >= 1, "sampling.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
     _check(len(sp.stop) <= MAX_STOP_STRINGS, "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for i, stop in enumerate(sp.stop):

@@ -41,17 +41,36 @@ def _budget(record: Mapping[str, Any]) -> str:
     return f"{record['step']} ({record.get('num_epochs')} epochs)"
 
 
+def _place(record: Mapping[str, Any], queue: Mapping[str, int]) -> str:
+    """Where the adapter is: its slot, ``parked`` (RUNNING, waiting for its turn in a slot), or its
+    place among the PENDING ones."""
+    if record.get("slot") is not None:
+        return str(record["slot"])
+    if record["state"] in ("RUNNING", "DRAINING"):
+        return "parked"
+    if record["state"] == "PENDING":
+        return f"queued #{queue[record['run_id']]}"
+    return "-"
+
+
 def adapters_table(records: Sequence[Mapping[str, Any]], title: str = "adapters") -> Table:
-    """One row per adapter: name, state, slot, steps, last checkpoint, reason, last update."""
+    """One row per adapter: name, state, slot (or parked / place in the queue), steps, its share of
+    the tokens trained by the live adapters, last checkpoint, reason, last update."""
     table = Table(title=title)
-    for column in ("name", "state", "slot", "step", "checkpoint", "reason", "updated"):
+    for column in ("name", "state", "slot", "step", "share", "checkpoint", "reason", "updated"):
         table.add_column(column)
+    pending = [r for r in records if r["state"] == "PENDING"]
+    queue = {r["run_id"]: i + 1 for i, r in enumerate(pending)}  # records come in registration order
+    live = [r for r in records if r["state"] in ("RUNNING", "DRAINING")]
+    served = sum(float(r.get("served_tokens") or 0) for r in live)
     for r in records:
+        share = float(r.get("served_tokens") or 0) / served if served and r in live else None
         table.add_row(
             str(r["name"]),
             str(r["state"]),
-            "-" if r.get("slot") is None else str(r["slot"]),
+            _place(r, queue),
             _budget(r),
+            "-" if share is None else f"{share:.0%}",
             str(r.get("last_checkpoint") or "-"),
             str(r.get("reason") or ""),
             _when(r.get("updated_at")),

@@ -520,7 +520,7 @@ class ControllerCore:
         active = [r for r in self._runs.values() if r.state.owns_slot]
         candidates = [
             Candidate(r.run_id, r.seq, r.served_tokens, r.slot is not None, r.resident_steps,
-                      r.state is AdapterState.DRAINING)
+                      r.state is AdapterState.DRAINING, r.spec.priority, r.spec.share)
             for r in active
         ]  # fmt: skip
         chosen = set(choose_residents(candidates, self.num_slots, self.residency.min_residency_steps))

@@ -3,10 +3,11 @@
 With ``controller.max_running`` above ``lora.num_slots`` an adapter is RUNNING as soon as it is
 admitted, and the slots take turns: the trainer parks an adapter that leaves its slot (its whole
 state off the GPU, :mod:`~miles_multilora.trainer.offload`) and restores it when it comes back.
-The turn rule is a fair share by trained tokens: an adapter that has held a slot for fewer than
-``min_residency_steps`` steps keeps it (no thrashing), a DRAINING adapter keeps or gets one (it
-must checkpoint), and the other slots go to the adapters that have trained the fewest tokens
-(registration order breaks ties).
+The turn rule is a weighted fair share by trained tokens: an adapter that has held a slot for fewer
+than ``min_residency_steps`` steps keeps it (no thrashing), a DRAINING adapter keeps or gets one
+(it must checkpoint), and the other slots go first to the highest ``priority``, then to the
+adapters that have trained the fewest tokens per unit of their ``share`` (registration order
+breaks ties).
 """
 
 from __future__ import annotations
@@ -49,15 +50,21 @@ class Candidate:
     resident: bool
     resident_steps: int
     draining: bool
+    priority: int = 0
+    share: float = 1.0
 
 
 def choose_residents(candidates: Sequence[Candidate], num_slots: int, min_residency_steps: int) -> list[str]:
     """The run ids that hold the slots next, at most ``num_slots``: the ones that must stay or come
-    (DRAINING, or resident for fewer than ``min_residency_steps`` steps), then the least served."""
+    (DRAINING, or resident for fewer than ``min_residency_steps`` steps), then by priority, then
+    the least served per unit of share."""
     must = [c for c in candidates if c.draining or (c.resident and c.resident_steps < min_residency_steps)]
     must.sort(key=lambda c: (not c.resident, c.seq))  # residents first: they hold their slots already
     chosen = must[:num_slots]
     taken = {c.run_id for c in chosen}
-    rest = sorted((c for c in candidates if c.run_id not in taken), key=lambda c: (c.served_tokens, c.seq))
+    rest = sorted(
+        (c for c in candidates if c.run_id not in taken),
+        key=lambda c: (-c.priority, c.served_tokens / c.share, c.seq),
+    )
     chosen += rest[: num_slots - len(chosen)]
     return [c.run_id for c in chosen]

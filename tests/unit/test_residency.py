@@ -36,6 +36,14 @@ def test_the_turn_rule_shares_trained_tokens_fairly() -> None:
     # residency: nobody leaves before min_residency_steps
     candidates = [Candidate(str(i), i, 1e9 if i == 0 else 0.0, i == 0, 1, False) for i in range(3)]
     assert "0" in choose_residents(candidates, 1, min_residency_steps=3)
+    # a higher priority first; among equals, tokens per unit of share
+    candidates = [
+        Candidate("low", 0, 0.0, False, 0, False, priority=0),
+        Candidate("high", 1, 1e6, False, 0, False, priority=1),
+        Candidate("double", 2, 150.0, False, 0, False, share=2.0),
+        Candidate("single", 3, 100.0, False, 0, False),
+    ]
+    assert choose_residents(candidates, 3, min_residency_steps=1) == ["high", "low", "double"]
     # a DRAINING adapter gets a slot whatever its share (it must checkpoint)
     candidates = [Candidate("d", 5, 1e9, False, 0, True), Candidate("x", 1, 0.0, False, 0, False)]
     assert choose_residents(candidates, 1, min_residency_steps=3) == ["d"]
@@ -63,3 +71,22 @@ def test_the_core_hands_slots_over_and_a_restart_keeps_adapters_running(tmp_path
     again = restored.snapshot()
     assert len(again.running) == 2 and len(again.parked) == 2
     assert all(a.needs_init for a in again.running)  # from their last checkpoints
+
+
+def test_the_adapters_table_shows_parked_queued_and_each_share() -> None:
+    from rich.console import Console
+
+    from miles_multilora.controller.commands import adapters_table
+
+    policy = ResidencyPolicy(max_running=2, min_residency_steps=1)
+    core = ControllerCore(num_slots=1, max_rank=8, residency=policy)
+    for i in range(3):
+        core.register(adapter(f"x{i}", 10))
+    snap = core.snapshot()
+    core.report_step({snap.running[0].name: AdapterResult(True, None, None, {"trained_tokens": 30})})
+    console = Console(width=200, record=True)
+    console.print(adapters_table(core.list()))
+    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
+    assert "100%" in rows["x0"] and " 0 " in rows["x0"]  # in slot 0, all the tokens trained so far
+    assert "parked" in rows["x1"] and "0%" in rows["x1"]
+    assert "queued #1" in rows["x2"]
