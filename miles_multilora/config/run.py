@@ -126,6 +126,9 @@ class TrainerConfig:
     # reward processes alive at once (each of train and eval); past it the least recently used one ends
     # (it starts again on its adapter's next call): bounds memory when many adapters take turns
     reward_max_processes: int = 64
+    # adapters parked while others take their turn in the slots: their state in host memory, per rank;
+    # past it the longest parked go to disk (<output_dir>/offload)
+    offload_host_gb: float = 16.0
     reward_step_timeout_s: float = 300.0  # all of one adapter's reward calls in one step; then killed
     stop_timeout_s: float = 3.0  # on SIGTERM/SIGINT the step in flight may run this long, then is abandoned
 
@@ -339,6 +342,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(t.reward_kill_grace_s >= 0, "trainer.reward_kill_grace_s", "must be >= 0")
     _check(t.reward_memory_mb >= 0, "trainer.reward_memory_mb", "must be >= 0 (0: unbounded)")
     _check(t.reward_max_processes >= 1, "trainer.reward_max_processes", "must be >= 1")
+    _check(t.offload_host_gb >= 0, "trainer.offload_host_gb", "must be >= 0 (0: parked adapters go to disk)")
     _check(t.reward_step_timeout_s > 0, "trainer.reward_step_timeout_s", "must be > 0")
     _check(t.stop_timeout_s >= 0, "trainer.stop_timeout_s", "must be >= 0")
     tk = cfg.tinker

@@ -8,6 +8,7 @@ of it at once, so an adapter is either wholly resident or not at all.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from miles_multilora.data.evaluation import HeldOutSet, build_held_out
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rl.resume import check_run_dir_is_ours, load_resume_point
-from miles_multilora.trainer.offload import ParkedSlot, park, unpark
+from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.rank import TrainerRank
 
 
@@ -68,6 +69,8 @@ class Residents:
         self.eval_rewards = eval_rewards
         self._adapters: dict[str, ResidentAdapter] = {}
         self.parked: dict[str, tuple[ResidentAdapter, ParkedSlot]] = {}  # off the GPU, registrations kept
+        self._parked_order: dict[str, int] = {}  # when each was parked (the oldest spill to disk first)
+        self._clock = itertools.count()
         self.on_forget: list[Callable[[str], None]] = []  # told of every adapter forgotten
         self.on_park: list[Callable[[str], None]] = []  # told of every adapter parked (before it moves)
         self.has_carried: Callable[[str], bool] = lambda name: False  # drawn prompts not trained yet
@@ -160,6 +163,11 @@ class Residents:
         self.parked[name] = (adapter, parked)
         del self._adapters[name]
         self.rank.close_slot(adapter.slot)
+        self._parked_order[name] = next(self._clock)
+        states = {n: p for n, (_, p) in self.parked.items()}
+        budget = int(self.cfg.trainer.offload_host_gb * (1 << 30))
+        directory = Path(self.cfg.trainer.output_dir) / "offload" / f"rank{self.rank.global_rank}"
+        spill_over_budget(states, budget, directory, self.rank.layout.tp_rank, self._parked_order.__getitem__)
 
     def _unpark(self, assignment: SlotAssignment) -> bool:
         """Restore parked ``assignment.name`` into its (new) slot, exactly; False when it is not
@@ -177,6 +185,8 @@ class Residents:
         adapter.assignment = assignment
         self._adapters[assignment.name] = adapter
         del self.parked[assignment.name]
+        self._parked_order.pop(assignment.name, None)
+        parked.discard()  # its spill on disk, if any
         return True
 
     def run_dir(self, assignment: SlotAssignment) -> Path:
@@ -187,6 +197,7 @@ class Residents:
         or its parked state."""
         adapter = self._adapters.pop(name, None)
         parked = self.parked.pop(name, None)
+        self._parked_order.pop(name, None)
         if parked is not None:
             parked[1].discard()
         for hook in self.on_forget:

@@ -27,7 +27,7 @@ from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.tinker.losses import LOSS_INPUTS, check_loss, tinker_loss
-from miles_multilora.trainer.offload import ParkedSlot, park, unpark
+from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, TrainerRank
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
@@ -205,14 +205,10 @@ class TinkerBackend:
 
     def _spill_past_budget(self) -> None:
         """Move the least recently used parked states to disk while host memory holds too much."""
-        held = sorted((m for m, p in self.parked.items() if p.in_memory), key=lambda m: self._used.get(m, 0))
-        total = sum(self.parked[m].nbytes for m in held)
-        for m in held:
-            if total <= self.offload_host_bytes:
-                break
-            total -= self.parked[m].nbytes
-            self.parked[m].spill(self.offload_dir / m, self.rank.layout.tp_rank)
-            self.stats["spilled"] += 1
+        self.stats["spilled"] += spill_over_budget(
+            self.parked, self.offload_host_bytes, self.offload_dir, self.rank.layout.tp_rank,
+            lambda m: self._used.get(m, 0),
+        )  # fmt: skip
 
     def _slot_of(self, model_id: str, keep: set[str] | None = None) -> int:
         """The slot of ``model_id`` for an operation, restoring it if it is parked (``keep``: the

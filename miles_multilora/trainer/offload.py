@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,3 +137,24 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     rank.offload_stats["unpark"] += 1
     rank.offload_stats["unpark_s"] += time.perf_counter() - started
     return opened
+
+
+def spill_over_budget(
+    parked: Mapping[str, ParkedSlot],
+    budget_bytes: int,
+    directory: str | Path,
+    tp_rank: int,
+    last_used: Callable[[str], int],
+) -> int:
+    """Spill the least recently used of ``parked`` (name -> state) to ``directory / name`` until
+    the ones left in host memory hold at most ``budget_bytes``; returns how many were spilled."""
+    held = sorted((n for n, p in parked.items() if p.in_memory), key=last_used)
+    total = sum(parked[n].nbytes for n in held)
+    spilled = 0
+    for name in held:
+        if total <= budget_bytes:
+            break
+        total -= parked[name].nbytes
+        parked[name].spill(Path(directory) / name, tp_rank)
+        spilled += 1
+    return spilled

@@ -21,10 +21,13 @@ NAMES = ("a0", "a1", "a2", "a3", "a4")
 
 
 def _run(
-    tmp_path: Path, names: tuple[str, ...], slots: int, turns: bool, **rollout: int
+    tmp_path: Path, names: tuple[str, ...], slots: int, turns: bool, offload_gb: float = 16.0, **rollout: int
 ) -> tuple[list, dict]:
     specs = [toy_adapter(n, "fraction_of_lowercase", steps=STEPS) for n in names]
-    cfg = tiny_run_config(tmp_path, specs, lora={"num_slots": slots, "max_rank": 8}, rollout=rollout)
+    cfg = tiny_run_config(
+        tmp_path, specs, lora={"num_slots": slots, "max_rank": 8}, rollout=rollout,
+        trainer={"offload_host_gb": offload_gb},
+    )  # fmt: skip
     policy = ResidencyPolicy(max_running=len(names), min_residency_steps=1) if turns else None
     core = ControllerCore(num_slots=slots, max_rank=8, residency=policy)
     for spec in specs:
@@ -48,7 +51,8 @@ def _run(
 
 
 def test_five_adapters_take_turns_in_two_slots_and_train_like_residents(tmp_path: Path) -> None:
-    snapshots, finals = _run(tmp_path / "turns", NAMES, slots=2, turns=True)
+    snapshots, finals = _run(tmp_path / "turns", NAMES, slots=2, turns=True, offload_gb=0.0)  # via disk
+    assert not any((tmp_path / "turns" / "offload").rglob("slot_rank0.pt"))  # restored spills are gone
     assert max(len(s.running) + len(s.draining) for s in snapshots) == 2
     assert any(s.parked for s in snapshots)  # some adapters waited parked while others trained
     for name in NAMES:  # each one was resident in more than one stretch: it was parked and came back
