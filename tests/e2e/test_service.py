@@ -28,7 +28,9 @@ from miles_multilora.rl import checkpoint as ckpt
 from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, adapter_checkpoints, toy_adapter
 
 SCRIPTS = REPO_ROOT / "examples" / "multi_lora"
-STEPS = {"a": 10, "b": 10, "c": 6}
+# a's budget outlasts phase 1 however late the runner cancels b (a loaded machine lets a step on
+# meanwhile): the kill must find a RUNNING, whatever the machine's speed
+STEPS = {"a": 20, "b": 10, "c": 6}
 
 
 def _write_specs(spec_dir: Path) -> Path:
