@@ -110,7 +110,7 @@ class Residents:
             current is not None
             and current.slot == assignment.slot
             and current.run_id == assignment.run_id
-            and not assignment.needs_init
+            and (not assignment.needs_init or self._started_for(current, assignment))
         ):
             return None
         if current is not None:
@@ -150,6 +150,13 @@ class Residents:
         if state is not None:
             self.data.restore_adapter_state(spec.name, state["data"])
         return resumed
+
+    def _started_for(self, current: ResidentAdapter, assignment: SlotAssignment) -> bool:
+        """``current`` was started here for this init and has not stepped since: the controller
+        still says ``needs_init`` only because the adapter has not reported a step yet (with
+        continuous rollout a newcomer's first step may take several of the others'). Starting it
+        again would throw its work in flight away, every step."""
+        return current.assignment.needs_init and self.version(current.name) == assignment.step
 
     def park(self, name: str) -> None:
         """Move resident ``name`` off the GPU (its whole slot state to host memory) and free its

@@ -191,3 +191,31 @@ def test_a_step_that_does_not_move_the_weights_keeps_the_stream_going(
     assert len(uids) == len(set(uids)) == STEPS * 2 + len(dropped)  # the dropped ones were replaced
     ages = [version - v for _, version, _, versions in seen for v in versions]
     assert 0 <= min(ages) and max(ages) <= 1
+
+
+def test_a_newcomer_slower_than_the_others_is_not_started_again_every_step(tmp_path: Path) -> None:
+    """The controller says ``needs_init`` until an adapter reports its first step; with per-adapter
+    pace a slow newcomer's first step spans several of the fast adapters' steps, and starting it
+    again at each of them (its work in flight thrown away) would keep it from ever stepping."""
+    from miles_multilora.controller import ControllerCore
+    from tests.unit.test_rl_step import drive
+
+    fast = {"sampling": {"max_new_tokens": 2}}
+    specs = [toy_adapter(n, "fraction_of_letter_a", steps=1000, **fast) for n in ("f1", "f2")]
+    cfg = tiny_run_config(tmp_path / "run", specs, lora={"num_slots": 4, "max_rank": 8},
+                          rollout={"max_staleness": 1, "max_batch_size": 64})  # fmt: skip
+    core = ControllerCore(num_slots=4, max_rank=8)
+    for spec in specs:
+        core.register(spec)
+    worker = RLStep.build(cfg)
+    try:
+        for _ in range(3):
+            drive(core, [worker])
+        core.register(toy_adapter("slow", "fraction_of_lowercase", steps=2, sampling={"max_new_tokens": 24}))
+        for _ in range(40):
+            drive(core, [worker])
+            if core.get("slow")["state"] == "DONE":
+                break
+        assert core.get("slow")["state"] == "DONE", core.get("slow")
+    finally:
+        compat.destroy_distributed()

@@ -300,7 +300,7 @@ def test_service_schedule_kill_and_resume(tmp_path: Path, dp: int) -> None:
         assert runner.wait(timeout=60) == 0, runner_log.read_text()
         timeline = runner_log.read_text()
         assert "c: PENDING" in timeline and "cancel b" in timeline and "controller unreachable" in timeline
-        assert "finished: a=DONE@10, b=CANCELLED" in timeline and "c=DONE@6" in timeline
+        assert f"finished: a=DONE@{STEPS['a']}, b=CANCELLED" in timeline and "c=DONE@6" in timeline
 
         # Graceful stop: SIGTERM ends the idle service cleanly, and its Ray goes with it.
         service.send_signal(signal.SIGTERM)
