@@ -216,20 +216,13 @@ class RewardManager:
         for name in needed:
             self._used[name] = self._clock
         with self._lock:
-            live = [
-                n
-                for n, st in self._adapters.items()
-                if isinstance(st.fn, RewardProcess) and st.fn.pid is not None
-            ]
-        starting = sum(
-            1
-            for n in needed
-            if isinstance(getattr(self._adapters.get(n), "fn", None), RewardProcess) and n not in live
-        )
+            processes = {n: st.fn for n, st in self._adapters.items() if isinstance(st.fn, RewardProcess)}
+        live = [n for n, process in processes.items() if process.pid is not None]
+        starting = sum(1 for n in needed if n in processes and n not in live)
         idle = sorted((n for n in live if n not in needed), key=lambda n: self._used.get(n, 0))
         excess = len(live) + starting - self.limits.max_live
         for name in idle[: max(0, excess)]:
-            self._adapters[name].fn.close()  # type: ignore[union-attr]
+            processes[name].close()
 
     def _record(
         self,

@@ -115,8 +115,7 @@ class Residents:
             return None
         if current is not None:
             self.forget(assignment.name)
-        for other in [n for n, a in self._adapters.items() if a.slot == assignment.slot]:
-            self.forget(other)  # its slot is this adapter's now (a restored controller granted slots anew)
+        self._forget_holders_of(assignment)
         try:
             resumed = self._start(assignment)
         except BaseException:
@@ -150,6 +149,14 @@ class Residents:
         if state is not None:
             self.data.restore_adapter_state(spec.name, state["data"])
         return resumed
+
+    def _forget_holders_of(self, assignment: SlotAssignment) -> None:
+        """Forget the others held in ``assignment``'s slot: it is this adapter's now (a restored
+        controller granted slots anew)."""
+        for other in [
+            n for n, a in self._adapters.items() if a.slot == assignment.slot and n != assignment.name
+        ]:
+            self.forget(other)
 
     def _started_for(self, current: ResidentAdapter, assignment: SlotAssignment) -> bool:
         """``current`` was started here for this init and has not stepped since: the controller
@@ -186,8 +193,7 @@ class Residents:
         if parked.run != assignment.run_id:
             self.parked.pop(assignment.name)[1].discard()
             return False
-        for other in [n for n, a in self._adapters.items() if a.slot == assignment.slot]:
-            self.forget(other)
+        self._forget_holders_of(assignment)
         unpark(self.rank, parked, assignment.slot)
         adapter.assignment = assignment
         self._adapters[assignment.name] = adapter

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,10 +49,9 @@ class ParkedSlot:
 
     meta: shard.SlotMeta
     run: str
-    total_steps: int | None
     saved: dict[str, Any] | None  # {"slot", "optimizer", "meta", "grads"} as :func:`park` made it
+    nbytes: int  # of ``saved`` in host memory
     path: Path | None = None  # where it was spilled (``saved`` is None then)
-    nbytes: int = field(default=0)
 
     @property
     def in_memory(self) -> bool:
@@ -106,8 +105,7 @@ def park(rank: TrainerRank, slot: int) -> ParkedSlot:
         "meta": asdict(meta),
         "grads": _pinned(grads),
     }
-    parked = ParkedSlot(meta, opened.run, optim_state.get("total_steps"), saved)
-    parked.nbytes = _nbytes(saved)
+    parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved))
     rank.offload_stats["park"] += 1
     rank.offload_stats["park_s"] += time.perf_counter() - started
     return parked
@@ -121,7 +119,7 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     meta = parked.meta
     opened = rank.open_slot(
         slot, meta.rank, meta.alpha, meta.seed, OptimizerSpec(**spec) if spec else OptimizerSpec(), meta.name,
-        total_steps=parked.total_steps, run=parked.run, restore=saved,
+        total_steps=saved["optimizer"].get("total_steps"), run=parked.run, restore=saved,
     )  # fmt: skip
     grads = saved.get("grads") or {}
     if grads:
