@@ -5,17 +5,19 @@ Every tenant is a small RL job (``--prompts`` prompts x ``--samples`` samples pe
 steps) on synthetic prompts. Layouts (``--layouts``, side by side in one process):
 
 - ``resident``: ``--tenants`` adapters, one slot each, all batched in every step;
-- ``turns``: ``--slots`` slots, ``--tenants`` adapters RUNNING (``controller.max_running``): they take
-  turns, parked off the GPU between them (``--min-residency`` steps each);
+- ``turns``: ``--slots`` slots, ``--registered`` adapters (default ``--tenants``) RUNNING
+  (``controller.max_running``): they take turns, parked off the GPU between them (``--min-residency``
+  steps each);
 - ``swap``: one slot, one adapter per step, a park and a restore around each (what swap-based systems do).
 
-Per layout: wall time, steps, trained tokens/s, adapters parked and restored with their mean ms,
+Per layout: wall time, steps, trained tokens/s (over the whole run, and ``steady``: after the first
+step, which compiles kernels and captures graphs), adapters parked and restored with their mean ms,
 resident set size (start, peak, end), the mean seconds of each step's phases, and Jain's fairness
 index over the tokens each tenant had trained once every tenant had trained half its steps (1:
 equal shares, 1/n: one tenant has everything).
 
     python benchmarks/tenants.py --cpu --layouts turns --tenants 1000 --slots 16
-    python benchmarks/tenants.py --tenants 64 --layouts resident,turns,swap       # GPU
+    python benchmarks/tenants.py --tenants 64 --registered 256 --slots 64 --prompts 1 --layouts resident,turns,swap
 """
 
 from __future__ import annotations
@@ -56,10 +58,15 @@ def layout_config(layout: str, args: argparse.Namespace) -> tuple[int, Any]:
     if layout == "resident":
         return args.tenants, None
     if layout == "turns":
-        return args.slots, ResidencyPolicy(args.tenants, args.min_residency)
+        return args.slots, ResidencyPolicy(registered(layout, args), args.min_residency)
     if layout == "swap":
         return 1, ResidencyPolicy(args.tenants, 1)
     raise SystemExit(f"--layouts: unknown layout {layout!r} (resident, turns, swap)")
+
+
+def registered(layout: str, args: argparse.Namespace) -> int:
+    """Tenants registered in ``layout``: ``--registered`` for turns (default ``--tenants``)."""
+    return args.registered if layout == "turns" and args.registered else args.tenants
 
 
 def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -71,15 +78,17 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
     args.adapters = slots  # rl_step.run_config sizes the engine batch by it
     cfg = rl_step.run_config(out, args)
     cfg.lora.num_slots = slots
+    if args.offload_host_gb is not None:
+        cfg.trainer.offload_host_gb = args.offload_host_gb
     cfg.rollout.max_batch_size = max(slots, 1) * args.prompts * args.samples
     worker = RLStep.build(cfg)
     core = ControllerCore(num_slots=slots, max_rank=cfg.lora.max_rank, residency=policy)
-    names = [f"{layout[0]}{i:04d}" for i in range(args.tenants)]
+    names = [f"{layout[0]}{i:04d}" for i in range(registered(layout, args))]
     for name in names:
         spec = rl_step.spec(name, args.prompts, args)
         spec["num_steps"] = args.steps
         core.register(spec)
-    total = args.tenants * args.steps
+    total = len(names) * args.steps
     rss = [rss_mb()]
     shares: list[float] = []
     phases = {"setup_s": 0.0, "rollout_s": 0.0, "train_s": 0.0}
@@ -104,6 +113,8 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
             steps += 1
             step_times.append(report.timing["step_s"])
             trained += worker.last_train_tokens
+            if steps == 1:  # the first step compiles kernels and captures graphs: steady rate after it
+                after_first = (time.perf_counter(), trained)
             done_steps += sum(r.trained for r in report.results.values())
             for key in counts:
                 counts[key] += report.timing.get(key, 0)
@@ -129,6 +140,10 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
         "wall_s": wall,
         "median_step_s": statistics.median(step_times) if step_times else 0.0,
         "tok_s": trained / max(wall, 1e-9),
+        "steady_tok_s": (trained - after_first[1]) / max(start + wall - after_first[0], 1e-9)
+        if steps > 1
+        else float("nan"),
+        "registered": len(names),
         "done": states.count("DONE"),
         "park_ms": 1e3 * counts["park_s"] / max(counts["park"], 1),
         "unpark_ms": 1e3 * counts["unpark_s"] / max(counts["unpark"], 1),
@@ -154,8 +169,17 @@ def main() -> None:
     parser.add_argument("--layouts", default="resident,turns,swap")
     parser.add_argument("--tenants", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16, help="slots of the turns layout")
+    parser.add_argument(
+        "--registered", type=int, default=0, help="tenants registered in the turns layout (0: --tenants)"
+    )
     parser.add_argument("--min-residency", type=int, default=1, help="controller.min_residency_steps")
     parser.add_argument("--rows-per-tenant", type=int, default=64, help="synthetic prompts per tenant")
+    parser.add_argument(
+        "--offload-host-gb",
+        type=float,
+        default=None,
+        help="trainer.offload_host_gb (parked state in host memory)",
+    )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()
     given = {k for k in vars(args) if getattr(args, k) != parser.get_default(k)}
@@ -181,11 +205,12 @@ def main() -> None:
         results[layout] = run_layout(layout, args, Path(tempfile.mkdtemp(prefix=f"tenants_{layout}_")))
         r = results[layout]
         print(
-            f"  ran {layout}: {r['done']}/{args.tenants} DONE in {r['steps']} steps, {r['wall_s']:.1f} s",
+            f"  ran {layout}: {r['done']}/{r['registered']} DONE in {r['steps']} steps, {r['wall_s']:.1f} s",
             flush=True,
         )
     header = (
-        f"{'layout':>9} {'slots':>5} {'steps':>6} {'wall s':>8} {'step s':>7} {'tok/s':>9} {'parks':>6} "
+        f"{'layout':>9} {'tenants':>7} {'slots':>5} {'steps':>6} {'wall s':>8} {'step s':>7} {'tok/s':>9} "
+        f"{'steady':>9} {'parks':>6} "
         f"{'park ms':>8} {'restore ms':>10} {'setup/rollout/train s':>22} {'RSS MB start/peak/end':>22} "
         f"{'Jain':>5} {'DONE':>6}"
     )
@@ -194,8 +219,8 @@ def main() -> None:
         rss = "/".join(f"{x:.0f}" for x in r["rss"])
         phases = "/".join(f"{r['phases'][k]:.3f}" for k in ("setup_s", "rollout_s", "train_s"))
         print(
-            f"{layout:>9} {r['slots']:>5} {r['steps']:>6} {r['wall_s']:>8.1f} {r['median_step_s']:>7.3f} "
-            f"{r['tok_s']:>9.0f} {r['parks']:>6} {r['park_ms']:>8.2f} {r['unpark_ms']:>10.2f} {phases:>22} "
+            f"{layout:>9} {r['registered']:>7} {r['slots']:>5} {r['steps']:>6} {r['wall_s']:>8.1f} "
+            f"{r['median_step_s']:>7.3f} {r['tok_s']:>9.0f} {r['steady_tok_s']:>9.0f} {r['parks']:>6} {r['park_ms']:>8.2f} {r['unpark_ms']:>10.2f} {phases:>22} "
             f"{rss:>22} {r['jain']:>5.2f} {r['done']:>6}"
         )  # fmt: skip
 
