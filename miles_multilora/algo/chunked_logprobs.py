@@ -161,3 +161,48 @@ def chunked_token_logprobs(
     return _ChunkedLogprobs.apply(
         hidden, weight, targets.long(), temperature.float(), vocab_size, chunk, bool(fused)
     )
+
+
+def _gather(t: Tensor, group: object | None, size: int) -> Tensor:
+    """Every TP rank's ``t`` stacked along a new first dimension."""
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+@torch.no_grad()
+def chunked_topk_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    temperature: Tensor,
+    vocab_size: int,
+    k: int,
+    chunk: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` most likely token ids of ``log_softmax(hidden @ weight^T / T)`` per row, highest
+    first, and their fp32 logprobs: two ``[N, k]`` tensors (ids global, ``long``). No gradient.
+    Shapes as :func:`chunked_token_logprobs`; under tensor parallelism each rank offers the ``k``
+    best of its vocab shard and the log-sum-exp is combined across ranks."""
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"k must be in 1..{vocab_size} (the vocabulary), got {k}")
+    group, size, rank = _tp_group()
+    local = weight.shape[0]
+    start = rank * local
+    valid = max(0, min(local, vocab_size - start))
+    ids = torch.empty(hidden.shape[0], k, dtype=torch.long, device=hidden.device)
+    out = torch.empty(hidden.shape[0], k, dtype=torch.float32, device=hidden.device)
+    for lo in range(0, hidden.shape[0], chunk):
+        hi = min(lo + chunk, hidden.shape[0])
+        z = _logits(hidden[lo:hi], weight, temperature[lo:hi], valid)  # padding columns at -inf
+        lse = torch.logsumexp(z, dim=-1)
+        values, index = z.topk(min(k, local), dim=-1)
+        index = index + start
+        if size > 1:  # the best of every shard's best; a padding-only shard offers -inf
+            lse = torch.logsumexp(_gather(lse, group, size), dim=0)
+            values = torch.cat(_gather(values, group, size).unbind(0), dim=-1)
+            index = torch.cat(_gather(index, group, size).unbind(0), dim=-1)
+            values, pick = values.topk(k, dim=-1)
+            index = index.gather(-1, pick)
+        out[lo:hi] = values - lse.unsqueeze(-1)
+        ids[lo:hi] = index
+    return ids, out

@@ -195,6 +195,7 @@ class TinkerConfig:
     max_sample_tokens: int = 262_144  # num_samples x max_tokens of one sample request
     batch_tokens: int = 16_384  # forward/backward tokens run as one batch; larger requests run in pieces
     sample_batch_tokens: int = 65_536  # num_samples x max_tokens sampled at once; larger requests in pieces
+    max_topk_prompt_logprobs: int = 20  # top-k prompt logprobs of one sample request: k up to this
     max_pending_requests: int = 256  # per tenant: queued and running requests; more get 429 (the SDK retries)
     max_sessions: int = 64  # per tenant: open sessions; more get 429
     # models beyond lora.num_slots are parked off the GPU (least recently used first) and restored exactly
@@ -350,7 +351,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
     for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
                 "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
-                "max_held_results_mb", "max_models"):  # fmt: skip
+                "max_held_results_mb", "max_models", "max_topk_prompt_logprobs"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
     _check(tk.offload_host_gb >= 0, "tinker.offload_host_gb", "must be >= 0 (0: parked models go to disk)")
     for key in ("body_timeout_s", "keep_alive_s", "session_timeout_s", "result_ttl_s",

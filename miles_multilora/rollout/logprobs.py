@@ -15,7 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_multilora.algo.chunked_logprobs import DEFAULT_CHUNK_ROWS, chunked_token_logprobs
+from miles_multilora.algo.chunked_logprobs import (
+    DEFAULT_CHUNK_ROWS,
+    chunked_token_logprobs,
+    chunked_topk_logprobs,
+)
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.rollout.routing import check_servable_slots, per_sequence_slots, slot_routing
 from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
@@ -138,6 +142,15 @@ def selected_logprobs(
         return sequence_logprobs(model, input_ids, slots, temps, vocab_size)[rows, positions]
     if targets is None:
         targets = input_ids[rows, positions + 1]
+    hidden = _selected_hidden(model, input_ids, slots, rows, positions, route)
+    return chunked_token_logprobs(hidden, weight, targets, temps[rows], vocab_size, chunk)
+
+
+def _selected_hidden(
+    model: torch.nn.Module, input_ids: Tensor, slots: Tensor | Sequence[int], rows: Tensor,
+    positions: Tensor, route: bool,
+) -> Tensor:  # fmt: skip
+    """``[N, H]``: the final hidden states (the LM head's input) at the selected pairs."""
     gpt = _gpt(model)
     batch, seq_len = input_ids.shape
     position_ids = torch.arange(seq_len, device=input_ids.device).view(1, -1).expand(batch, -1)
@@ -146,4 +159,37 @@ def selected_logprobs(
     with slot_routing(model, per_sequence_slots(slot_list, seq_len, input_ids.device), routed):
         with _hidden_states_only(gpt):
             hidden = model(input_ids, position_ids, None)  # [S, B, H]; causal by the layers' mask type
-    return chunked_token_logprobs(hidden[positions, rows], weight, targets, temps[rows], vocab_size, chunk)
+    return hidden[positions, rows]
+
+
+@torch.no_grad()
+def selected_scores(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    slots: Tensor | Sequence[int],
+    vocab_size: int,
+    rows: Tensor,
+    positions: Tensor,
+    k: int = 0,
+    chunk: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """From one forward, at each selected pair: the logprob of ``input_ids[rows[i], positions[i] + 1]``
+    (as :func:`selected_logprobs` at temperature 1) and, when ``k > 0``, the ``k`` most likely
+    next tokens and their logprobs (``[N, k]`` each, highest first). fp32 log-softmax; no gradient."""
+    targets = input_ids[rows, positions + 1]
+    weight = lm_head_weight(model)
+    if weight is None:  # the module's own LM head: full logits at the selected pairs
+        logits = forward_logits(model, input_ids, slots)[rows, positions, :vocab_size]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if k <= 0:
+            return picked, None, None
+        values, ids = logprobs.topk(k, dim=-1)
+        return picked, ids, values
+    hidden = _selected_hidden(model, input_ids, slots, rows, positions, route=True)
+    ones = torch.ones(hidden.shape[0], device=hidden.device)
+    picked = chunked_token_logprobs(hidden, weight, targets, ones, vocab_size, chunk)
+    if k <= 0:
+        return picked, None, None
+    ids, values = chunked_topk_logprobs(hidden, weight, ones, vocab_size, k, chunk)
+    return picked, ids, values

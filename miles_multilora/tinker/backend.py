@@ -106,6 +106,38 @@ class ForwardBackwardOutput:
     metrics: dict[str, float]  # Tinker's "name:reduction" keys
 
 
+@dataclass(frozen=True)
+class PromptScoring:
+    """What a sample request asks of its prompt: its logprobs (``logprobs``), the ``topk`` most
+    likely tokens at each position (0: none), scored over the last ``last_n`` tokens (None: all)."""
+
+    logprobs: bool = False
+    topk: int = 0
+    last_n: int | None = None
+
+
+@dataclass
+class PromptScores:
+    """A prompt scored from position ``first`` on (positions before it, the first token at least,
+    are not scored): ``logprobs[j]`` is log p(prompt[first + j] | prompt[:first + j]) (None when not
+    asked for); ``topk_ids[j]`` / ``topk_logprobs[j]`` the most likely tokens there, highest first."""
+
+    first: int
+    length: int
+    logprobs: list[float] | None
+    k: int = 0
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class SampleOutput:
+    """A sample request's answer: its sequences, and its prompt's scores when asked for."""
+
+    sequences: list[GenerationResult]
+    prompt: PromptScores | None = None
+
+
 class TinkerBackend:
     """The client models of one trainer rank (built without adapters): model id -> its slot, or
     its parked state when it is not resident."""
@@ -336,6 +368,33 @@ class TinkerBackend:
             ]
         self._check_generation(requests[0])
         return self.rank.sample([requests])[0]
+
+    def check_scoring(self, prompt: list[int], scoring: PromptScoring) -> None:
+        """Whether ``scoring`` fits this prompt and vocabulary (``last_n`` in 1..len - 1)."""
+        vocab = self.rank.vocab_size
+        if scoring.topk > vocab:
+            raise TinkerError(
+                "topk_prompt_logprobs", f"must be at most the vocabulary size {vocab}, got {scoring.topk}"
+            )
+        if scoring.last_n is not None and not 1 <= scoring.last_n <= len(prompt) - 1:
+            raise TinkerError(
+                "prompt_logprobs_last_n",
+                f"must be in 1..{len(prompt) - 1} (the prompt's length - 1), got {scoring.last_n}",
+            )
+
+    def score_prompt(self, model_id: str | None, prompt: list[int], scoring: PromptScoring) -> PromptScores:
+        """log p(prompt[i] | prompt[:i]) for each scored position (temperature 1, fp32 log-softmax)
+        and the top-k tokens there, by the trainer's forward on the model's live slot (or on the base
+        model: ``model_id`` None)."""
+        self.check_scoring(prompt, scoring)
+        n = len(prompt)
+        first = 1 if scoring.last_n is None else n - scoring.last_n
+        slot = -1 if model_id is None else self._slot_of(model_id)
+        (score,) = self.rank.score(
+            [ScoredRow(slot, list(prompt), list(range(first - 1, n - 1)))], scoring.topk
+        )
+        logprobs = score.logprobs if scoring.logprobs else None
+        return PromptScores(first, n, logprobs, scoring.topk, score.topk_ids, score.topk_logprobs)
 
     def check_sample(self, prompt: list[int], sampling: SamplingSpec) -> None:
         """Whether the engine can serve this prompt and these parameters (prompt ids in the

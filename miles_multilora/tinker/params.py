@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
-from miles_multilora.tinker.backend import TinkerError
+from miles_multilora.tinker.backend import PromptScoring, TinkerError
 
 DEFAULT_MAX_TOKENS = 128
 MIN_TEMPERATURE = 1e-3  # 0 is greedy; below this, logits / T overflow and sampling is noise
@@ -147,10 +147,9 @@ def prompt_tokens(body: dict[str, Any]) -> list[int]:
 
 
 UNSERVED_SAMPLE_FIELDS = {  # sample-request fields this server does not compute yet
-    "prompt_logprobs": "prompt logprobs",
-    "topk_prompt_logprobs": "top-k prompt logprobs",
     "target_prompt_logprobs": "target prompt logprobs",
-    "prompt_logprobs_last_n": "prompt logprobs",
+    "topk_sample_logprobs": "top-k logprobs of sampled tokens",
+    "prompt_alt_tokens_k": "prompt alternative-token draws",
 }
 
 
@@ -161,9 +160,29 @@ def refuse_unserved(body: dict[str, Any]) -> None:
         if value not in (None, False, 0):
             raise TinkerError(
                 key,
-                f"{what} are not served by this server yet; score the prompt with a training "
-                "client's forward (cross_entropy, logprobs in loss_fn_outputs) instead",
+                f"{what} are not served by this server yet; prompt logprobs (include_prompt_logprobs, "
+                "topk_prompt_logprobs, compute_logprobs) are, and a training client's forward scores "
+                "any tokens",
             )
+
+
+def prompt_scoring(body: dict[str, Any], max_topk: int) -> PromptScoring | None:
+    """What a sample request asks of its prompt (``prompt_logprobs``, ``topk_prompt_logprobs`` up to
+    ``max_topk``, ``prompt_logprobs_last_n``), or None when nothing; the backend checks it against
+    the prompt (:meth:`~miles_multilora.tinker.backend.TinkerBackend.check_scoring`)."""
+    logprobs = flag(body, "prompt_logprobs")
+    topk = integer(body, "topk_prompt_logprobs", 0, low=0)
+    if topk > max_topk:
+        raise TinkerError(
+            "topk_prompt_logprobs",
+            f"{topk} is over the limit of {max_topk} (tinker.max_topk_prompt_logprobs): ask for fewer",
+        )
+    last_n = integer(body, "prompt_logprobs_last_n", None)
+    if last_n is not None and not logprobs:
+        raise TinkerError("prompt_logprobs_last_n", "applies to prompt logprobs: set prompt_logprobs too")
+    if not logprobs and not topk:
+        return None
+    return PromptScoring(logprobs, topk, last_n)
 
 
 def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int]:

@@ -330,13 +330,13 @@ def create_app(
         sampler = registry.sampler(tenant, params.text(body, "sampling_session_id"))
         prompt = params.prompt_tokens(body)
         n, spec, seed = params.sampling(body)
+        scoring = params.prompt_scoring(body, s.max_topk_prompt_logprobs)
         seq = params.integer(body, "seq_id", None)
-        calls, costs = await run_in_threadpool(state.sample_parts, sampler, prompt, n, spec, seed)
+        calls, costs, combine = await run_in_threadpool(
+            state.sample_parts, sampler, prompt, n, spec, seed, scoring
+        )
         key = (tenant, sampler.sampler_id, "sample", seq) if seq is not None else None
-        rid = submit(
-            tenant, key, "sample", (tenant, sampler.session_id), calls,
-            combine=lambda parts: [r for p in parts for r in p], costs=costs,
-        )  # fmt: skip
+        rid = submit(tenant, key, "sample", (tenant, sampler.session_id), calls, combine=combine, costs=costs)
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{j}" for j in range(n)]}
 
     # ---------------------------------------------------------------- futures

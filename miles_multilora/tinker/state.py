@@ -25,7 +25,14 @@ from typing import Any
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.config.run import TinkerConfig
 from miles_multilora.errors import ConfigError
-from miles_multilora.tinker.backend import TinkerBackend, TinkerError, read_state
+from miles_multilora.tinker.backend import (
+    PromptScores,
+    PromptScoring,
+    SampleOutput,
+    TinkerBackend,
+    TinkerError,
+    read_state,
+)
 from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
@@ -181,10 +188,12 @@ class ServerState:
         self.registry.add_sampler(sampler)
 
     def sample_parts(
-        self, sampler: Sampler, prompt: list[int], n: int, spec: SamplingSpec, seed: int
-    ) -> tuple[list[Callable[[], Any]], list[int]]:
+        self, sampler: Sampler, prompt: list[int], n: int, spec: SamplingSpec, seed: int,
+        scoring: PromptScoring | None = None,
+    ) -> tuple[list[Callable[[], Any]], list[int], Callable[[list[Any]], SampleOutput]]:  # fmt: skip
         """``n`` samples as calls of at most ``tinker.sample_batch_tokens`` tokens each (sample ``j``
-        seeded ``seed + j``), and what each can cost; refused over ``tinker.max_sample_tokens``.
+        seeded ``seed + j``), after one call scoring the prompt when ``scoring`` asks for it; what
+        each can cost; and how their results combine. Refused over ``tinker.max_sample_tokens``.
         Each call first checks that the sampler's version is still the slot's."""
         s = self.settings
         room = max(self.backend.rank.max_seq_len - len(prompt), 1)
@@ -202,19 +211,37 @@ class ServerState:
 
         def part(first: int, count: int) -> Callable[[], Any]:
             def run() -> Any:
-                if sampler.model_id is not None:
-                    live = self.backend.model(sampler.model_id).version
-                    if live != sampler.version:
-                        raise TinkerError(
-                            "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, "
-                            f"whose slot now holds version {live}; save_weights_for_sampler again for the "
-                            "current weights",
-                        )  # fmt: skip
+                self._check_version(sampler)
                 return self.backend.sample(sampler.model_id, prompt, count, spec, seed + first)
 
             return run
 
-        return [part(f, c) for f, c in zip(starts, counts, strict=True)], [c * each for c in counts]
+        calls = [part(f, c) for f, c in zip(starts, counts, strict=True)]
+        costs = [c * each for c in counts]
+        if scoring is None:
+            return calls, costs, lambda parts: SampleOutput([r for p in parts for r in p])
+        self.backend.check_scoring(prompt, scoring)
+
+        def score() -> PromptScores:
+            self._check_version(sampler)
+            return self.backend.score_prompt(sampler.model_id, prompt, scoring)
+
+        def combine(parts: list[Any]) -> SampleOutput:
+            return SampleOutput([r for p in parts[1:] for r in p], parts[0])
+
+        return [score, *calls], [len(prompt), *costs], combine
+
+    def _check_version(self, sampler: Sampler) -> None:
+        """Refuse a sampler of a model whose slot has moved on from the version it serves."""
+        if sampler.model_id is None:
+            return
+        live = self.backend.model(sampler.model_id).version
+        if live != sampler.version:
+            raise TinkerError(
+                "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, "
+                f"whose slot now holds version {live}; save_weights_for_sampler again for the "
+                "current weights",
+            )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- results

@@ -9,15 +9,19 @@ inputs stay numpy arrays (no per-value Python objects); anything malformed is a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from miles_multilora.rollout import GenerationResult
-from miles_multilora.tinker.backend import Datum, ForwardBackwardOutput, ForwardBackwardRequest, TinkerError
+from miles_multilora.tinker.backend import (
+    Datum,
+    ForwardBackwardOutput,
+    ForwardBackwardRequest,
+    SampleOutput,
+    TinkerError,
+)
 
 PROTOBUF = "application/x-protobuf"
+TOPK_EMPTY_LOGPROB = -99999.0  # with token id 0: a top-k row that was not scored (the SDK reads None)
 _DTYPES = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_INT64: "<i8", pb.DTYPE_INT32: "<i4"}
 
 
@@ -90,12 +94,31 @@ def encode_forward_backward(out: ForwardBackwardOutput) -> bytes:
     return msg.SerializeToString()
 
 
-def encode_samples(results: Sequence[GenerationResult]) -> bytes:
-    """A ``SampleResponse``: tokens, logprobs and stop reason of each sample, in request order."""
+def encode_samples(output: SampleOutput) -> bytes:
+    """A ``SampleResponse``: tokens, logprobs and stop reason of each sample, in request order, and
+    the prompt's logprobs (NaN where not scored) and top-k (sentinel rows there) when asked for."""
     msg = pb.SampleResponse()
-    for r in results:
+    for r in output.sequences:
         seq = msg.sequences.add()
         seq.stop_reason = pb.STOP_REASON_LENGTH if r.finish_reason == "length" else pb.STOP_REASON_STOP
         seq.tokens = np.asarray(r.output_ids, "<i4").tobytes()
         seq.logprobs = np.asarray(r.logprobs, "<f4").tobytes()
+    scores = output.prompt
+    if scores is None:
+        return msg.SerializeToString()
+    if scores.logprobs is not None:
+        logprobs = np.full(scores.length, np.nan, "<f4")
+        logprobs[scores.first :] = scores.logprobs
+        msg.prompt_logprobs = logprobs.tobytes()
+    if scores.k > 0 and scores.topk_ids is not None and scores.topk_logprobs is not None:
+        k = scores.k
+        ids = np.zeros((scores.length, k), "<i4")
+        values = np.full((scores.length, k), TOPK_EMPTY_LOGPROB, "<f4")
+        if scores.first < scores.length:
+            ids[scores.first :] = np.asarray(scores.topk_ids, "<i4").reshape(-1, k)
+            values[scores.first :] = np.asarray(scores.topk_logprobs, "<f4").reshape(-1, k)
+        msg.topk_prompt_logprobs.token_ids = ids.tobytes()
+        msg.topk_prompt_logprobs.logprobs = values.tobytes()
+        msg.topk_prompt_logprobs.k = k
+        msg.topk_prompt_logprobs.length = scores.length
     return msg.SerializeToString()

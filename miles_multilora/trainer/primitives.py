@@ -17,7 +17,7 @@ import torch
 from miles_multilora.config.run import TrainerConfig
 from miles_multilora.lora import token_slots
 from miles_multilora.models import compat
-from miles_multilora.rollout.logprobs import right_pad, selected_logprobs
+from miles_multilora.rollout.logprobs import right_pad, selected_logprobs, selected_scores
 from miles_multilora.trainer.microbatch import micro_batches
 
 SUMMED_METRICS = ("loss", "pg_loss")  # already normalised over the whole step: summed over micro-batches
@@ -168,6 +168,65 @@ def forward_backward_rows(
         for i, values in zip(picked, lp.float().cpu().tolist(), strict=True):
             logprobs[i] = values[: rows[i].width]
     return ForwardBackwardResult(logprobs, per_slot, sum(len(r.tokens) for r in rows))
+
+
+@dataclass
+class RowScores:
+    """One row's logprobs at its positions and, when asked for, the ``k`` most likely next tokens
+    at each (ids and logprobs, highest first)."""
+
+    logprobs: list[float]
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+def score_rows(
+    model: torch.nn.Module,
+    rows: Sequence[ScoredRow],
+    settings: TrainerConfig,
+    pad_id: int,
+    vocab_size: int,
+    k: int = 0,
+) -> list[RowScores]:
+    """Score ``rows`` in micro-batches (as :func:`forward_backward_rows`, each row's slot routed,
+    slot -1 the base model): the logprob of the next input token at each position, at temperature
+    1, and with ``k > 0`` the ``k`` most likely next tokens there. No gradient, no loss."""
+    if any(r.targets is not None for r in rows):
+        raise ValueError("score_rows scores the next input token: rows must not carry targets")
+    out = [RowScores([], [] if k > 0 else None, [] if k > 0 else None) for _ in rows]  # rows of no positions
+    live = [i for i, r in enumerate(rows) if r.width]
+    order = sorted(live, key=lambda i: rows[i].slot)
+    lengths = [len(rows[i].tokens) for i in order]
+    batches = (
+        micro_batches(lengths, settings.micro_batch_size, settings.max_tokens_per_micro_batch)
+        if order
+        else []
+    )
+    model.train(False)
+    for index in batches:
+        picked = [order[i] for i in index]
+        batch = [rows[i] for i in picked]
+        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
+        device = input_ids.device
+        row_index = torch.tensor([i for i, r in enumerate(batch) for _ in r.positions], device=device)
+        positions = torch.tensor([p for r in batch for p in r.positions], device=device)
+        lp, ids, values = selected_scores(
+            model, input_ids, [r.slot for r in batch], vocab_size, row_index, positions, k,
+            settings.logprob_chunk_tokens,
+        )  # fmt: skip
+        lp_host = lp.float().cpu().tolist()
+        ids_host = ids.cpu().tolist() if ids is not None else None
+        values_host = values.float().cpu().tolist() if values is not None else None
+        start = 0
+        for i, r in zip(picked, batch, strict=True):
+            end = start + r.width
+            out[i] = RowScores(
+                lp_host[start:end],
+                ids_host[start:end] if ids_host is not None else None,
+                values_host[start:end] if values_host is not None else None,
+            )
+            start = end
+    return out
 
 
 def accumulate_metrics(acc_all: dict[int, dict[str, float]], metrics: dict[int, dict[str, float]]) -> None:

@@ -42,7 +42,14 @@ from miles_multilora.trainer.data_parallel import (
     sum_metrics,
 )
 from miles_multilora.trainer.model_build import build_engine, build_model
-from miles_multilora.trainer.primitives import ForwardBackwardResult, LossFn, ScoredRow, forward_backward_rows
+from miles_multilora.trainer.primitives import (
+    ForwardBackwardResult,
+    LossFn,
+    RowScores,
+    ScoredRow,
+    forward_backward_rows,
+    score_rows,
+)
 
 
 @dataclass
@@ -201,6 +208,25 @@ class TrainerRank:
                 for i, lp in zip(indices, values, strict=True):
                     logprobs[i] = lp
         return ForwardBackwardResult(logprobs, per_slot, result.local_tokens)
+
+    def score(self, rows: Sequence[ScoredRow], k: int = 0) -> list[RowScores]:
+        """Each row's logprobs at its positions (the next input token, temperature 1) and, with
+        ``k > 0``, the ``k`` most likely next tokens there, under the rows' slots' current weights
+        (see :func:`~miles_multilora.trainer.primitives.score_rows`). Under DP every rank passes every
+        row and scores its share; every rank gets every row's scores."""
+        mine = self._dp_share(rows)
+        scores = score_rows(
+            self.model, [rows[i] for i in mine], self.cfg.trainer, self.pad_id, self.vocab_size, k
+        )
+        if self.layout.dp_size == 1:
+            return scores
+        parts: list[Any] = [None] * self.layout.dp_size
+        dist.all_gather_object(parts, (mine, scores), group=self.layout.dp_group)
+        out: list[RowScores] = [RowScores([]) for _ in rows]
+        for indices, values in parts:
+            for i, score in zip(indices, values, strict=True):
+                out[i] = score
+        return out
 
     def _dp_share(self, rows: Sequence[ScoredRow]) -> list[int]:
         """Indices of the rows this DP rank trains: whole groups, largest first onto the least

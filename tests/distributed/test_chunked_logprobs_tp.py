@@ -1,10 +1,11 @@
-"""The chunked LM-head logprobs under TP=2 with a vocab-sharded head (gloo) equal the full logits."""
+"""The chunked LM-head logprobs (and top-k) under TP=2 with a vocab-sharded head (gloo) equal the full
+logits."""
 
 from __future__ import annotations
 
 import torch
 
-from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs
+from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs, chunked_topk_logprobs
 from miles_multilora.rollout.sampling import token_logprobs
 from tests.helpers import assert_close_at_scale, run_distributed
 from tests.unit.test_chunked_logprobs import _inputs
@@ -25,6 +26,11 @@ def _tp2(rank: int, world_size: int) -> None:
     # fp32: vocab shards reduced across ranks instead of one logsumexp
     assert_close_at_scale(got, full, 1e-6, "logprobs")
     assert_close_at_scale(grad_got, grad_full, 1e-5, "grad")
+    # top-k: each shard's best, combined (rank 1's shard holds 13 real ids and 7 padding rows)
+    best, best_ids = torch.log_softmax((h.detach() @ w[:vocab].t()) / temps.unsqueeze(-1), -1).topk(6, -1)
+    ids, values = chunked_topk_logprobs(h.detach(), shard, temps, vocab, 6, chunk=4)
+    assert torch.equal(ids, best_ids)
+    assert_close_at_scale(values, best, 1e-6, "top-k logprobs")
     compat.destroy_distributed()
 
 

@@ -183,18 +183,68 @@ def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> No
     _close(sc, server)
 
 
-def test_prompt_logprobs_are_refused_with_a_clear_error_never_none(server: Any) -> None:
+def test_prompt_logprobs_are_the_samplers_weights_forward_logprobs(server: Any) -> None:
+    """``compute_logprobs`` and ``include_prompt_logprobs`` / ``topk_prompt_logprobs`` on a sample
+    request score the prompt with the sampler's weights: a training client's ``forward`` of the same
+    tokens, the base model's for a base sampler; a stale sampler, a top-k over the limit and what is
+    not served yet are clear errors."""
     sc = _client(server)
     tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=3e-2)).result()  # B != 0
     sampler = tc.save_weights_and_get_sampling_client().result()
-    with pytest.raises(Exception, match="prompt logprobs are not served"):
-        sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT)).result()
-    params = tinker.SamplingParams(max_tokens=2, seed=1)
-    with pytest.raises(Exception, match="top-k prompt logprobs are not served"):
+    prompt = tinker.ModelInput.from_ints(TEXT)
+    logprobs = sampler.compute_logprobs(prompt).result()
+    forward = tc.forward([_sft_datum(TEXT)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
+    assert len(logprobs) == len(TEXT) and logprobs[0] is None
+    assert all(np.isfinite(lp) for lp in logprobs[1:])
+    assert logprobs[1:] == pytest.approx(forward, abs=1e-4)
+
+    params = tinker.SamplingParams(max_tokens=3, temperature=1.0, seed=2)
+    result = sampler.sample(
+        prompt=prompt, num_samples=2, sampling_params=params, include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+    ).result()  # fmt: skip
+    assert len(result.sequences) == 2 and all(len(s.tokens) == 3 for s in result.sequences)
+    assert result.prompt_logprobs[0] is None and result.prompt_logprobs[1:] == pytest.approx(
+        forward, abs=1e-4
+    )
+    topk = result.topk_prompt_logprobs
+    assert len(topk) == len(TEXT) and topk[0] is None
+    for i, row in enumerate(topk[1:], start=1):
+        assert len(row) == 3 and [lp for _, lp in row] == sorted((lp for _, lp in row), reverse=True)
+        assert row[0][1] >= logprobs[i] - 1e-5  # the best is at least the prompt's own token
+        own = [lp for token, lp in row if token == TEXT[i]]
+        assert own == pytest.approx([logprobs[i]] * len(own), abs=1e-5)
+    alone = sampler.sample(
+        prompt=prompt, num_samples=1, sampling_params=params, topk_prompt_logprobs=2
+    ).result()
+    assert alone.prompt_logprobs is None and alone.topk_prompt_logprobs[0] is None
+    for two, three in zip(alone.topk_prompt_logprobs[1:], topk[1:], strict=True):  # the same best two
+        assert [t for t, _ in two] == [t for t, _ in three[:2]]
+        assert [lp for _, lp in two] == pytest.approx([lp for _, lp in three[:2]], abs=1e-5)
+    tail = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=4).result()
+    assert tail[:-4] == [None] * (len(TEXT) - 4) and tail[-4:] == pytest.approx(logprobs[-4:], abs=1e-5)
+
+    base = sc.create_sampling_client(base_model="tiny").result().compute_logprobs(prompt).result()
+    assert base[0] is None and len(base) == len(TEXT)
+    assert max(abs(a - b) for a, b in zip(base[1:], logprobs[1:], strict=True)) > 1e-3
+
+    limit = server.state.settings.max_topk_prompt_logprobs
+    with pytest.raises(tinker.BadRequestError, match=rf"{limit} \(tinker\.max_topk_prompt_logprobs\)"):
         sampler.sample(
-            prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params,
-            topk_prompt_logprobs=2,
-        ).result()  # fmt: skip
+            prompt=prompt, num_samples=1, sampling_params=params, topk_prompt_logprobs=limit + 1
+        ).result()
+    with pytest.raises(
+        tinker.BadRequestError, match=rf"prompt_logprobs_last_n: must be in 1\.\.{len(TEXT) - 1}"
+    ):
+        sampler.compute_logprobs(prompt, prompt_logprobs_last_n=len(TEXT)).result()
+    with pytest.raises(tinker.BadRequestError, match="top-k logprobs of sampled tokens are not served"):
+        sampler.sample(prompt=prompt, num_samples=1, sampling_params=params, topk_sample_logprobs=2).result()
+    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=3e-2)).result()
+    with pytest.raises(tinker.RequestFailedError, match="save_weights_for_sampler again"):
+        sampler.compute_logprobs(prompt).result()  # the sampler's version, not the slot's new one
     _close(sc, server)
 
 

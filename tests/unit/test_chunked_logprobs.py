@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs
+from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs, chunked_topk_logprobs
 from miles_multilora.algo.logprob_kernels import HAVE_TRITON
 from miles_multilora.lora.inject import apply_multi_lora, multi_lora_layers
 from miles_multilora.models.compat import init_distributed
@@ -42,6 +42,20 @@ def test_chunked_values_and_gradients_equal_the_full_logits(chunk):
     # fp32: the same reductions in chunks (logsumexp rounding at the logits' scale)
     assert_close_at_scale(got, full, 1e-6, "logprobs")
     assert_close_at_scale(grad_got, grad_full, 1e-5, "grad")
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_chunked_topk_is_the_best_of_the_full_logits_never_the_padding(chunk):
+    h, w, _, temps = _inputs()
+    vocab = 33
+    w[vocab:] = 100.0 * w[:1]  # padded rows with the largest logits would win if they were counted
+    full = torch.log_softmax((h.detach() @ w[:vocab].t()) / temps.unsqueeze(-1), dim=-1)
+    best, best_ids = full.topk(5, dim=-1)
+    ids, values = chunked_topk_logprobs(h.detach(), w, temps, vocab, 5, chunk=chunk)
+    assert torch.equal(ids, best_ids)
+    assert_close_at_scale(values, best, 1e-6, "top-k logprobs")
+    with pytest.raises(ValueError, match=r"k must be in 1\.\.33"):
+        chunked_topk_logprobs(h.detach(), w, temps, vocab, 34)
 
 
 def test_a_trainable_head_is_refused():

@@ -15,7 +15,14 @@ import torch
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.models import compat
-from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, TinkerBackend, TinkerError
+from miles_multilora.rollout.logprobs import forward_logits
+from miles_multilora.tinker.backend import (
+    Datum,
+    ForwardBackwardRequest,
+    PromptScoring,
+    TinkerBackend,
+    TinkerError,
+)
 from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.trainer.rank import TrainerRank
 from tests.e2e.conftest import tiny_run_config
@@ -132,6 +139,62 @@ def test_rl_losses_on_own_samples_give_the_policy_gradient(backend: TinkerBacken
         for x, y in zip(grads["cross_entropy"], grads[name], strict=True):
             # the ratio is 1 only up to the rollout/trainer logprob difference (<= 1e-5)
             assert_close_at_scale(y, x, 1e-4, name)
+
+
+def _full_logprobs(backend: TinkerBackend, slot: int, tokens: list[int]) -> torch.Tensor:
+    """fp32 log-softmax of the module's full logits (no chunked head) of ``tokens`` on ``slot``."""
+    rank = backend.rank
+    ids = torch.tensor([tokens], device=next(rank.model.parameters()).device)
+    with torch.no_grad():
+        logits = forward_logits(rank.model, ids, [slot])[0, :, : rank.vocab_size]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_prompt_logprobs_are_the_forward_logprobs_of_the_slot_and_topk_is_its_best(
+    backend: TinkerBackend,
+) -> None:
+    backend.create_model("a", rank=4, seed=1)
+    backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
+    backend.optim_step("a", lr=3e-2)  # B != 0: the LoRA moves the distribution
+    k = 5
+    scores = backend.score_prompt("a", TEXT, PromptScoring(logprobs=True, topk=k))
+    assert (scores.first, scores.length, scores.k) == (1, len(TEXT), k)
+    (forward,) = backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)], forward_only=True)])
+    assert scores.logprobs == pytest.approx(forward.logprobs[0], abs=1e-5)  # the cross_entropy logprobs
+
+    # top-k: the k best of the whole distribution (full logits, another path), highest first
+    full = _full_logprobs(backend, backend.model("a").slot, TEXT)[:-1]  # position i predicts TEXT[i + 1]
+    best, best_ids = full.topk(k, dim=-1)
+    ids, values = torch.tensor(scores.topk_ids), torch.tensor(scores.topk_logprobs)
+    assert ids.shape == (len(TEXT) - 1, k)
+    assert torch.equal(ids, best_ids)
+    assert_close_at_scale(values, best, 1e-5, "top-k logprobs")
+    assert (values[:, :-1] >= values[:, 1:]).all()  # sorted
+    assert torch.equal(ids[:, 0], full.argmax(-1))
+    assert (values[:, 0] >= torch.tensor(scores.logprobs) - 1e-6).all()
+
+    # the base model (slot -1) scores without the LoRA, and differs from it
+    base = backend.score_prompt(None, TEXT, PromptScoring(logprobs=True))
+    assert base.topk_ids is None
+    assert base.logprobs == pytest.approx(
+        _full_logprobs(backend, -1, TEXT)[:-1]
+        .gather(-1, torch.tensor(TEXT[1:]).view(-1, 1))
+        .view(-1)
+        .tolist(),
+        abs=1e-5,
+    )
+    assert max(abs(x - y) for x, y in zip(base.logprobs, scores.logprobs, strict=True)) > 1e-3
+
+    # the last n tokens only; a one-token prompt has nothing to score
+    tail = backend.score_prompt("a", TEXT, PromptScoring(logprobs=True, topk=2, last_n=3))
+    assert tail.first == len(TEXT) - 3 and tail.logprobs == pytest.approx(scores.logprobs[-3:], abs=1e-6)
+    assert tail.topk_ids == [row[:2] for row in scores.topk_ids[-3:]]
+    one = backend.score_prompt("a", TEXT[:1], PromptScoring(logprobs=True, topk=2))
+    assert (one.first, one.logprobs, one.topk_ids) == (1, [], [])
+    with pytest.raises(TinkerError, match=r"prompt_logprobs_last_n: must be in 1\.\.11"):
+        backend.score_prompt("a", TEXT, PromptScoring(logprobs=True, last_n=12))
+    with pytest.raises(TinkerError, match="topk_prompt_logprobs: must be at most the vocabulary size"):
+        backend.score_prompt("a", TEXT, PromptScoring(topk=backend.rank.vocab_size + 1))
 
 
 def test_clients_batch_together_and_a_bad_request_fails_alone(backend: TinkerBackend) -> None:
