@@ -39,12 +39,11 @@ LOSS_INPUTS = {
     "gspo": (*_RL, "sequence_ratio_mask"),
     "stable_reinforce": _RL,
 }
-_CLIP = ("clip_low_threshold", "clip_high_threshold")
 CONFIG_DEFAULTS = {
-    "ppo": dict(zip(_CLIP, (0.8, 1.2), strict=True)),
-    "cispo": dict(zip(_CLIP, (0.0, 4.0), strict=True)),
-    # our choices where Tinker's pages show no default: gspo takes ppo's, dro the beta they show
-    "gspo": dict(zip(_CLIP, (0.8, 1.2), strict=True)),
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    # our choices where Tinker's pages give no default: gspo ppo's, dro the beta of their example
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": 0.05},
 }
 
