@@ -26,7 +26,7 @@ import numpy as np
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
-from miles_multilora.tinker.losses import LOSS_INPUTS, check_loss, tinker_loss
+from miles_multilora.tinker.losses import LOSS_INPUTS, check_input, check_loss, tinker_loss
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, TrainerRank
@@ -289,6 +289,7 @@ class TinkerBackend:
                     _token_ids(values, where, vocab)
                 else:
                     _finite(values, where)
+                    check_input(request.loss_fn, key, values, where)
         return config
 
     def forward_backward(self, requests: Sequence[ForwardBackwardRequest]) -> list[ForwardBackwardOutput]:

@@ -1,31 +1,50 @@
 """Tinker's loss functions over a mixed micro-batch: each is a *sum* over the datum's tokens.
 
 Per-position inputs as Tinker sends them (aligned with ``target_tokens``): ``weights`` for
-``cross_entropy``; ``logprobs`` (the sampler's) and ``advantages`` for ``importance_sampling``,
-``ppo`` (clip thresholds ``clip_low_threshold`` / ``clip_high_threshold``, default 0.8 / 1.2) and
-``cispo`` (the ratio clipped to the thresholds, default 0 / 4, is a detached coefficient of the
-logprob: ``-sg(clip(ratio)) * logprob * advantage``).
+``cross_entropy``; ``logprobs`` (the sampler's, ``q``) and ``advantages`` ``A`` for the RL losses,
+with ``r = p / q`` the token's importance ratio:
+
+- ``importance_sampling``: ``-r * A``;
+- ``ppo``: ``-min(r * A, clip(r, low, high) * A)`` (``clip_low_threshold`` / ``clip_high_threshold``,
+  default 0.8 / 1.2);
+- ``cispo``: ``-sg(clip(r, low, high)) * log p * A`` (thresholds default 0 / 4);
+- ``dro``: ``-(log p * A - beta / 2 * (log p - log q)^2)`` (``beta``, default 0.05);
+- ``gspo`` (GSPO-token): every token's ratio has the value of the datum's sequence ratio
+  ``s = exp(mean of log r over the positions sequence_ratio_mask marks)`` and the gradient of its
+  own ``log p``; then PPO's clipped objective (thresholds default 0.8 / 1.2);
+- ``stable_reinforce``: ``-sg(min(r, 1)) * log p * A`` (this server's stand-in: Tinker does not
+  publish its objective, see docs/tinker.md).
+
 Metrics come back per request (the row's ``tag``): ``loss`` (the sum) and ``num_tokens``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from miles_multilora.errors import SpecError
 from miles_multilora.trainer.primitives import MicroBatch
 
+_RL = ("target_tokens", "logprobs", "advantages")
 LOSS_INPUTS = {
     "cross_entropy": ("target_tokens", "weights"),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-    "ppo": ("target_tokens", "logprobs", "advantages"),
-    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "importance_sampling": _RL,
+    "ppo": _RL,
+    "cispo": _RL,
+    "dro": _RL,
+    # our choice: the mask is required (Tinker defines the ratio over it and documents no default)
+    "gspo": (*_RL, "sequence_ratio_mask"),
+    "stable_reinforce": _RL,
 }
 CONFIG_DEFAULTS = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    # our choices where Tinker's pages give no default: gspo ppo's, dro the beta of their example
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "dro": {"beta": 0.05},
 }
 
 
@@ -41,29 +60,45 @@ def check_loss(name: str, config: Mapping[str, float] | None) -> dict[str, float
             "loss_fn_config", f"{name} takes no {', '.join(unknown)} (allowed: {sorted(allowed) or 'none'})"
         )
     resolved = {**allowed, **{k: float(v) for k, v in config.items()}}
-    if name == "ppo" and not 0 < resolved["clip_low_threshold"] <= 1 <= resolved["clip_high_threshold"]:
-        raise SpecError("loss_fn_config", "ppo needs 0 < clip_low_threshold <= 1 <= clip_high_threshold")
-    if name == "cispo" and not 0 <= resolved["clip_low_threshold"] <= resolved["clip_high_threshold"]:
+    low, high = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
+    if name in ("ppo", "gspo") and not 0 < low <= 1 <= high:
+        raise SpecError("loss_fn_config", f"{name} needs 0 < clip_low_threshold <= 1 <= clip_high_threshold")
+    if name == "cispo" and not 0 <= low <= high:
         raise SpecError("loss_fn_config", "cispo needs 0 <= clip_low_threshold <= clip_high_threshold")
+    if name == "dro" and resolved["beta"] < 0:
+        raise SpecError("loss_fn_config", f"dro needs beta >= 0, got {resolved['beta']:g}")
     return resolved
+
+
+def check_input(name: str, key: str, values: Sequence[float] | np.ndarray, where: str) -> None:
+    """A loss's own rule on one (finite, right-sized) datum input: ``gspo``'s mask must mark a token."""
+    if name == "gspo" and key == "sequence_ratio_mask" and not np.any(np.asarray(values) != 0):
+        raise SpecError(where, "marks no position; mark the sampled tokens that form the sequence ratio")
 
 
 def per_token_loss(name: str, config: Mapping[str, float], batch: MicroBatch) -> torch.Tensor:
     """``[rows, width]`` loss of each scored token (zero at padding)."""
     lp = batch.logprobs.float()
     if name == "cross_entropy":
-        loss = -batch.values("weights") * lp
-    else:
-        ratio = torch.exp(lp - batch.values("logprobs"))
-        adv = batch.values("advantages")
-        if name == "importance_sampling":
-            loss = -ratio * adv
-        elif name == "cispo":
-            low, high = config["clip_low_threshold"], config["clip_high_threshold"]
-            loss = -torch.clamp(ratio, low, high).detach() * lp * adv
-        else:
-            clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
-            loss = -torch.minimum(ratio * adv, clipped * adv)
+        return -batch.values("weights") * lp * batch.mask
+    sampled, adv = batch.values("logprobs"), batch.values("advantages")
+    ratio = torch.exp(lp - sampled)
+    if name == "importance_sampling":
+        loss = -ratio * adv
+    elif name == "cispo":
+        low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+        loss = -torch.clamp(ratio, low, high).detach() * lp * adv
+    elif name == "dro":
+        loss = -(lp * adv - 0.5 * config["beta"] * (lp - sampled) ** 2)
+    elif name == "stable_reinforce":
+        loss = -torch.clamp(ratio, max=1.0).detach() * lp * adv
+    else:  # ppo, gspo: clipped surrogate; gspo's ratio is the sequence's, with each token's gradient
+        if name == "gspo":
+            marked = (batch.values("sequence_ratio_mask") != 0).float() * batch.mask
+            seq_log_ratio = ((lp.detach() - sampled) * marked).sum(1) / marked.sum(1).clamp(min=1)
+            ratio = torch.exp(seq_log_ratio[:, None] + lp - lp.detach())
+        clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+        loss = -torch.minimum(ratio * adv, clipped * adv)
     return loss * batch.mask
 
 

@@ -364,6 +364,95 @@ def test_a_sampler_saved_before_loading_other_weights_is_refused(server: Any) ->
     _close(sc, server)
 
 
+def _slot_grads(server: Any, model_id: str) -> list[torch.Tensor]:
+    backend = server.state.backend
+    slot = backend.model(model_id).slot
+    return [p.grad[slot].detach().clone() for p in backend.rank.optimizer.params if p.grad is not None]
+
+
+def test_stable_reinforce_gspo_and_dro_from_the_sdk(server: Any) -> None:
+    """The cookbook's default RL loss end to end: sample with ``record_stability_info``, train one
+    step on something else (the samples are now off-policy), then ``stable_reinforce`` on datums
+    annotated with the samples' provenance. Its loss is the formula on the returned logprobs, and
+    its gradient is ``importance_sampling``'s with each advantage scaled by ``min(r, 1) / r``."""
+    sc = _client(server)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+    model_id = tc.get_info().model_id
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=21)
+    seqs = sampler.sample(
+        prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=4, sampling_params=params
+    ).result().sequences  # fmt: skip
+    assert all(s.sequence_id for s in seqs) and len({s.sequence_id for s in seqs}) == 4
+    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=2e-2)).result()
+
+    pad = len(PROMPT) - 1
+    advantage = [1.0, -1.0, 0.5, -0.5]
+
+    def datums(adv_scale: list[list[float]] | None = None, **extra: list[list[float]]) -> list[Any]:
+        out = []
+        for i, s in enumerate(seqs):
+            tokens, k = PROMPT + list(s.tokens), len(s.tokens)
+            scale = adv_scale[i] if adv_scale else [1.0] * k
+            inputs = {
+                "target_tokens": _tensor(tokens[1:], np.int64),
+                "logprobs": _tensor([0.0] * pad + list(s.logprobs), np.float32),
+                "advantages": _tensor([0.0] * pad + [advantage[i] * c for c in scale], np.float32),
+            }
+            inputs.update({key: _tensor(v[i], np.float32) for key, v in extra.items()})
+            datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+            sid = s.sequence_id
+            out.append(datum.with_provenance(
+                model_input=[tinker.PromptProvenanceSpan(sequence_id=sid, length=len(PROMPT)),
+                             tinker.SampledProvenanceSpan(sequence_id=sid, length=k - 1)],
+                loss_fn_inputs=[tinker.PromptProvenanceSpan(sequence_id=sid, offset=1, length=pad),
+                                tinker.SampledProvenanceSpan(sequence_id=sid, length=k)],
+            ))  # fmt: skip
+        return out
+
+    out = tc.forward_backward(datums(), "stable_reinforce").result()
+    current = [np.asarray(o["logprobs"].data[pad:], np.float64) for o in out.loss_fn_outputs]
+    ratios = [np.exp(lp - np.asarray(s.logprobs, np.float64)) for lp, s in zip(current, seqs, strict=True)]
+    all_ratios = np.concatenate(ratios)
+    assert (all_ratios > 1.001).any() and (all_ratios < 0.999).any()  # the cap at 1 matters here
+    expected = -sum(
+        float((np.minimum(r, 1.0) * lp * a).sum())
+        for r, lp, a in zip(ratios, current, advantage, strict=True)
+    )
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    stable = _slot_grads(server, model_id)
+    assert any(g.abs().sum() > 0 for g in stable)
+    tc.optim_step(tinker.AdamParams(learning_rate=0.0)).result()  # clears the gradients, keeps the weights
+    scales = [list(np.minimum(r, 1.0) / r) for r in ratios]
+    tc.forward_backward(datums(scales), "importance_sampling").result()
+    for a, b in zip(stable, _slot_grads(server, model_id), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+    tc.optim_step(tinker.AdamParams(learning_rate=0.0)).result()
+
+    # gspo and dro: their loss:sum is the formula on the returned logprobs
+    masks = [[0.0] * pad + [1.0] * len(s.tokens) for s in seqs]
+    out = tc.forward(datums(sequence_ratio_mask=masks), "gspo").result()
+    expected = 0.0
+    for o, s, a in zip(out.loss_fn_outputs, seqs, advantage, strict=True):
+        seq_ratio = float(np.exp(np.mean(np.asarray(o["logprobs"].data[pad:]) - np.asarray(s.logprobs))))
+        expected -= len(s.tokens) * min(seq_ratio * a, min(max(seq_ratio, 0.8), 1.2) * a)
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    out = tc.forward(datums(), "dro", loss_fn_config={"beta": 0.2}).result()
+    expected = 0.0
+    for o, s, a in zip(out.loss_fn_outputs, seqs, advantage, strict=True):
+        lp = np.asarray(o["logprobs"].data, np.float64)  # every position: the penalty counts the prompt's too
+        q = np.asarray([0.0] * pad + list(s.logprobs))
+        adv = np.asarray([0.0] * pad + [a] * len(s.tokens))
+        expected -= float((lp * adv - 0.1 * (lp - q) ** 2).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(tinker.BadRequestError, match="gspo needs 'sequence_ratio_mask'"):
+        tc.forward_backward(datums(), "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="stable_reinforce takes no beta"):
+        tc.forward_backward(datums(), "stable_reinforce", loss_fn_config={"beta": 0.1}).result()
+    _close(sc, server)
+
+
 def test_the_api_key_is_required_and_the_config_refuses_an_open_bind(tmp_path: Path) -> None:
     from miles_multilora.config.run import config_from_container
     from miles_multilora.errors import ConfigError

@@ -414,7 +414,7 @@ def test_malformed_input_is_a_400_naming_the_field_and_changes_nothing(served: S
     message = forward_backward_request_to_proto(types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[sft(TEXT)], loss_fn="cross_entropy"),
         model_id=model_id, seq_id=1))  # fmt: skip
-    message.loss_fn = "dro"
+    message.loss_fn = "custom"  # the one SDK loss this server does not serve
     refused(post(served, KEY_A, "forward_backward", raw=message.SerializeToString()), "loss_fn")
     message.loss_fn = "ppo"
     message.loss_fn_config_v2["clip_low_threshold"].number = float("nan")

@@ -248,9 +248,16 @@ def test_errors_are_clear_and_change_nothing(backend: TinkerBackend, tmp_path: P
     with pytest.raises(TinkerError, match="unknown model"):
         backend.forward_backward([ForwardBackwardRequest("nope", [sft_datum(TEXT)])])
     with pytest.raises(SpecError, match="unknown loss"):
-        backend.check(ForwardBackwardRequest("a", [sft_datum(TEXT)], loss_fn="dro"))
+        backend.check(ForwardBackwardRequest("a", [sft_datum(TEXT)], loss_fn="custom"))
     with pytest.raises(TinkerError, match="needs 'logprobs'"):
         backend.check(ForwardBackwardRequest("a", [sft_datum(TEXT)], loss_fn="importance_sampling"))
+    n = len(TEXT) - 1
+    rl = {"target_tokens": TEXT[1:], "logprobs": [-1.0] * n, "advantages": [1.0] * n}
+    with pytest.raises(TinkerError, match="gspo needs 'sequence_ratio_mask'"):
+        backend.check(ForwardBackwardRequest("a", [Datum(TEXT[:-1], rl)], loss_fn="gspo"))
+    unmarked = Datum(TEXT[:-1], {**rl, "sequence_ratio_mask": [0.0] * n})
+    with pytest.raises(SpecError, match=r"data\[0\]\.loss_fn_inputs\.sequence_ratio_mask: marks no position"):
+        backend.check(ForwardBackwardRequest("a", [unmarked], loss_fn="gspo"))
     assert set(backend.models) == {"a", "b"}
 
     # save -> train on -> load gives back the exact slot and optimizer state
