@@ -9,9 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
+from rich.console import Console
 
 from miles_multilora.config.quotas import TenantQuota
 from miles_multilora.controller import ControllerCore
+from miles_multilora.controller.commands import adapters_table
+from miles_multilora.controller.http_api import ControllerHTTPServer
 from miles_multilora.controller.quotas import BUCKET_S, WINDOW_S, TenantQuotas
 from miles_multilora.controller.residency import ResidencyPolicy
 from miles_multilora.controller.snapshot import AdapterResult
@@ -39,6 +43,13 @@ def records(core: ControllerCore) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in core.list()}
 
 
+def table_rows(rows: Any) -> dict[str, str]:
+    """The rows of the adapters table as printed, by adapter name."""
+    console = Console(width=250, record=True)
+    console.print(adapters_table(list(rows)))
+    return {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
+
+
 def step(core: ControllerCore, tokens: dict[str, float]) -> dict[str, dict[str, float]]:
     return core.report_step(
         {n: AdapterResult(True, None, None, {"trained_tokens": t}) for n, t in tokens.items()}
@@ -64,6 +75,18 @@ def test_a_tenant_at_max_running_waits_while_another_tenants_later_adapter_runs(
         "tenant": "alice", "limit": "max_running", "value": 1, "used": 1, "resumes_in_s": None
     }  # fmt: skip
     assert state["b1"]["quota"] is None and state["a2"]["reason"] is None  # queued, never failed
+    if turns:  # what `miles-multilora list` and the HTTP API show
+        assert "queued #1 (tenant at max_running 1)" in table_rows(state.values())["a2"]
+        server = ControllerHTTPServer(core, port=0)
+        try:
+            over_http = {
+                r["name"]: r
+                for r in requests.get(f"{server.start()}/adapters", timeout=10).json()["adapters"]
+            }
+        finally:
+            server.stop()
+        assert over_http["a2"]["quota"] == state["a2"]["quota"] and over_http["a2"]["tenant"] == "alice"
+        assert {"pending_s", "parked_s"} <= set(over_http["a2"])
     core.mark_done("a1")
     for slot in core.snapshot().slots_to_clear:
         core.slot_cleared(slot)
@@ -92,6 +115,7 @@ def test_over_tokens_per_hour_gets_no_turn_until_the_window_slides_and_a_restart
     assert (note["limit"], note["value"], note["used"]) == ("tokens_per_hour", 1000, 1200)
     assert WINDOW_S - 120 < note["resumes_in_s"] <= WINDOW_S + BUCKET_S
     assert core.get("a")["state"] == "RUNNING" and core.get("a")["reason"] is None
+    assert "parked (tenant over tokens_per_hour 1000; ~58m)" in table_rows(core.list())["a"]
 
     restored = ControllerCore.restore(tmp_path, num_slots=2, max_rank=16, residency=policy, clock=clock)
     snap = restored.snapshot()
