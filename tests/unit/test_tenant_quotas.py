@@ -199,3 +199,17 @@ def test_bad_quotas_and_tenants_name_the_key(tmp_path: Path) -> None:
         core.register(spec("a", "../etc"))
     assert spec_info.value.key == "tenant" and core.list() == []
     assert "tenant" not in core.register(spec("plain"))["spec"]  # a spec without one serialises as before
+
+
+def test_a_restart_with_a_lower_max_running_requeues_the_tenants_newest(tmp_path: Path) -> None:
+    core = ControllerCore(num_slots=3, max_rank=16, state_dir=tmp_path)
+    for name in ("a1", "a2", "b1"):
+        core.register(spec(name, "alice" if name.startswith("a") else "bob"))
+    core.snapshot()
+    policy = ResidencyPolicy(quotas=quotas(alice=TenantQuota(max_running=1)))
+    restored = ControllerCore.restore(tmp_path, num_slots=3, max_rank=16, residency=policy)
+    assert {n: r["state"] for n, r in records(restored).items()} == {
+        "a1": "RUNNING", "a2": "PENDING", "b1": "RUNNING"
+    }  # fmt: skip
+    assert [a.name for a in restored.snapshot().running] == ["a1", "b1"]
+    assert restored.get("a2")["quota"]["limit"] == "max_running"
