@@ -51,7 +51,7 @@ from miles_multilora.controller.errors import (
 )
 from miles_multilora.controller.history import RunHistory
 from miles_multilora.controller.persistence import load_state, save_state, state_path
-from miles_multilora.controller.quotas import TokenWindow
+from miles_multilora.controller.quotas import TokenWindow, quota_note
 from miles_multilora.controller.record import (
     AdapterRecord,
     eval_summary,
@@ -630,12 +630,11 @@ class ControllerCore:
             tenant = record.tenant
             if record.state is AdapterState.PENDING and self._at_max_running(tenant, running):
                 limit = self.residency.quotas.of(tenant).max_running
-                notes[record.run_id] = {"tenant": tenant, "limit": "max_running", "value": limit,
-                                        "used": running[tenant], "resumes_in_s": None}  # fmt: skip
+                notes[record.run_id] = quota_note(tenant, "max_running", limit, running[tenant])
             elif record.state is AdapterState.RUNNING and record.slot is None and tenant in over:
                 limit, used = over[tenant]
-                notes[record.run_id] = {"tenant": tenant, "limit": "tokens_per_hour", "value": limit,
-                                        "used": used, "resumes_in_s": self._tokens.resumes_in(tenant, limit, now)}  # fmt: skip
+                resumes_in_s = self._tokens.resumes_in(tenant, limit, now)
+                notes[record.run_id] = quota_note(tenant, "tokens_per_hour", limit, used, resumes_in_s)
         return notes
 
     def _public(

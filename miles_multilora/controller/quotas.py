@@ -31,6 +31,13 @@ def tenant_of(spec: AdapterSpec) -> str:
     return spec.tenant or spec.name
 
 
+def quota_note(
+    tenant: str, limit: str, value: int, used: float, resumes_in_s: float | None = None
+) -> dict[str, Any]:
+    """What a held-back adapter waits for, as its record shows it (``quota``)."""
+    return {"tenant": tenant, "limit": limit, "value": value, "used": used, "resumes_in_s": resumes_in_s}
+
+
 @dataclass(frozen=True)
 class TenantQuotas:
     """``default`` applies to every tenant ``tenants`` does not name (0: no limit)."""
