@@ -188,12 +188,15 @@ class AdapterSpec:
     # priority gets a slot first; among equal priorities, trained tokens are shared in proportion to share
     priority: int = 0
     share: float = 1.0
+    # whose quotas it counts against (controller.tenant_quotas, docs/service.md); None: its own name
+    tenant: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = OmegaConf.to_container(OmegaConf.structured(self), resolve=True)
         assert isinstance(out, dict)
-        if out.get("eval") is None:  # a spec without eval serialises as before
-            out.pop("eval", None)
+        for key in ("eval", "tenant"):  # a spec without them serialises as before
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -224,6 +227,12 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
         "name",
         f"{spec.name!r} is not a valid adapter name: use 1-64 characters from A-Z a-z 0-9 . _ -, "
         "with at least one letter or digit, not starting with '.' or '-'",
+    )
+    _check(
+        spec.tenant is None or bool(ADAPTER_NAME_PATTERN.match(spec.tenant)),
+        "tenant",
+        f"{spec.tenant!r} is not a valid tenant name: use 1-64 characters from A-Z a-z 0-9 . _ -, "
+        "with at least one letter or digit, not starting with '.' or '-' (or leave it out: the adapter's name)",
     )
     _check_finite(spec)
     _check(spec.rank >= 1, "rank", f"must be >= 1, got {spec.rank}")

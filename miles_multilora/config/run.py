@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from miles_multilora.algo.config import AlgoConfig
 from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
+from miles_multilora.config.quotas import TenantQuota, check_tenant_quotas, parse_tenant_quotas
 from miles_multilora.errors import ConfigError, SpecError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -165,6 +166,12 @@ class ControllerConfig:
     # get the slots, the others are parked off the GPU (exactly restored) until their turn
     max_running: int = 0
     min_residency_steps: int = 4  # with turns: steps an adapter keeps its slot before it may be parked
+    # Per-tenant quotas (an adapter spec's 'tenant', default its own name); 0: no limit. Over one an
+    # adapter waits, never fails: at max_running it stays PENDING (others are admitted past it); past
+    # tokens_per_hour (tokens trained in a sliding hour) its RUNNING adapters get no turn in the slots.
+    # tenant_quotas: {tenant: {max_running, tokens_per_hour}}; the default applies to every other tenant
+    default_tenant_quota: TenantQuota = field(default_factory=TenantQuota)
+    tenant_quotas: dict[str, Any] = field(default_factory=dict)  # TenantQuota-s once validated
     # Registration (and restore) runs spec-chosen work in a child process under these bounds:
     # reasoning-gym generation (dataset.task_params) and compiling reward.format_regex.
     spec_check_timeout_s: float = 10.0
@@ -200,6 +207,7 @@ class TinkerConfig:
     max_sessions: int = 64  # per tenant: open sessions; more get 429
     # models beyond lora.num_slots are parked off the GPU (least recently used first) and restored exactly
     max_models: int = 1024  # models the server holds at once, resident or parked; more are refused
+    max_models_per_tenant: int = 64  # per tenant: models held at once (max_models bounds all); more are refused
     offload_host_gb: float = (
         16.0  # parked models' state in host memory; past it, on disk (<output_dir>/offload)
     )
@@ -351,7 +359,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
     for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
                 "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
-                "max_held_results_mb", "max_models", "max_topk_prompt_logprobs"):  # fmt: skip
+                "max_held_results_mb", "max_models", "max_models_per_tenant",
+                "max_topk_prompt_logprobs"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
     _check(tk.offload_host_gb >= 0, "tinker.offload_host_gb", "must be >= 0 (0: parked models go to disk)")
     for key in ("body_timeout_s", "keep_alive_s", "session_timeout_s", "result_ttl_s",
@@ -362,6 +371,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
     _check(c.max_running >= 0, "controller.max_running", "must be >= 0 (0: lora.num_slots)")
     _check(c.min_residency_steps >= 1, "controller.min_residency_steps", "must be >= 1")
+    c.tenant_quotas = parse_tenant_quotas(c.tenant_quotas)
+    check_tenant_quotas(c.default_tenant_quota, c.tenant_quotas)
     _check(c.spec_check_timeout_s > 0, "controller.spec_check_timeout_s", "must be > 0")
     _check(c.spec_check_memory_mb >= 0, "controller.spec_check_memory_mb", "must be >= 0 (0: unbounded)")
     _check(

@@ -106,8 +106,8 @@ class ControllerActor:
     def snapshot(self) -> Snapshot:
         return self._core.snapshot()
 
-    def report_step(self, results: Mapping[str, AdapterResult]) -> None:
-        self._core.report_step(results)
+    def report_step(self, results: Mapping[str, AdapterResult]) -> dict[str, dict[str, float]]:
+        return self._core.report_step(results)
 
     def mark_done(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:
         return self._core.mark_done(name, checkpoint)

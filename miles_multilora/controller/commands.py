@@ -43,21 +43,45 @@ def _budget(record: Mapping[str, Any]) -> str:
 
 def _place(record: Mapping[str, Any], queue: Mapping[str, int]) -> str:
     """Where the adapter is: its slot, ``parked`` (RUNNING, waiting for its turn in a slot), or its
-    place among the PENDING ones."""
+    place among the PENDING ones; with the tenant quota it waits for, if any."""
+    quota = record.get("quota") or {}
+    if quota.get("limit") == "max_running":
+        why = f" (tenant at max_running {quota['value']})"
+    elif quota.get("limit") == "tokens_per_hour":
+        why = f" (tenant over tokens_per_hour {quota['value']}; ~{_duration(quota.get('resumes_in_s'))})"
+    else:
+        why = ""
     if record.get("slot") is not None:
         return str(record["slot"])
     if record["state"] in ("RUNNING", "DRAINING"):
-        return "parked"
+        return "parked" + why
     if record["state"] == "PENDING":
-        return f"queued #{queue[record['run_id']]}"
+        return f"queued #{queue[record['run_id']]}{why}"
     return "-"
 
 
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "-"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 60:.0f}m" if seconds >= 60 else f"{seconds:.0f}s"
+
+
+def _waited(record: Mapping[str, Any]) -> str:
+    """Queue time: PENDING before its first run, then parked waiting for turns (``pending/parked``)."""
+    if record.get("pending_s") is None:
+        return "-"
+    return f"{_duration(record['pending_s'])}/{_duration(record.get('parked_s') or 0)}"
+
+
 def adapters_table(records: Sequence[Mapping[str, Any]], title: str = "adapters") -> Table:
-    """One row per adapter: name, state, slot (or parked / place in the queue), steps, its share of
-    the tokens trained by the live adapters, last checkpoint, reason, last update."""
+    """One row per adapter: name, tenant, state, slot (or parked / place in the queue, and the tenant
+    quota it waits for), steps, its share of the tokens trained by the live adapters, its queue time
+    (pending before its first run / parked waiting for turns), last checkpoint, reason, last update."""
     table = Table(title=title)
-    for column in ("name", "state", "slot", "step", "share", "checkpoint", "reason", "updated"):
+    for column in ("name", "tenant", "state", "slot", "step", "share", "waited", "checkpoint", "reason",
+                   "updated"):  # fmt: skip
         table.add_column(column)
     pending = [r for r in records if r["state"] == "PENDING"]
     queue = {r["run_id"]: i + 1 for i, r in enumerate(pending)}  # records come in registration order
@@ -67,10 +91,12 @@ def adapters_table(records: Sequence[Mapping[str, Any]], title: str = "adapters"
         share = float(r.get("served_tokens") or 0) / served if served and r in live else None
         table.add_row(
             str(r["name"]),
+            str(r.get("tenant") or r["name"]),
             str(r["state"]),
             _place(r, queue),
             _budget(r),
             "-" if share is None else f"{share:.0%}",
+            _waited(r),
             str(r.get("last_checkpoint") or "-"),
             str(r.get("reason") or ""),
             _when(r.get("updated_at")),

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from miles_multilora.controller.errors import (
 )
 from miles_multilora.controller.history import RunHistory
 from miles_multilora.controller.persistence import load_state, save_state, state_path
+from miles_multilora.controller.quotas import TokenWindow, quota_note
 from miles_multilora.controller.record import (
     AdapterRecord,
     eval_summary,
@@ -86,8 +87,10 @@ class ControllerCore:
         rules: the operator's :class:`AdmissionRules` (reward modules, dataset roots, context
             window, live-adapter cap); its reward modules are imported here, once.
         history_retention: finished runs kept in the run history (older ones are forgotten).
-        residency: how many adapters run at once and how they take turns in the slots
-            (:mod:`~miles_multilora.controller.residency`; default: one per slot, no turns).
+        residency: how many adapters run at once, how they take turns in the slots and the
+            tenants' quotas (:mod:`~miles_multilora.controller.residency`,
+            :mod:`~miles_multilora.controller.quotas`; default: one per slot, no turns, no quotas).
+        clock: wall-clock seconds (queue times, the quotas' token window; tests inject one).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class ControllerCore:
         rules: AdmissionRules | None = None,
         history_retention: int = DEFAULT_HISTORY_RETENTION,
         residency: ResidencyPolicy | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError("num_slots", f"must be an integer >= 1, got {num_slots!r}")
@@ -115,6 +119,9 @@ class ControllerCore:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.residency = residency or ResidencyPolicy()
+        self._clock = clock
+        self._as_of = clock()  # the last scheduling pass: queue times are shown as of it
+        self._tokens = TokenWindow()  # tokens trained per tenant in the last hour (tokens_per_hour)
         self.rules = rules or AdmissionRules()
         import_reward_modules(self.rules.reward_modules)
         self._validate_resources = with_spec_checks(
@@ -163,6 +170,7 @@ class ControllerCore:
                     f"{self.rules.max_live_adapters}); wait for some to end or cancel some"
                 )
             self._seq += 1
+            now = self._clock()
             record = AdapterRecord(
                 name=spec.name,
                 run_id=f"{spec.name}-{self._seq}",
@@ -170,11 +178,13 @@ class ControllerCore:
                 spec=spec,
                 spec_dict=spec_dict,
                 remote=remote,
+                created_at=now,
+                updated_at=now,
             )
             self._runs[record.run_id] = record
             self._latest[spec.name] = record.run_id
             self._commit()
-            return record.public(with_spec=True)
+            return self._public(record, with_spec=True)
 
     def cancel(self, name: str) -> dict[str, Any]:
         """PENDING -> CANCELLED at once; RUNNING -> DRAINING (the trainer finishes it with
@@ -189,14 +199,14 @@ class ControllerCore:
             elif record.state is not AdapterState.DRAINING:
                 check_transition(name, record.state, AdapterState.DRAINING)
             self._commit()
-            return record.public()
+            return self._public(record)
 
     def get(self, name: str) -> dict[str, Any]:
         """The latest run of ``name`` (with its spec). Raises :class:`UnknownAdapterError`."""
         with self._lock:
             record = self._latest_record(name)
             if record is not None:
-                return record.public(with_spec=True)
+                return self._public(record, with_spec=True)
             entry = self._history.latest(name)
             if entry is None:
                 raise UnknownAdapterError(f"no adapter named {name!r} was registered (or it was forgotten)")
@@ -213,8 +223,12 @@ class ControllerCore:
             rows.sort(key=lambda row: row[0])
             if limit is not None:
                 rows = rows[-limit:] if limit > 0 else []
+            now = self._as_of
+            notes = self._quota_notes(now)
             return [
-                item.public() if isinstance(item, AdapterRecord) else public_from_history(item)
+                self._public(item, now=now, notes=notes)
+                if isinstance(item, AdapterRecord)
+                else public_from_history(item)
                 for _, item in rows
             ]
 
@@ -252,12 +266,15 @@ class ControllerCore:
             self._commit()
 
     def snapshot(self) -> Snapshot:
-        """Grant FREE slots to PENDING adapters (FIFO), then return this step's immutable view."""
+        """Grant FREE slots to PENDING adapters (FIFO, within their tenants' ``max_running``), then
+        return this step's immutable view."""
         with self._lock:
+            now = self._as_of = self._clock()
             if self.residency.takes_turns(self.num_slots):
-                granted = self._admit_running() | self._take_turns()
+                granted = self._admit_running() | self._take_turns(now)
             else:
                 granted = self._grant_free_slots()
+            self._account_parked(now)
             self._snapshot_id += 1
             active = [r for r in self._runs.values() if r.state.owns_slot]
             resident = sorted((r for r in active if r.slot is not None), key=lambda r: r.slot)
@@ -273,7 +290,7 @@ class ControllerCore:
                 self._commit()
             return snap
 
-    def report_step(self, results: Mapping[str, AdapterResult]) -> None:
+    def report_step(self, results: Mapping[str, AdapterResult]) -> dict[str, dict[str, float]]:
         """Record one training step: the :class:`AdapterResult` of each resident adapter it reports.
 
         Only adapters that ``trained`` advance their step; a reported ``step`` must equal the
@@ -282,28 +299,39 @@ class ControllerCore:
         ``resumed`` says the trainer had to resume the adapter from an older checkpoint than the
         controller's (the newer one was missing or unreadable): the controller's count goes back to
         that step first. Nothing changes unless every result checks out.
+
+        Returns each reported adapter's queue time so far (``queue/pending_s``, ``queue/parked_s``),
+        which its metrics entry also holds (for the metrics log).
         """
         with self._lock:
             checked = [(self._check_result(name, result), result) for name, result in results.items()]
-            now = time.time()
+            now = self._clock()
+            queue: dict[str, dict[str, float]] = {}
             for record, result in checked:
                 if result.resumed is not None:
                     record.step = record.checkpoint_step = result.resumed.step
                     record.last_checkpoint = result.resumed.checkpoint
                 if result.trained:
                     record.step += 1
-                    record.served_tokens += float(result.metrics.get("trained_tokens", 0) or 0)
+                    tokens = float(result.metrics.get("trained_tokens", 0) or 0)
+                    record.served_tokens += tokens
+                    if self.residency.quotas.of(record.tenant).tokens_per_hour:
+                        self._tokens.add(record.tenant, tokens, now)
                 record.resident_steps += 1
                 if result.checkpoint is not None:
                     record.last_checkpoint = str(result.checkpoint)
                     record.checkpoint_step = record.step
+                queue[record.name] = {f"queue/{k}": v for k, v in record.queue_times(now).items()}
                 metrics = jsonable_metrics(dict(result.metrics))
                 if metrics:
+                    metrics.update(queue[record.name])
                     record.metrics.append({"step": record.step, "time": now, **metrics})
                     record.last_eval = eval_summary(record.step, now, metrics) or record.last_eval
                 record.needs_init = False
                 record.updated_at = now
+            self._tokens.prune(now)
             self._commit()
+            return queue
 
     def mark_done(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:
         """RUNNING/DRAINING -> DONE: budget reached and ``checkpoint`` (the final one) written."""
@@ -313,7 +341,7 @@ class ControllerCore:
             self._set_checkpoint(record, checkpoint)
             self._finish(record, AdapterState.DONE, reason=None)
             self._commit()
-            return record.public()
+            return self._public(record)
 
     def drained(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:
         """DRAINING -> CANCELLED once the trainer finished its in-flight work and wrote
@@ -328,7 +356,7 @@ class ControllerCore:
             self._set_checkpoint(record, checkpoint)
             self._finish(record, AdapterState.CANCELLED, reason=record.reason or "cancelled")
             self._commit()
-            return record.public()
+            return self._public(record)
 
     def mark_failed(self, name: str, reason: str) -> dict[str, Any]:
         """Any live state -> FAILED with ``reason``; its slot (if any) must be cleared."""
@@ -337,7 +365,7 @@ class ControllerCore:
             check_transition(name, record.state, AdapterState.FAILED)
             self._finish(record, AdapterState.FAILED, reason=str(reason))
             self._commit()
-            return record.public()
+            return self._public(record)
 
     def slot_cleared(self, slot: int) -> None:
         """The trainer cleared ``slot`` (weights, grads, optimizer state): DIRTY -> FREE.
@@ -360,6 +388,7 @@ class ControllerCore:
         rules: AdmissionRules | None = None,
         history_retention: int = DEFAULT_HISTORY_RETENTION,
         residency: ResidencyPolicy | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> ControllerCore:
         """The controller as persisted in ``state_dir`` (a fresh one when it holds no state).
 
@@ -374,7 +403,8 @@ class ControllerCore:
         compilation) is marked FAILED with the reason, so it cannot stall the service again.
         When adapters take turns in the slots (``residency``), RUNNING adapters stay RUNNING
         without a slot until the turn rule gives them one (then they resume from their last
-        checkpoint too).
+        checkpoint too). A RUNNING adapter past its tenant's ``max_running`` (a quota lowered
+        since) is requeued PENDING, the tenant's oldest kept. The tenants' token window is kept.
         """
         data = load_state(state_dir)
         core = cls(
@@ -385,6 +415,7 @@ class ControllerCore:
             rules=rules,
             history_retention=history_retention,
             residency=residency,
+            clock=clock,
         )
         core._state_dir = Path(state_dir)
         core._history = RunHistory(state_dir, history_retention)
@@ -413,9 +444,16 @@ class ControllerCore:
                 core.rules.check_spec_work(record.spec)
             except SpecError as exc:
                 core._finish(record, AdapterState.FAILED, reason=f"after restart: {exc}")
+        running: dict[str, int] = {}  # tenant -> adapters kept RUNNING or DRAINING
         for record in resident:
             if record.state.finished:
                 continue
+            limit = core.residency.quotas.of(record.tenant).max_running
+            if record.state is AdapterState.RUNNING and limit and running.get(record.tenant, 0) >= limit:
+                record.mark_parked(False, core._clock())
+                core._transition(record, AdapterState.PENDING)
+                continue
+            running[record.tenant] = running.get(record.tenant, 0) + 1
             if core.residency.takes_turns(num_slots):  # the turn rule gives the slots
                 record.needs_init, record.resident_steps = True, 0
                 continue
@@ -423,9 +461,11 @@ class ControllerCore:
             if free is not None:
                 core._own(record, free)
             elif record.state is AdapterState.RUNNING:
+                record.mark_parked(False, core._clock())
                 core._transition(record, AdapterState.PENDING)
             else:
                 core._finish(record, AdapterState.CANCELLED, reason="cancelled; no slot after restart")
+        core._account_parked(core._clock())
         core._commit()
         return core
 
@@ -451,12 +491,13 @@ class ControllerCore:
     def _transition(self, record: AdapterRecord, target: AdapterState) -> None:
         check_transition(record.name, record.state, target)
         record.state = target
-        record.updated_at = time.time()
+        record.updated_at = self._clock()
 
     def _finish(self, record: AdapterRecord, target: AdapterState, reason: str | None) -> None:
         """End ``record``: free its slot (DIRTY) and move it to the run history (written first, so
         a crash before the state file is rewritten finds it finished there)."""
         self._transition(record, target)
+        record.mark_parked(False, record.updated_at)
         record.reason = reason
         record.finished_at = record.updated_at
         record.needs_init = False
@@ -477,17 +518,22 @@ class ControllerCore:
         self._slots.own(slot, record.run_id)
         record.slot = slot
         record.needs_init = True
-        record.updated_at = time.time()
+        record.updated_at = self._clock()
 
     def _grant_free_slots(self) -> bool:
-        """Give FREE slots to PENDING adapters (FIFO); True when any was granted."""
+        """Give FREE slots to PENDING adapters (FIFO, passing over those whose tenant is at its
+        ``max_running``); True when any was granted."""
         granted = False
+        running = self._running_per_tenant()
         for record in sorted(
             (r for r in self._runs.values() if r.state is AdapterState.PENDING), key=lambda r: r.seq
         ):
+            if self._at_max_running(record.tenant, running):
+                continue
             slot = self._slots.free_slot()
             if slot is None:
                 break
+            running[record.tenant] = running.get(record.tenant, 0) + 1
             self._transition(record, AdapterState.RUNNING)
             if record.started_at is None:
                 record.started_at = record.updated_at
@@ -496,16 +542,21 @@ class ControllerCore:
         return granted
 
     def _admit_running(self) -> bool:
-        """PENDING -> RUNNING (FIFO) while fewer than ``residency.max_running`` are active; True
-        when any was admitted. They get slots by :meth:`_take_turns`."""
+        """PENDING -> RUNNING (FIFO, passing over those whose tenant is at its ``max_running``)
+        while fewer than ``residency.max_running`` are active; True when any was admitted. They
+        get slots by :meth:`_take_turns`."""
         limit = self.residency.max_running or self.num_slots
-        active = sum(r.state.owns_slot for r in self._runs.values())
+        running = self._running_per_tenant()
+        active = sum(running.values())
         admitted = False
         for record in sorted(
             (r for r in self._runs.values() if r.state is AdapterState.PENDING), key=lambda r: r.seq
         ):
             if active >= limit:
                 break
+            if self._at_max_running(record.tenant, running):
+                continue
+            running[record.tenant] = running.get(record.tenant, 0) + 1
             self._transition(record, AdapterState.RUNNING)
             if record.started_at is None:
                 record.started_at = record.updated_at
@@ -514,14 +565,17 @@ class ControllerCore:
             admitted = True
         return admitted
 
-    def _take_turns(self) -> bool:
-        """Hand the slots to the adapters the turn rule picks: the others' slots are vacated (the
-        trainer parks them before it starts anyone in this snapshot); True when anything moved."""
+    def _take_turns(self, now: float) -> bool:
+        """Hand the slots to the adapters the turn rule picks (none of a tenant over its
+        ``tokens_per_hour``, unless DRAINING): the others' slots are vacated (the trainer parks
+        them before it starts anyone in this snapshot); True when anything moved."""
         active = [r for r in self._runs.values() if r.state.owns_slot]
+        over = self._over_tokens(now)
         candidates = [
             Candidate(r.run_id, r.seq, r.served_tokens, r.slot is not None, r.resident_steps,
                       r.state is AdapterState.DRAINING, r.spec.priority, r.spec.share)
             for r in active
+            if r.state is AdapterState.DRAINING or r.tenant not in over
         ]  # fmt: skip
         chosen = set(choose_residents(candidates, self.num_slots, self.residency.min_residency_steps))
         moved = False
@@ -537,6 +591,69 @@ class ControllerCore:
                 self._own(record, slot)
                 record.resident_steps, moved = 0, True
         return moved
+
+    def _running_per_tenant(self) -> dict[str, int]:
+        """Adapters RUNNING or DRAINING per tenant."""
+        counts: dict[str, int] = {}
+        for record in self._runs.values():
+            if record.state.owns_slot:
+                counts[record.tenant] = counts.get(record.tenant, 0) + 1
+        return counts
+
+    def _at_max_running(self, tenant: str, running: Mapping[str, int]) -> bool:
+        limit = self.residency.quotas.of(tenant).max_running
+        return bool(limit) and running.get(tenant, 0) >= limit
+
+    def _over_tokens(self, now: float) -> dict[str, tuple[int, float]]:
+        """Tenants at or over their ``tokens_per_hour``: tenant -> (limit, tokens in the window)."""
+        self._tokens.prune(now)
+        over = {}
+        for tenant in {r.tenant for r in self._runs.values()}:
+            limit = self.residency.quotas.of(tenant).tokens_per_hour
+            if limit and (used := self._tokens.used(tenant, now)) >= limit:
+                over[tenant] = (limit, used)
+        return over
+
+    def _account_parked(self, now: float) -> None:
+        """Start or stop each RUNNING/DRAINING adapter's parked clock by whether it holds a slot."""
+        for record in self._runs.values():
+            record.mark_parked(record.state.owns_slot and record.slot is None, now)
+
+    def _quota_notes(self, now: float) -> dict[str, dict[str, Any]]:
+        """Why each live adapter held back by a quota waits: run id -> ``{tenant, limit, value,
+        used, resumes_in_s}`` (a PENDING one at its tenant's ``max_running``; a parked RUNNING one
+        over its tenant's ``tokens_per_hour``)."""
+        notes: dict[str, dict[str, Any]] = {}
+        running = self._running_per_tenant()
+        over = self._over_tokens(now) if self.residency.takes_turns(self.num_slots) else {}
+        for record in self._runs.values():
+            tenant = record.tenant
+            if record.state is AdapterState.PENDING and self._at_max_running(tenant, running):
+                limit = self.residency.quotas.of(tenant).max_running
+                notes[record.run_id] = quota_note(tenant, "max_running", limit, running[tenant])
+            elif record.state is AdapterState.RUNNING and record.slot is None and tenant in over:
+                limit, used = over[tenant]
+                resumes_in_s = self._tokens.resumes_in(tenant, limit, now)
+                notes[record.run_id] = quota_note(tenant, "tokens_per_hour", limit, used, resumes_in_s)
+        return notes
+
+    def _public(
+        self,
+        record: AdapterRecord,
+        with_spec: bool = False,
+        now: float | None = None,
+        notes: Mapping[str, dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """``record.public()`` with the quota it waits for, if any, and its queue times as of the
+        last scheduling pass (a read changes nothing, not even them: they move once per step)."""
+        now = self._as_of if now is None else now
+        out = record.public(with_spec=with_spec, now=now)
+        if not record.state.finished:
+            notes = self._quota_notes(now) if notes is None else notes
+            out["quota"] = copy.deepcopy(notes.get(record.run_id))
+        else:
+            out["quota"] = None
+        return out
 
     def _assignment(self, record: AdapterRecord) -> SlotAssignment:
         assert record.slot is not None
@@ -582,6 +699,8 @@ class ControllerCore:
             "snapshot_id": self._snapshot_id,
             **self._slots.to_state(),
             "runs": [r.to_state() for r in self._runs.values()],
+            "tenant_tokens": self._tokens.to_state(),
+            "as_of": self._as_of,
         }
 
     def _load(self, data: dict[str, Any], reset_slots: bool) -> None:
@@ -589,6 +708,8 @@ class ControllerCore:
         a crash hit between the two writes of :meth:`_finish`)."""
         self._seq = int(data["seq"])
         self._snapshot_id = int(data["snapshot_id"])
+        self._tokens.load(data.get("tenant_tokens"))
+        self._as_of = float(data.get("as_of", self._as_of))
         self._runs = {}
         invalid: list[tuple[AdapterRecord, str]] = []
         for item in data["runs"]:

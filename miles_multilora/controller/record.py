@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.controller.quotas import tenant_of
 from miles_multilora.controller.states import AdapterState
 
 METRICS_HISTORY = 20  # recent per-step metric entries kept per live adapter
@@ -44,6 +45,8 @@ class AdapterRecord:
 
     ``step`` counts optimizer steps this run applied (only steps where the adapter trained);
     ``checkpoint_step`` is the step of ``last_checkpoint``, the point a restart resumes from.
+    Queue time: ``pending_s`` is the time from registration to its first RUNNING (so far, while
+    PENDING); ``parked_s`` the time it spent RUNNING or DRAINING without a slot (waiting for a turn).
     """
 
     name: str
@@ -67,12 +70,37 @@ class AdapterRecord:
     last_eval: dict[str, Any] | None = None  # the latest held-out eval: step, time, reward_mean, ...
     served_tokens: float = 0.0  # tokens trained so far (the turn rule's fair share)
     resident_steps: int = 0  # steps reported since it last got a slot
+    parked_s: float = 0.0  # time RUNNING/DRAINING without a slot, up to parked_since
+    parked_since: float | None = None  # when it last lost (or never had) a slot while RUNNING
 
-    def public(self, with_spec: bool = False) -> dict[str, Any]:
-        """Plain JSON-able view for ``get``/``list`` and the HTTP API."""
+    @property
+    def tenant(self) -> str:
+        return tenant_of(self.spec)
+
+    def queue_times(self, now: float | None = None) -> dict[str, float]:
+        """``pending_s`` and ``parked_s`` at ``now`` (a finished run: at its end)."""
+        if self.finished_at is not None:
+            now = self.finished_at
+        elif now is None:
+            now = time.time()
+        started = self.started_at if self.started_at is not None else now
+        parked = self.parked_s + (now - self.parked_since if self.parked_since is not None else 0.0)
+        return {"pending_s": max(0.0, started - self.created_at), "parked_s": max(0.0, parked)}
+
+    def mark_parked(self, parked: bool, now: float) -> None:
+        """Account the time waiting for a turn: ``parked`` says it has no slot from ``now`` on."""
+        if parked and self.parked_since is None:
+            self.parked_since = now
+        elif not parked and self.parked_since is not None:
+            self.parked_s += max(0.0, now - self.parked_since)
+            self.parked_since = None
+
+    def public(self, with_spec: bool = False, now: float | None = None) -> dict[str, Any]:
+        """Plain JSON-able view for ``get``/``list`` and the HTTP API (queue times at ``now``)."""
         out: dict[str, Any] = {
             "name": self.name,
             "run_id": self.run_id,
+            "tenant": self.tenant,
             "state": self.state.value,
             "slot": self.slot,
             "step": self.step,
@@ -89,6 +117,7 @@ class AdapterRecord:
             "metrics": [dict(m) for m in self.metrics],
             "last_eval": copy.deepcopy(self.last_eval),
             "served_tokens": self.served_tokens,
+            **self.queue_times(now),
         }
         if with_spec:
             out["spec"] = copy.deepcopy(self.spec_dict)
@@ -124,6 +153,8 @@ class AdapterRecord:
             "last_eval": self.last_eval,
             "served_tokens": self.served_tokens,
             "resident_steps": self.resident_steps,
+            "parked_s": self.parked_s,
+            "parked_since": self.parked_since,
         }
 
     @classmethod
@@ -137,4 +168,4 @@ class AdapterRecord:
 def public_from_history(entry: dict[str, Any], with_spec: bool = False) -> dict[str, Any]:
     """A history entry as :meth:`AdapterRecord.public` shows a record."""
     drop = HISTORY_ONLY_KEYS if with_spec else (*HISTORY_ONLY_KEYS, "spec")
-    return {k: v for k, v in entry.items() if k not in drop}
+    return {**{k: v for k, v in entry.items() if k not in drop}, "quota": None}

@@ -7,24 +7,29 @@ The turn rule is a weighted fair share by trained tokens: an adapter that has he
 than ``min_residency_steps`` steps keeps it (no thrashing), a DRAINING adapter keeps or gets one
 (it must checkpoint), and the other slots go first to the highest ``priority``, then to the
 adapters that have trained the fewest tokens per unit of their ``share`` (registration order
-breaks ties).
+breaks ties). A tenant over its ``tokens_per_hour`` quota (:mod:`~miles_multilora.controller.quotas`)
+is no candidate at all until its window allows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from miles_multilora.controller.quotas import TenantQuotas
 from miles_multilora.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ResidencyPolicy:
     """``max_running``: adapters RUNNING at once (None: one per slot, no turns);
-    ``min_residency_steps``: steps an adapter keeps a slot before it may be parked."""
+    ``min_residency_steps``: steps an adapter keeps a slot before it may be parked;
+    ``quotas``: per-tenant limits (a ``tokens_per_hour`` limit makes adapters take turns even
+    within the slots, so that one over it can be parked)."""
 
     max_running: int | None = None
     min_residency_steps: int = 4
+    quotas: TenantQuotas = field(default_factory=TenantQuotas)
 
     def __post_init__(self) -> None:
         if self.max_running is not None and self.max_running < 1:
@@ -37,7 +42,7 @@ class ResidencyPolicy:
             )
 
     def takes_turns(self, num_slots: int) -> bool:
-        return self.max_running is not None and self.max_running > num_slots
+        return (self.max_running is not None and self.max_running > num_slots) or self.quotas.limits_tokens
 
 
 @dataclass(frozen=True)

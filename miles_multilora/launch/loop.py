@@ -14,16 +14,16 @@ from typing import Any
 
 import ray
 
-from miles_multilora.controller.snapshot import StepReport
+from miles_multilora.controller.snapshot import Snapshot, StepReport
 from miles_multilora.launch.metrics import MetricsLogger
 from miles_multilora.launch.trainer_group import TrainerGroup
 
 
-def apply_report(controller: Any, report: StepReport) -> None:
-    """Tell the controller what the step did: slots cleared, steps, final checkpoints, failures."""
+def apply_report(controller: Any, report: StepReport) -> dict[str, dict[str, float]]:
+    """Tell the controller what the step did: slots cleared, steps, final checkpoints, failures.
+    Returns the stepped adapters' queue times (``queue/pending_s``, ``queue/parked_s``)."""
     ray.get([controller.slot_cleared.remote(slot) for slot in report.cleared])
-    if report.results:
-        ray.get(controller.report_step.remote(report.results))
+    queue = ray.get(controller.report_step.remote(report.results)) if report.results else None
     for name, checkpoint in report.drained.items():
         ray.get(controller.drained.remote(name, checkpoint))
     for name, checkpoint in report.finished.items():
@@ -31,6 +31,15 @@ def apply_report(controller: Any, report: StepReport) -> None:
     for name, reason in report.failed.items():
         if name not in report.finished:
             ray.get(controller.mark_failed.remote(name, reason))
+    return queue or {}
+
+
+def must_step(snapshot: Snapshot, held: set[str]) -> bool:
+    """Whether the trainer has work in ``snapshot``: adapters to step, slots to clear, or adapters it
+    holds (``held``: those of the last step it ran) whose turn ended with nobody to take their slot
+    (e.g. their tenant is over its tokens_per_hour): it must park them, state and all, else it would
+    start them afresh when they come back."""
+    return bool(snapshot.adapters or snapshot.slots_to_clear or held & set(snapshot.parked))
 
 
 def has_waiting(controller: Any) -> bool:
@@ -57,21 +66,24 @@ def run_loop(
     step's results are never applied.
     """
     global_step = start_step  # a resumed run continues the global step count of its metrics
+    held: set[str] = set()  # the adapters the trainer holds in slots (those of the last step)
     while not (should_stop and should_stop()):
         snapshot = ray.get(controller.snapshot.remote())
-        if not snapshot.adapters and not snapshot.slots_to_clear:
+        if not must_step(snapshot, held):
             if stop_when_idle and not has_waiting(controller):
                 break
             time.sleep(idle_sleep_s)  # nothing RUNNING: wait with little CPU
             continue
         report = group.step(snapshot, should_stop, stop_timeout_s)
         if report is None:  # the group died and was replaced: the adapters resume from checkpoints
+            held = set()
             continue
-        apply_report(controller, report)
+        held = {a.name for a in snapshot.adapters}
+        queue = apply_report(controller, report)
         if report.results:
             logger.log_step(
                 global_step,
-                {n: dict(r.metrics) for n, r in report.results.items()},
+                {n: {**r.metrics, **queue.get(n, {})} for n, r in report.results.items()},
                 dict(report.timing),
                 progress=_progress(controller),
             )

@@ -4,6 +4,7 @@ Every metric is namespaced by adapter name (``<adapter>/reward_mean``) in wandb;
 holds one line per (step, adapter). Held-out eval metrics (``eval/*``) appear in the steps where
 the adapter was evaluated; the plot draws them as a dashed curve next to the training reward, with a
 band of +/- one standard error (``eval/reward_mean_se``), and the console shows each as mean +/- SE.
+The controller adds each adapter's queue time (``queue/pending_s``, ``queue/parked_s``) to its row.
 """
 
 from __future__ import annotations

@@ -108,6 +108,7 @@ class Session:
     def start_controller(self, state_dir: Path, specs: list[AdapterSpec]) -> list[dict[str, Any]]:
         """The controller (restored from ``state_dir``) with ``specs`` registered; its records."""
         from miles_multilora.controller.actor import get_or_create_controller
+        from miles_multilora.controller.quotas import TenantQuotas
         from miles_multilora.controller.residency import ResidencyPolicy
 
         c = self.cfg.controller
@@ -126,7 +127,11 @@ class Session:
             validate_resources=DEFAULT_RESOURCE_VALIDATOR if self.service else None,
             rules=admission_rules(self.cfg),
             history_retention=c.history_retention,
-            residency=ResidencyPolicy(c.max_running or None, c.min_residency_steps),
+            residency=ResidencyPolicy(
+                c.max_running or None,
+                c.min_residency_steps,
+                TenantQuotas(c.default_tenant_quota, dict(c.tenant_quotas)),
+            ),
         )
         self.url = ray.get(self.controller.url.remote())
         register_new_adapters(self.controller, specs)

@@ -11,7 +11,8 @@ Models are not limited to the slots: when an operation needs a model that is not
 slot is free, the least recently used resident model is parked (its whole state, unapplied
 gradients included, to host memory, and past ``offload_host_bytes`` of parked state on to disk;
 :mod:`~miles_multilora.trainer.offload`) and the model comes back into the freed slot exactly as it
-was. Only ``max_models`` bounds how many a server holds.
+was. Only ``max_models`` bounds how many a server holds (and, per tenant, the server state's
+``tinker.max_models_per_tenant``).
 """
 
 from __future__ import annotations
@@ -186,6 +187,17 @@ class TinkerBackend:
     def create_model(self, model_id: str, rank: int, seed: int = 0) -> OpenSlot:
         """Initialise a fresh LoRA of ``rank`` in a slot (parking the least recently used model
         when none is free)."""
+        self.check_new_model(model_id, rank)
+        slot = self._free_slot(keep=set())
+        opened = self.rank.open_slot(slot, rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id)
+        self.resident[model_id] = opened.slot
+        self._ids[model_id] = None
+        self._touch(model_id)
+        return opened
+
+    def check_new_model(self, model_id: str, rank: int) -> None:
+        """Raise :class:`TinkerError` when :meth:`create_model` would refuse this model: its id is
+        taken, its rank is out of range, or the server holds ``max_models`` models already."""
         if model_id in self._ids:
             raise TinkerError("model_id", f"model {model_id!r} exists already")
         max_rank = self.rank.max_rank
@@ -195,12 +207,6 @@ class TinkerBackend:
             raise TinkerError(
                 "model", f"the server holds {self.max_models} models (tinker.max_models): unload one first"
             )
-        slot = self._free_slot(keep=set())
-        opened = self.rank.open_slot(slot, rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id)
-        self.resident[model_id] = opened.slot
-        self._ids[model_id] = None
-        self._touch(model_id)
-        return opened
 
     def unload_model(self, model_id: str) -> None:
         """Forget the model: weights, grads and optimizer state are erased (resident or parked)."""

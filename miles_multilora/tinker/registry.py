@@ -123,15 +123,25 @@ class Registry:
             self.sessions[session.session_id] = session
         return session
 
-    def add_model(self, tenant: str, session_id: str, model_id: str) -> OwnedModel:
+    def add_model(
+        self, tenant: str, session_id: str, model_id: str, max_per_tenant: int | None = None
+    ) -> OwnedModel:
         """Record a new model of the session (before its slot is taken: a session that ended
-        meanwhile gets none)."""
+        meanwhile gets none); refused when the tenant holds ``max_per_tenant`` models already."""
         with self._lock:
             s = self.sessions.get(session_id)
             if s is None or s.tenant != tenant:
                 raise self._unknown("session", tenant, session_id)
             if model_id in self.models:
                 raise TinkerError("model_id", f"model {model_id!r} exists already")
+            if max_per_tenant is not None:
+                held = sum(m.tenant == tenant for m in self.models.values())
+                if held >= max_per_tenant:
+                    raise TinkerError(
+                        "model",
+                        f"this API key holds {held} models, the most tinker.max_models_per_tenant allows; "
+                        "unload one (or end a session) first",
+                    )
             owned = OwnedModel(model_id, tenant, session_id, self.mint.new("run"))
             self.models[model_id] = owned
             s.models.add(model_id)

@@ -112,8 +112,10 @@ class ServerState:
         return {"type": "create_model", "model_id": model_id}
 
     def _create(self, tenant: str, session_id: str, model_id: str, rank: int, seed: int) -> None:
-        """A new model of the session in a free slot."""
-        self.registry.add_model(tenant, session_id, model_id)
+        """A new model of the session in a free slot (within ``tinker.max_models`` of the server
+        and ``tinker.max_models_per_tenant`` of its tenant)."""
+        self.backend.check_new_model(model_id, rank)  # the server's own refusals come first
+        self.registry.add_model(tenant, session_id, model_id, self.settings.max_models_per_tenant)
         try:
             self.backend.create_model(model_id, rank, seed)
         except BaseException:

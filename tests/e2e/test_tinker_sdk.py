@@ -43,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "lora": {"num_slots": 2, "max_rank": 8},
         "trainer": {"output_dir": str(root / "out"), "micro_batch_size": 32},
         "tinker": {"port": 0, "api_key_file": str(key), "base_model": "tiny", "batch_window_s": 0.05,
-                   "max_models": 2},
+                   "max_models": 2, "max_models_per_tenant": 2},
         "logging": {"wandb_mode": "disabled"},
     })  # fmt: skip
     srv = start(cfg)

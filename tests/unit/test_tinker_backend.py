@@ -396,3 +396,33 @@ def test_a_small_request_waits_for_one_batch_of_a_huge_one_and_tenants_share_fai
         assert last_b <= 11, done_order  # charged 1 token a call, all 8 calls would run first
     finally:
         queue.close()
+
+
+def test_one_tenant_cannot_hold_every_model_of_the_server(backend: TinkerBackend, tmp_path: Path) -> None:
+    from miles_multilora.config.run import TinkerConfig
+    from miles_multilora.tinker.state import ServerState
+
+    backend.max_models = 3
+    settings = TinkerConfig(max_models=3, max_models_per_tenant=2)
+    queue = BatchingQueue(backend, window_s=0.0)
+    state = ServerState(backend, queue, base_model="tiny", state_dir=tmp_path / "states", settings=settings)
+    try:
+        a, b = state.registry.open_session("t-a"), state.registry.open_session("t-b")
+        a_ids = [f"{a.session_id}:train:{i}" for i in range(3)]
+        b_ids = [f"{b.session_id}:train:{i}" for i in range(2)]
+        for i, model_id in enumerate(a_ids[:2]):
+            state.create_model("t-a", a.session_id, model_id, 4, i, None)
+        with pytest.raises(
+            TinkerError, match=r"holds 2 models, the most tinker\.max_models_per_tenant"
+        ) as info:
+            state.create_model("t-a", a.session_id, a_ids[2], 4, 2, None)
+        assert info.value.key == "model"
+        assert set(backend.models) == set(a_ids[:2]) and set(state.registry.models) == set(a_ids[:2])
+        state.create_model("t-b", b.session_id, b_ids[0], 4, 0, None)  # another tenant still has room
+        with pytest.raises(TinkerError, match=r"holds 3 models \(tinker\.max_models\)"):  # the server is full
+            state.create_model("t-b", b.session_id, b_ids[1], 4, 1, None)
+        state.unload_model(state.registry.model("t-a", a_ids[0]))
+        state.create_model("t-a", a.session_id, a_ids[2], 4, 2, None)  # its own unload made room again
+        assert set(backend.models) == {a_ids[1], a_ids[2], b_ids[0]}
+    finally:
+        queue.close()
