@@ -23,6 +23,7 @@ equal shares, 1/n: one tenant has everything).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -91,7 +92,7 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
     total = len(names) * args.steps
     rss = [rss_mb()]
     shares: list[float] = []
-    phases = {"setup_s": 0.0, "rollout_s": 0.0, "train_s": 0.0}
+    phases = {"setup_s": 0.0, "rollout_s": 0.0, "train_s": 0.0, "checkpoint_s": 0.0}
     counts = {"park": 0, "park_s": 0.0, "unpark": 0, "unpark_s": 0.0}
     step_times, trained, steps, done_steps = [], 0, 0, 0
     start = time.perf_counter()
@@ -200,29 +201,32 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{args.tenants} tenants x {args.steps} steps of {args.prompts} prompts x {args.samples} samples "
           f"(prompt {args.prompt_len}, <= {args.new_tokens} new tokens), rank {args.rank}, on {device}")  # fmt: skip
-    results = {}
-    for layout in args.layouts.split(","):
-        results[layout] = run_layout(layout, args, Path(tempfile.mkdtemp(prefix=f"tenants_{layout}_")))
-        r = results[layout]
-        print(
-            f"  ran {layout}: {r['done']}/{r['registered']} DONE in {r['steps']} steps, {r['wall_s']:.1f} s",
-            flush=True,
-        )
     header = (
         f"{'layout':>9} {'tenants':>7} {'slots':>5} {'steps':>6} {'wall s':>8} {'step s':>7} {'tok/s':>9} "
         f"{'steady':>9} {'parks':>6} "
-        f"{'park ms':>8} {'restore ms':>10} {'setup/rollout/train s':>22} {'RSS MB start/peak/end':>22} "
+        f"{'park ms':>8} {'restore ms':>10} {'setup/rollout/train/ckpt s':>27} {'RSS MB start/peak/end':>22} "
         f"{'Jain':>5} {'DONE':>6}"
     )
-    print(f"\n{header}\n{'-' * len(header)}")
-    for layout, r in results.items():
+    rows = []
+    for layout in args.layouts.split(","):
+        out = Path(tempfile.mkdtemp(prefix=f"tenants_{layout}_"))
+        try:
+            r = run_layout(layout, args, out)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)  # checkpoints and spilled state: the next layout's disk
         rss = "/".join(f"{x:.0f}" for x in r["rss"])
-        phases = "/".join(f"{r['phases'][k]:.3f}" for k in ("setup_s", "rollout_s", "train_s"))
-        print(
+        phases = "/".join(
+            f"{r['phases'][k]:.3f}" for k in ("setup_s", "rollout_s", "train_s", "checkpoint_s")
+        )
+        rows.append(
             f"{layout:>9} {r['registered']:>7} {r['slots']:>5} {r['steps']:>6} {r['wall_s']:>8.1f} "
-            f"{r['median_step_s']:>7.3f} {r['tok_s']:>9.0f} {r['steady_tok_s']:>9.0f} {r['parks']:>6} {r['park_ms']:>8.2f} {r['unpark_ms']:>10.2f} {phases:>22} "
-            f"{rss:>22} {r['jain']:>5.2f} {r['done']:>6}"
+            f"{r['median_step_s']:>7.3f} {r['tok_s']:>9.0f} {r['steady_tok_s']:>9.0f} {r['parks']:>6} "
+            f"{r['park_ms']:>8.2f} {r['unpark_ms']:>10.2f} {phases:>27} {rss:>22} {r['jain']:>5.2f} {r['done']:>6}"
         )  # fmt: skip
+        print(f"  ran {layout}: {r['done']}/{r['registered']} DONE in {r['steps']} steps\n{header}\n{rows[-1]}",
+              flush=True)  # fmt: skip
+    print(f"\n{header}\n{'-' * len(header)}")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":
