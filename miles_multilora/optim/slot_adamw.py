@@ -254,26 +254,23 @@ class SlotAdamW:
                 p.data.index_copy_(0, idx, w.to(p.dtype))
 
     # ----- per-slot state for checkpoints -----
-    def slot_state_dict(self, slot: int) -> dict:
-        """Everything this rank holds for ``slot`` (moments are this rank's TP shard), on CPU."""
+    def slot_state_dict(self, slot: int, on_device: bool = False) -> dict:
+        """Everything this rank holds for ``slot`` (moments are this rank's TP shard), on CPU;
+        ``on_device``: the moments and masters as views of the live state (no copy)."""
         self._check_slot(slot)
         spec = self.specs[slot]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.detach() if on_device else t.detach().cpu().clone()
+
         state = {
             "step": self.steps[slot],
             "optimizer": asdict(spec) if spec is not None else None,
             "total_steps": self.total_steps[slot],
-            "exp_avg": {
-                n: m[slot].detach().cpu().clone() for n, m in zip(self.names, self.exp_avg, strict=True)
-            },
-            "exp_avg_sq": {
-                n: v[slot].detach().cpu().clone() for n, v in zip(self.names, self.exp_avg_sq, strict=True)
-            },
+            "exp_avg": {n: take(m[slot]) for n, m in zip(self.names, self.exp_avg, strict=True)},
+            "exp_avg_sq": {n: take(v[slot]) for n, v in zip(self.names, self.exp_avg_sq, strict=True)},
         }
-        masters = {
-            n: mm[slot].detach().cpu().clone()
-            for n, mm in zip(self.names, self.master, strict=True)
-            if mm is not None
-        }
+        masters = {n: take(mm[slot]) for n, mm in zip(self.names, self.master, strict=True) if mm is not None}
         if masters:
             state["master"] = masters
         return state

@@ -24,6 +24,7 @@ import torch
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora.slots import slot_state
 from miles_multilora.trainer import shard
+from miles_multilora.trainer.host_copies import HostPack, to_device, to_host
 
 if TYPE_CHECKING:
     from miles_multilora.trainer.rank import OpenSlot, TrainerRank
@@ -37,10 +38,12 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _pinned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if not torch.cuda.is_available():
-        return tensors
-    return {k: t.pin_memory() for k, t in tensors.items()}
+def _cloned(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with every tensor a standalone copy (a view of a packed buffer would save it whole)."""
+    return {
+        k: _cloned(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in tree.items()
+    }
 
 
 @dataclass
@@ -52,6 +55,7 @@ class ParkedSlot:
     saved: dict[str, Any] | None  # {"slot", "optimizer", "meta", "grads"} as :func:`park` made it
     nbytes: int  # of ``saved`` in host memory
     path: Path | None = None  # where it was spilled (``saved`` is None then)
+    pack: HostPack | None = None  # on a GPU: the pinned buffers ``saved``'s tensors are views of
 
     @property
     def in_memory(self) -> bool:
@@ -62,14 +66,19 @@ class ParkedSlot:
         if self.saved is None:
             return
         directory = Path(directory)
-        shard.write_shard(directory, tp_rank, self.saved["slot"], self.saved["optimizer"], self.meta)
-        if self.saved["grads"]:
-            torch.save(self.saved["grads"], directory / f"grads_rank{tp_rank}.pt")
-        self.path, self.saved = directory, None
+        saved = self.state(tp_rank)
+        if self.pack is not None:
+            saved = _cloned(saved)
+        shard.write_shard(directory, tp_rank, saved["slot"], saved["optimizer"], self.meta)
+        if saved["grads"]:
+            torch.save(saved["grads"], directory / f"grads_rank{tp_rank}.pt")
+        self.path, self.saved, self.pack = directory, None, None
 
     def state(self, tp_rank: int) -> dict[str, Any]:
         """The parked state, read back from disk when it was spilled."""
         if self.saved is not None:
+            if self.pack is not None:
+                self.pack.wait()
             return self.saved
         assert self.path is not None
         saved = shard.read_shard(self.path, tp_rank)
@@ -81,31 +90,32 @@ class ParkedSlot:
         """Forget the state (its spill directory too)."""
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
-        self.saved, self.path = None, None
+        self.saved, self.path, self.pack = None, None, None
 
 
 def park(rank: TrainerRank, slot: int) -> ParkedSlot:
-    """Copy open ``slot``'s whole state to host memory (the caller closes the slot after)."""
+    """Copy open ``slot``'s whole state to host memory (the caller closes the slot after). On a GPU
+    the copy is one per dtype, on a copy stream: it overlaps whatever the step does next."""
     started = time.perf_counter()
     opened = rank.slot(slot)
     optimizer = rank.optimizer
-    tensors, optim_state = shard.trim_to_rank(slot_state(rank.model, slot), optimizer.slot_state_dict(slot))
+    on_gpu = bool(optimizer.params) and optimizer.params[0].is_cuda
+    tensors, optim_state = shard.trim_to_rank(
+        slot_state(rank.model, slot, on_device=on_gpu), optimizer.slot_state_dict(slot, on_device=on_gpu),
+        copy=not on_gpu,
+    )  # fmt: skip
+    with_grad = [(n, p) for n, p in zip(optimizer.names, optimizer.params, strict=True) if p.grad is not None]
+    nonzero = (
+        torch.stack([p.grad[slot].any() for _, p in with_grad]).tolist() if with_grad else []
+    )  # one sync
     grads = {
-        name: p.grad[slot].detach().cpu().clone()
-        for name, p in zip(optimizer.names, optimizer.params, strict=True)
-        if p.grad is not None and bool(p.grad[slot].any())
+        name: p.grad[slot].detach() if on_gpu else p.grad[slot].detach().cpu().clone()
+        for (name, p), keep in zip(with_grad, nonzero, strict=True)
+        if keep
     }
     meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
-    saved = {
-        "slot": _pinned(tensors),
-        "optimizer": {
-            **optim_state,
-            **{k: _pinned(optim_state[k]) for k in ("exp_avg", "exp_avg_sq", "master") if k in optim_state},
-        },
-        "meta": asdict(meta),
-        "grads": _pinned(grads),
-    }
-    parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved))
+    saved, pack = to_host({"slot": tensors, "optimizer": optim_state, "meta": asdict(meta), "grads": grads})
+    parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved), pack=pack)
     rank.offload_stats["park"] += 1
     rank.offload_stats["park_s"] += time.perf_counter() - started
     return parked
@@ -115,6 +125,8 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     """Open free ``slot`` with ``parked``'s state, exactly as it was (published to the engine)."""
     started = time.perf_counter()
     saved = parked.state(rank.layout.tp_rank)
+    if parked.pack is not None:  # one copy per dtype back to the GPU, ahead of the step's kernels
+        saved = to_device(saved, parked.pack)
     spec = saved["optimizer"].get("optimizer")
     meta = parked.meta
     opened = rank.open_slot(
@@ -130,8 +142,6 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     p.grad[slot].copy_(grads[name])
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the copies in, so the time is what they cost
     rank.offload_stats["unpark"] += 1
     rank.offload_stats["unpark_s"] += time.perf_counter() - started
     return opened

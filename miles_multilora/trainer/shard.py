@@ -41,21 +41,29 @@ def _rank_dim(name: str) -> int | None:
     return None
 
 
-def _trim(tensors: dict[str, torch.Tensor], ranks: dict[str, int]) -> dict[str, torch.Tensor]:
+def _trim(tensors: dict[str, torch.Tensor], ranks: dict[str, int], copy: bool) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in tensors.items():
         dim, layer = _rank_dim(name), name.rsplit(".", 1)[0]
-        out[name] = t.narrow(dim, 0, ranks[layer]).clone() if dim is not None and layer in ranks else t
+        if dim is not None and layer in ranks:
+            t = t.narrow(dim, 0, ranks[layer])
+            out[name] = t.clone() if copy else t
+        else:
+            out[name] = t
     return out
 
 
-def trim_to_rank(slot: dict[str, torch.Tensor], optimizer: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """``slot`` tensors and ``optimizer`` state cut to each layer's own rank (``<layer>.rank``)."""
+def trim_to_rank(
+    slot: dict[str, torch.Tensor], optimizer: dict, copy: bool = True
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """``slot`` tensors and ``optimizer`` state cut to each layer's own rank (``<layer>.rank``);
+    ``copy=False``: the cut tensors are views (the caller copies them)."""
     ranks = {name[: -len(".rank")]: int(t) for name, t in slot.items() if name.endswith(".rank")}
     optimizer = {
-        k: (_trim(v, ranks) if k in ("exp_avg", "exp_avg_sq", "master") else v) for k, v in optimizer.items()
+        k: (_trim(v, ranks, copy) if k in ("exp_avg", "exp_avg_sq", "master") else v)
+        for k, v in optimizer.items()
     }
-    return _trim(slot, ranks), optimizer
+    return _trim(slot, ranks, copy), optimizer
 
 
 def pad_optimizer(optimizer: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
