@@ -35,10 +35,6 @@ CHECKPOINT_TYPES = {TRAINING: "training", SAMPLER: "sampler", EXTERNAL: "externa
 _ON_DISK = (TRAINING, EXTERNAL)
 
 
-class Conflict(TinkerError):
-    """A change that the checkpoint's current state makes moot (answered as 409)."""
-
-
 @dataclass
 class CheckpointRecord:
     kind: str  # TRAINING, SAMPLER or EXTERNAL
@@ -151,11 +147,12 @@ class Catalog:
         with self._lock:
             self._runs[run_id] = run
             self._write(run)
-            self._forget_old_runs(tenant)
+            self._forget_old_runs(tenant, keep=run_id)
         return run
 
-    def _forget_old_runs(self, tenant: str) -> None:
-        """Past ``max_runs``, forget the tenant's oldest runs that have no checkpoint and no model."""
+    def _forget_old_runs(self, tenant: str, keep: str) -> None:
+        """Past ``max_runs``, forget the tenant's oldest runs that have no checkpoint and no model
+        (never ``keep``, the run just made)."""
         mine = [r for r in self._runs.values() if r.tenant == tenant]
         excess = len(mine) - self.max_runs
         if excess <= 0:
@@ -164,7 +161,7 @@ class Catalog:
         for run in sorted(mine, key=lambda r: r.created):
             if excess <= 0:
                 break
-            if run.checkpoints or run.run_id in live:
+            if run.checkpoints or run.run_id in live or run.run_id == keep:
                 continue
             del self._runs[run.run_id]
             self._run_file(run).unlink(missing_ok=True)
@@ -256,12 +253,10 @@ class Catalog:
             raise TinkerError(
                 "checkpoint_id", "sampler checkpoints live in the server's memory and cannot be published"
             )
-        with self._lock:
-            if record.public == public:
-                state = "public" if public else "private"
-                raise Conflict("checkpoint_id", f"{run.path(record)} is already {state}")
-            record.public = public
-            self._write(run)
+        with self._lock:  # already so: nothing to do (the SDK would retry a 409 for 5 minutes)
+            if record.public != public:
+                record.public = public
+                self._write(run)
 
     def set_ttl(self, tenant: str, run_id: str, kind: str, name: str, ttl_s: int | None) -> None:
         run, record = self.checkpoint(tenant, run_id, kind, name)

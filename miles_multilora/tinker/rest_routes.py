@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, Response
 
 from miles_multilora.config.run import TinkerConfig
 from miles_multilora.http_serving import HTTPProblem, read_body
@@ -35,7 +35,6 @@ from miles_multilora.tinker.catalog import (
     SAMPLER,
     TRAINING,
     CheckpointRecord,
-    Conflict,
     RunRecord,
 )
 from miles_multilora.tinker.registry import Unknown
@@ -146,10 +145,6 @@ def register(app: FastAPI, state: ServerState) -> None:
     """Add the REST routes to ``app`` (whose guard leaves :data:`OPEN_PATHS` to their own checks)."""
     s, catalog, registry = state.settings, state.catalog, state.registry
     signer = Signer()
-
-    @app.exception_handler(Conflict)
-    async def _on_conflict(request: Request, exc: Conflict) -> JSONResponse:
-        return JSONResponse({"detail": exc.message, "category": "user", "field": exc.key}, status_code=409)
 
     def tenant_of(request: Request) -> str:
         return request.state.principal
