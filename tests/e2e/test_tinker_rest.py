@@ -10,10 +10,14 @@ TTL and a 0.2 s sweep so that expiry is observable.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -226,3 +230,27 @@ def test_a_restart_keeps_runs_and_checkpoints(served: Served, trained: dict[str,
         assert loaded.get_info().lora_rank == 4
     finally:
         sc.close("success")
+
+
+def test_the_tinker_cli_lists_and_downloads_a_checkpoint(served: Served, trained: dict[str, Any]) -> None:
+    """``tinker checkpoint download`` of a training checkpoint: a new session loads it, exports it as
+    external weights (ttl 1 h), downloads each file by its signed URL and deletes the export."""
+    cli = Path(sys.executable).parent / "tinker"
+    if not cli.exists():
+        pytest.skip("the tinker CLI is not installed beside this Python")
+    env = {**os.environ, "TINKER_BASE_URL": served.url, "TINKER_API_KEY": KEY_A}
+    out = served.root / "download"
+
+    def run(*args: str) -> str:
+        done = subprocess.run([str(cli), *args], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listed = json.loads(run("--format", "json", "checkpoint", "list", "--run-id", trained["run"]))
+    assert trained["state"] in json.dumps(listed)
+    run("checkpoint", "download", trained["state"], "-o", str(out))
+    (folder,) = out.iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4
+    left = [c.tinker_path for c in trained["rest_a"].list_user_checkpoints().result().checkpoints]
+    assert not [p for p in left if p.endswith("/external_weights/download")]  # the CLI deleted its export
