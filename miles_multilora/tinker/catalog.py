@@ -99,6 +99,7 @@ class Catalog:
         self.live_runs, self.clock = live_runs, clock
         self._lock = threading.Lock()
         self._runs: dict[str, RunRecord] = {}
+        self._by_model: dict[str, str] = {}  # model id -> run id
         self._load()
 
     # ------------------------------------------------------------------ layout
@@ -135,6 +136,7 @@ class Catalog:
             if gone:
                 self._write(run)
             self._runs[run.run_id] = run
+            self._by_model[run.model_id] = run.run_id
 
     # ------------------------------------------------------------------ runs
     def add_run(
@@ -146,6 +148,7 @@ class Catalog:
         )
         with self._lock:
             self._runs[run_id] = run
+            self._by_model[model_id] = run_id
             self._write(run)
             self._forget_old_runs(tenant, keep=run_id)
         return run
@@ -164,15 +167,14 @@ class Catalog:
             if run.checkpoints or run.run_id in live or run.run_id == keep:
                 continue
             del self._runs[run.run_id]
+            self._by_model.pop(run.model_id, None)
             self._run_file(run).unlink(missing_ok=True)
             excess -= 1
 
     def run(self, tenant: str, run_id: str) -> RunRecord:
         """The tenant's run by its run id, or by its model's id (what the SDK calls it)."""
         with self._lock:
-            run = self._runs.get(run_id)
-            if run is None and ":train:" in run_id:
-                run = next((r for r in self._runs.values() if r.model_id == run_id), None)
+            run = self._runs.get(run_id) or self._runs.get(self._by_model.get(run_id, ""))
         if run is None or run.tenant != tenant:
             raise Unknown("training_run_id", f"unknown training run {run_id!r}")
         return run
