@@ -285,6 +285,11 @@ class Catalog:
             ]  # fmt: skip
         return sorted(found, key=lambda rc: (-rc[1].created, rc[0].run_id, rc[1].checkpoint_id))
 
+    def checkpoints_of(self, run: RunRecord) -> list[CheckpointRecord]:
+        """A run's checkpoints (a copy: the queue thread may be adding one)."""
+        with self._lock:
+            return list(run.checkpoints.values())
+
     def all_checkpoints(self, kind: str) -> list[tuple[RunRecord, CheckpointRecord]]:
         """Every tenant's checkpoints of one kind."""
         with self._lock:

@@ -161,7 +161,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     def last_request(run: RunRecord) -> float:
         """The run's last request: its live session's last word, else its newest checkpoint."""
-        times = [run.created, *(c.created for c in run.checkpoints.values())]
+        times = [run.created, *(c.created for c in catalog.checkpoints_of(run))]
         owned = registry.models.get(run.model_id)
         session = registry.sessions.get(run.session_id)
         if owned is not None and owned.run_id == run.run_id and session is not None:
@@ -169,7 +169,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return max(times)
 
     def run_json(run: RunRecord) -> dict[str, Any]:
-        mine = sorted((c for c in run.checkpoints.values() if listed(run, c)), key=lambda c: c.created)
+        mine = sorted((c for c in catalog.checkpoints_of(run) if listed(run, c)), key=lambda c: c.created)
         last = {
             kind: next((c for c in reversed(mine) if c.kind == kind), None) for kind in (TRAINING, SAMPLER)
         }
@@ -203,7 +203,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
     async def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
         run = catalog.run(tenant_of(request), run_id)
-        mine = sorted((c for c in run.checkpoints.values() if listed(run, c)), key=lambda c: -c.created)
+        mine = sorted((c for c in catalog.checkpoints_of(run) if listed(run, c)), key=lambda c: -c.created)
         return {"checkpoints": [checkpoint_json(run, c) for c in mine], "cursor": None}
 
     @app.get(f"{API}/checkpoints")

@@ -152,7 +152,14 @@ class ServerState:
         except BaseException:
             self.registry.drop_model(model_id, "its creation failed")
             raise
-        self.catalog.add_run(tenant, owned.run_id, session_id, model_id, self.base_model, rank, user_metadata)
+        try:
+            self.catalog.add_run(
+                tenant, owned.run_id, session_id, model_id, self.base_model, rank, user_metadata
+            )
+        except BaseException:  # e.g. the disk is full: no model without its run record
+            self._unload_if_loaded(model_id)
+            self.registry.drop_model(model_id, "its run could not be recorded")
+            raise
 
     def unload_model(self, owned: OwnedModel) -> dict[str, Any]:
         self._unload_if_loaded(owned.model_id)
