@@ -216,6 +216,15 @@ class TinkerConfig:
     result_ttl_s: float = 3600.0  # an unretrieved result is dropped after this
     retrieved_result_ttl_s: float = 60.0  # a retrieved result stays this long (for a lost reply), then goes
     max_held_results_mb: int = 256  # per tenant: finished results held; past it the oldest are dropped
+    # checkpoints and runs (the REST routes: rest_client, `tinker checkpoint ...`)
+    checkpoint_sweep_interval_s: float = 60.0  # how often checkpoints past their ttl_seconds are deleted
+    min_checkpoint_ttl_s: int = 3600  # the shortest ttl_seconds a save may ask for (Tinker: 1 hour)
+    max_checkpoint_ttl_s: int = 315_360_000  # the longest ttl_seconds (Tinker: 10 years)
+    max_checkpoints: int = 10_000  # per tenant: checkpoints kept (all kinds); saves past it fail
+    max_runs: int = 100_000  # per tenant: runs remembered; past it the oldest without checkpoints go
+    max_list_limit: int = 1000  # the largest page (limit) a list route returns
+    max_user_metadata_bytes: int = 16_384  # user_metadata of one run, session or checkpoint (as JSON)
+    download_url_ttl_s: float = 3600.0  # signed external-weights download URLs stop working after this
 
 
 @dataclass
@@ -359,13 +368,19 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
     for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
                 "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
-                "max_held_results_mb", "max_models", "max_models_per_tenant",
-                "max_topk_prompt_logprobs"):  # fmt: skip
+                "max_held_results_mb", "max_models", "max_models_per_tenant", "max_topk_prompt_logprobs",
+                "min_checkpoint_ttl_s", "max_checkpoints", "max_runs", "max_list_limit",
+                "max_user_metadata_bytes"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
     _check(tk.offload_host_gb >= 0, "tinker.offload_host_gb", "must be >= 0 (0: parked models go to disk)")
     for key in ("body_timeout_s", "keep_alive_s", "session_timeout_s", "result_ttl_s",
-                "retrieved_result_ttl_s"):  # fmt: skip
+                "retrieved_result_ttl_s", "checkpoint_sweep_interval_s", "download_url_ttl_s"):  # fmt: skip
         _check(getattr(tk, key) > 0, f"tinker.{key}", "must be > 0 (seconds)")
+    _check(
+        tk.max_checkpoint_ttl_s >= tk.min_checkpoint_ttl_s,
+        "tinker.max_checkpoint_ttl_s",
+        f"must be >= tinker.min_checkpoint_ttl_s ({tk.min_checkpoint_ttl_s})",
+    )
     c = cfg.controller
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")

@@ -421,6 +421,12 @@ class TinkerBackend:
         self.rank.save_slot(self._slot_of(model_id), path)
         return Path(path)
 
+    def export_peft(self, model_id: str, path: str | Path) -> Path:
+        """The model's LoRA as a PEFT adapter directory ``path`` (``adapter_model.safetensors`` and
+        ``adapter_config.json``, HF module names)."""
+        self.rank.export_peft(self._slot_of(model_id), path)
+        return Path(path)
+
     def load_state(self, model_id: str, path: str | Path, optimizer: bool = True) -> None:
         """Put a saved state into the model's slot: its optimizer state and version too, or (without
         ``optimizer``) the weights alone, as a new version, so no sampler of the old weights

@@ -37,6 +37,7 @@ class Session:
     last_seen: float
     models: set[str] = field(default_factory=set)
     samplers: set[str] = field(default_factory=set)
+    user_metadata: dict[str, str] | None = None
 
     @property
     def lane(self) -> tuple[str, str]:
@@ -85,12 +86,14 @@ class Registry:
             why = ""
         return Unknown(what, f"unknown {what} {some_id!r}{why}")
 
-    def session(self, tenant: str, session_id: str) -> Session:
+    def session(self, tenant: str, session_id: str, touch: bool = True) -> Session:
+        """The tenant's session (``touch``: it was heard from; a REST read is not)."""
         with self._lock:
             s = self.sessions.get(session_id)
             if s is None or s.tenant != tenant:
                 raise self._unknown("session", tenant, session_id)
-            s.last_seen = self.clock()
+            if touch:
+                s.last_seen = self.clock()
             return s
 
     def model(self, tenant: str, model_id: str) -> OwnedModel:
@@ -116,9 +119,27 @@ class Registry:
             raise Unknown("model_path", f"no sampler weights at {path!r} (save_weights_for_sampler first)")
         return found
 
+    def has_snapshot(self, tenant: str, path: str) -> bool:
+        with self._lock:
+            return (tenant, path) in self.snapshots
+
+    def drop_snapshot(self, tenant: str, path: str) -> None:
+        with self._lock:
+            self.snapshots.pop((tenant, path), None)
+
+    def tenant_sessions(self, tenant: str) -> list[Session]:
+        """The tenant's open sessions, oldest first."""
+        with self._lock:
+            return [s for s in self.sessions.values() if s.tenant == tenant]
+
+    def live_runs(self) -> set[str]:
+        """The run ids of every loaded model."""
+        with self._lock:
+            return {m.run_id for m in self.models.values()}
+
     # ------------------------------------------------------------------ changes
-    def open_session(self, tenant: str) -> Session:
-        session = Session(self.mint.new("sess"), tenant, self.clock())
+    def open_session(self, tenant: str, user_metadata: dict[str, str] | None = None) -> Session:
+        session = Session(self.mint.new("sess"), tenant, self.clock(), user_metadata=user_metadata)
         with self._lock:
             self.sessions[session.session_id] = session
         return session

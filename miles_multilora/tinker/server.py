@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import Guard, HTTPProblem, read_body
-from miles_multilora.tinker import params
+from miles_multilora.tinker import params, rest_routes
 from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.futures import Busy, Gone
 from miles_multilora.tinker.registry import OwnedModel, Unknown
@@ -71,6 +71,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         authenticate=authenticate,
+        open_paths=rest_routes.OPEN_PATHS,
         unauthorized=("missing or wrong X-API-Key", "AuthError", {}),
     )
     s = state.settings
@@ -140,14 +141,14 @@ def create_app(
 
     @app.post(f"{API}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        await drain(request)
+        metadata = rest_routes.user_metadata(await body_of(request), s)
         tenant = tenant_of(request)
         if registry.count_sessions(tenant) >= s.max_sessions:
             raise Busy(
                 f"this API key has {s.max_sessions} open sessions, the most tinker.max_sessions allows; "
                 "close some (ServiceClient.close) or let them expire"
             )
-        return {"type": "create_session", "session_id": registry.open_session(tenant).session_id}
+        return {"type": "create_session", "session_id": registry.open_session(tenant, metadata).session_id}
 
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> Any:
@@ -181,10 +182,11 @@ def create_app(
         if seed is None:  # the SDK's None: a random seed (0 is a seed like any other)
             seed = secrets.randbelow(2**31)
         base = params.text(body, "base_model", None)
+        metadata = rest_routes.user_metadata(body, s)
         model_id = f"{session.session_id}:train:{seq}"
 
         def create() -> dict[str, Any]:
-            return state.create_model(tenant, session.session_id, model_id, rank, seed, base)
+            return state.create_model(tenant, session.session_id, model_id, rank, seed, base, metadata)
 
         rid = submit(
             tenant, (tenant, session.session_id, "create_model", seq), "json", session.lane, [create]
@@ -256,9 +258,10 @@ def create_app(
         owned = registry.model(tenant, params.text(body, "model_id"))
         name = checked_name(params.text(body, "path"))
         overwrite, seq = params.flag(body, "overwrite"), params.integer(body, "seq_id", None)
+        ttl, metadata = rest_routes.ttl_seconds(body, s), rest_routes.user_metadata(body, s)
 
         def save() -> dict[str, Any]:
-            return state.save_weights(tenant, owned, name, overwrite)
+            return state.save_weights(tenant, owned, name, overwrite, ttl, metadata)
 
         key = (tenant, owned.model_id, "save_weights", seq) if seq is not None else None
         return {"request_id": submit(tenant, key, "json", _lane(owned), [save])}
@@ -269,6 +272,7 @@ def create_app(
         path = params.text(body, "path")
         state.weights_of(tenant, path)  # a 400 now when it is no path of saved weights
         with_optimizer = params.flag(body, "optimizer")
+        metadata = rest_routes.user_metadata(body, s)
         if body.get("model_id") is not None:
             owned = registry.model(tenant, params.text(body, "model_id"))
             seq = params.integer(body, "seq_id", None)
@@ -281,7 +285,7 @@ def create_app(
             key = (tenant, session_id, "create_model", seq)
 
         def load() -> dict[str, Any]:
-            return state.load_weights(tenant, path, model_id, with_optimizer, new_in_session=session_id)
+            return state.load_weights(tenant, path, model_id, with_optimizer, session_id, metadata)
 
         return {"request_id": submit(tenant, key, "json", lane, [load])}
 
@@ -291,6 +295,7 @@ def create_app(
         owned = registry.model(tenant, params.text(body, "model_id"))
         seq = params.integer(body, "seq_id", None)
         name = params.text(body, "path", None)
+        ttl, metadata = rest_routes.ttl_seconds(body, s), rest_routes.user_metadata(body, s)
         path, sampler_id = None, None
         if name is not None:
             path = f"tinker://{owned.run_id}/sampler_weights/{checked_name(name)}"
@@ -299,7 +304,7 @@ def create_app(
             sampler_id = f"{owned.session_id}:sample:{sampler_seq}"
 
         def snapshot() -> dict[str, Any]:
-            return state.save_for_sampler(tenant, owned, path, sampler_id)
+            return state.save_for_sampler(tenant, owned, path, sampler_id, ttl, metadata)
 
         key = (tenant, owned.model_id, "save_weights_for_sampler", seq) if seq is not None else None
         return {"request_id": submit(tenant, key, "json", _lane(owned), [snapshot])}
@@ -361,6 +366,7 @@ def create_app(
         futures.retrieved(entry)
         return Response(outcome.body, media_type=outcome.media_type)
 
+    rest_routes.register(app, state)  # runs, checkpoints, weights info, sessions, external weights
     return app
 
 

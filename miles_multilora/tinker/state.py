@@ -12,10 +12,13 @@ live slot at the version it was saved for (no export); a slot whose version move
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from miles_multilora.tinker.backend import (
     TinkerError,
     read_state,
 )
+from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog, dir_size
 from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
@@ -65,6 +69,7 @@ class ServerState:
     mint: IdMint = field(default_factory=IdMint)
     registry: Registry = field(init=False)
     futures: FutureStore = field(init=False)
+    catalog: Catalog = field(init=False)
     stopping: threading.Event = field(default_factory=threading.Event)  # long polls end (503)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,11 @@ class ServerState:
             max_held_bytes=s.max_held_results_mb << 20,
             max_pending=s.max_pending_requests,
         )
+        self.catalog = Catalog(
+            self.state_dir, max_checkpoints=s.max_checkpoints, max_runs=s.max_runs,
+            live_runs=self.registry.live_runs,
+        )  # fmt: skip
+        self._last_sweep = 0.0
 
     def weights_dir(self, tenant: str, run: str, name: str) -> Path:
         return self.state_dir / tenant / "weights" / run / name
@@ -101,25 +111,63 @@ class ServerState:
                 continue
             logger.info("tinker: session %s of %s expired", session.session_id, session.tenant)
         self.futures.sweep()
+        now = time.monotonic()
+        if now - self._last_sweep >= self.settings.checkpoint_sweep_interval_s:
+            self._last_sweep = now
+            self.sweep_checkpoints()
+
+    # ----------------------------------------------------------------- checkpoints (any thread)
+    def sweep_checkpoints(self) -> int:
+        """Delete every checkpoint past its ``ttl_seconds``, and forget sampler checkpoints whose
+        model is gone; returns how many expired."""
+        expired = self.catalog.expired()
+        for run, record in expired:
+            try:
+                self.delete_checkpoint(run.tenant, run.run_id, record.kind, record.name)
+            except Unknown:  # deleted meanwhile
+                continue
+            logger.info("tinker: %s of %s expired (ttl_seconds)", run.path(record), run.tenant)
+        for run, record in self.catalog.all_checkpoints(SAMPLER):
+            if not self.registry.has_snapshot(run.tenant, run.path(record)):
+                with contextlib.suppress(Unknown):
+                    self.catalog.remove(run.tenant, run.run_id, record.kind, record.name)
+        return len(expired)
+
+    def delete_checkpoint(self, tenant: str, run_id: str, kind: str, name: str) -> None:
+        record = self.catalog.remove(tenant, run_id, kind, name)
+        if kind == SAMPLER:
+            self.registry.drop_snapshot(tenant, f"tinker://{run_id}/{record.checkpoint_id}")
 
     # ----------------------------------------------------------------- models (on the queue)
     def create_model(
-        self, tenant: str, session_id: str, model_id: str, rank: int, seed: int, base: str | None
-    ) -> dict[str, Any]:
+        self, tenant: str, session_id: str, model_id: str, rank: int, seed: int, base: str | None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         if base not in (None, self.base_model):
             raise TinkerError("base_model", f"this server trains {self.base_model!r}, not {base!r}")
-        self._create(tenant, session_id, model_id, rank, seed)
+        self._create(tenant, session_id, model_id, rank, seed, user_metadata)
         return {"type": "create_model", "model_id": model_id}
 
-    def _create(self, tenant: str, session_id: str, model_id: str, rank: int, seed: int) -> None:
+    def _create(
+        self, tenant: str, session_id: str, model_id: str, rank: int, seed: int,
+        user_metadata: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         """A new model of the session in a free slot (within ``tinker.max_models`` of the server
-        and ``tinker.max_models_per_tenant`` of its tenant)."""
+        and ``tinker.max_models_per_tenant`` of its tenant), and its training run in the catalog."""
         self.backend.check_new_model(model_id, rank)  # the server's own refusals come first
-        self.registry.add_model(tenant, session_id, model_id, self.settings.max_models_per_tenant)
+        owned = self.registry.add_model(tenant, session_id, model_id, self.settings.max_models_per_tenant)
         try:
             self.backend.create_model(model_id, rank, seed)
         except BaseException:
             self.registry.drop_model(model_id, "its creation failed")
+            raise
+        try:
+            self.catalog.add_run(
+                tenant, owned.run_id, session_id, model_id, self.base_model, rank, user_metadata
+            )
+        except BaseException:  # e.g. the disk is full: no model without its run record
+            self._unload_if_loaded(model_id)
+            self.registry.drop_model(model_id, "its run could not be recorded")
             raise
 
     def unload_model(self, owned: OwnedModel) -> dict[str, Any]:
@@ -132,45 +180,87 @@ class ServerState:
             self.backend.unload_model(model_id)
 
     # ----------------------------------------------------------------- saved states (on the queue)
-    def save_weights(self, tenant: str, owned: OwnedModel, name: str, overwrite: bool) -> dict[str, Any]:
+    def save_weights(
+        self, tenant: str, owned: OwnedModel, name: str, overwrite: bool, ttl_s: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         path = f"tinker://{owned.run_id}/weights/{name}"
         target = self.weights_dir(tenant, owned.run_id, name)
         if target.exists() and not overwrite:
             raise TinkerError("path", f"{path} exists; pass overwrite=True or choose another name")
+        self.catalog.check_room(tenant, owned.run_id, TRAINING, name)
         self.backend.save_state(owned.model_id, target)
+        self.catalog.add_checkpoint(
+            tenant, owned.run_id, TRAINING, name, size_bytes=dir_size(target), ttl_s=ttl_s,
+            user_metadata=user_metadata,
+        )  # fmt: skip
         return {"type": "save_weights", "path": path}
 
+    def save_external(self, tenant: str, owned: OwnedModel, name: str, ttl_s: int | None) -> dict[str, Any]:
+        """The model's LoRA as a PEFT adapter directory, ``tinker://<run>/external_weights/<name>``."""
+        path = f"tinker://{owned.run_id}/{EXTERNAL}/{name}"
+        target = self.catalog.files_of(tenant, owned.run_id, EXTERNAL, name)
+        if target.exists():
+            raise TinkerError("path", f"{path} exists; delete it or choose another name")
+        self.catalog.check_room(tenant, owned.run_id, EXTERNAL, name)
+        staging = target.with_name(f".{name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self.backend.export_peft(owned.model_id, staging)
+            staging.replace(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        size = dir_size(target)
+        self.catalog.add_checkpoint(
+            tenant, owned.run_id, EXTERNAL, name, size_bytes=size, ttl_s=ttl_s, user_metadata=None
+        )
+        return {"type": "save_weights_external", "path": path, "size_bytes": size}
+
     def weights_of(self, tenant: str, path: str) -> Path:
-        """Where ``tinker://<run>/weights/<name>`` of ``tenant`` lives."""
+        """Where ``tinker://<run>/weights/<name>`` lives: the tenant's own, or a published one."""
         match = PATH.match(path)
         if match is None or match.group(2) != "weights":
             raise TinkerError(
                 "path", f"expected tinker://<run>/weights/<name> (from save_state), got {path!r}"
             )
-        return self.weights_dir(tenant, match.group(1), match.group(3))
+        own = self.weights_dir(tenant, match.group(1), match.group(3))
+        if not own.is_dir() and (public := self.catalog.published(match.group(1), TRAINING, match.group(3))):
+            return self.weights_dir(public[0].tenant, match.group(1), match.group(3))
+        return own
 
     def load_weights(
-        self, tenant: str, path: str, model_id: str, optimizer: bool, new_in_session: str | None = None
-    ) -> dict[str, Any]:
+        self, tenant: str, path: str, model_id: str, optimizer: bool, new_in_session: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """Put the saved state ``path`` into ``model_id``; ``new_in_session``: create that model
-        first, in that session, with the saved state's LoRA rank and seed."""
+        first, in that session, with the saved state's LoRA rank and seed (and ``user_metadata``)."""
         target = self.weights_of(tenant, path)
+        gone = TinkerError("path", f"no saved state at {path} (deleted, expired, or never saved)")
         if not target.is_dir():
-            raise TinkerError("path", f"no saved state at {path}")
-        if new_in_session is not None:
-            meta = read_state(target)
-            self._create(tenant, new_in_session, model_id, meta.rank, meta.seed)
-        self.backend.load_state(model_id, target, optimizer=optimizer)
+            raise gone
+        try:
+            if new_in_session is not None:
+                meta = read_state(target)
+                self._create(tenant, new_in_session, model_id, meta.rank, meta.seed, user_metadata)
+            self.backend.load_state(model_id, target, optimizer=optimizer)
+        except FileNotFoundError as exc:  # deleted while it was being read
+            raise gone from exc
         return {"type": "load_weights", "path": path, "model_id": model_id}
 
     # ----------------------------------------------------------------- sampling
     def save_for_sampler(
-        self, tenant: str, owned: OwnedModel, path: str | None, sampler_id: str | None
-    ) -> dict[str, Any]:
+        self, tenant: str, owned: OwnedModel, path: str | None, sampler_id: str | None,
+        ttl_s: int | None = None, user_metadata: dict[str, str] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """Record the model's current version under ``path`` (a named snapshot) or as a sampler."""
         version = self.backend.model(owned.model_id).version
         if path is not None:
+            name = path.rsplit("/", 1)[1]
+            self.catalog.check_room(tenant, owned.run_id, SAMPLER, name)
             self.registry.add_snapshot(tenant, path, owned.model_id, version)
+            self.catalog.add_checkpoint(
+                tenant, owned.run_id, SAMPLER, name, size_bytes=None, ttl_s=ttl_s, user_metadata=user_metadata
+            )
             return {"type": "save_weights_for_sampler", "path": path}
         assert sampler_id is not None
         self.registry.add_sampler(Sampler(sampler_id, tenant, owned.session_id, owned.model_id, version))
