@@ -207,7 +207,9 @@ class TinkerConfig:
     max_sessions: int = 64  # per tenant: open sessions; more get 429
     # models beyond lora.num_slots are parked off the GPU (least recently used first) and restored exactly
     max_models: int = 1024  # models the server holds at once, resident or parked; more are refused
-    max_models_per_tenant: int = 64  # per tenant: models held at once (max_models bounds all); more are refused
+    max_models_per_tenant: int = (
+        64  # per tenant: models held at once (max_models bounds all); more are refused
+    )
     offload_host_gb: float = (
         16.0  # parked models' state in host memory; past it, on disk (<output_dir>/offload)
     )
