@@ -96,8 +96,8 @@ def _empty_slot(layer: MultiLoRALinear, slot: int) -> None:
     )
 
 
-def init_slot(model: nn.Module, slot: int, rank: int, alpha: float, seed: int, optimizer: Any = None) -> None:
-    """Fresh adapter in ``slot``: ``A`` kaiming-uniform (as PEFT), ``B = 0``, scale ``alpha / rank`` (fp32)."""
+def check_slot_args(model: nn.Module, slot: int, rank: int, alpha: float) -> list[MultiLoRALinear]:
+    """The model's LoRA layers, once ``slot``, ``rank`` and ``alpha`` are known to fit them."""
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
     max_rank = layers[0].max_rank
@@ -105,6 +105,12 @@ def init_slot(model: nn.Module, slot: int, rank: int, alpha: float, seed: int, o
         raise SpecError("rank", f"must be an int in 1..{max_rank} (the model's max_rank), got {rank!r}")
     if not alpha > 0:
         raise SpecError("alpha", f"must be > 0, got {alpha!r}")
+    return layers
+
+
+def init_slot(model: nn.Module, slot: int, rank: int, alpha: float, seed: int, optimizer: Any = None) -> None:
+    """Fresh adapter in ``slot``: ``A`` kaiming-uniform (as PEFT), ``B = 0``, scale ``alpha / rank`` (fp32)."""
+    layers = check_slot_args(model, slot, rank, alpha)
     for layer in layers:
         if isinstance(layer, MultiLoRAExpertLinear):
             a_experts = expert_slots.init_a(layer, rank, seed).to(layer.lora_A.dtype)

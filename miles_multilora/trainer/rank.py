@@ -29,6 +29,7 @@ from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.lora import clear_slot, export_slot, init_slot, load_slot_state, slot_state
+from miles_multilora.lora.slots import check_slot_args
 from miles_multilora.models import compat
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.optim.slot_adamw import SlotStepStats
@@ -133,11 +134,19 @@ class TrainerRank:
             raise ConfigError(
                 "slot", f"slot {slot} is open (held by {self.slots[slot].name!r}): close it first"
             )
-        init_slot(self.model, slot, rank, alpha, seed, self.optimizer)
+        if restore is None:
+            init_slot(self.model, slot, rank, alpha, seed, self.optimizer)
+        else:  # the restore writes every tensor of the slot and its optimizer state: no fresh draw
+            check_slot_args(self.model, slot, rank, alpha)
         self.optimizer.configure_slot(slot, optimizer, total_steps=total_steps)
         opened = self.slots[slot] = OpenSlot(slot, name, rank, float(alpha), seed, 0, run)
         if restore is not None:
-            self._load(opened, restore, optimizer=True)
+            try:
+                self._load(opened, restore, optimizer=True)
+            except BaseException:  # a state that does not fit leaves the slot closed, as it was
+                self.slots.pop(slot, None)
+                clear_slot(self.model, slot, self.optimizer)
+                raise
         self._publish([slot])
         return opened
 
