@@ -76,19 +76,23 @@ class TokenWindow:
     def prune(self, now: float) -> None:
         """Forget the buckets that have left the window."""
         for tenant in list(self._buckets):
-            kept = [b for b in self._buckets[tenant] if b[0] + BUCKET_S + WINDOW_S > now]
+            kept = self._live(tenant, now)
             if kept:
                 self._buckets[tenant] = kept
             else:
                 del self._buckets[tenant]
 
+    def _live(self, tenant: str, now: float) -> list[list[float]]:
+        """``tenant``'s buckets still in the window ending ``now``, oldest first."""
+        return [b for b in self._buckets.get(tenant, ()) if b[0] + BUCKET_S + WINDOW_S > now]
+
     def used(self, tenant: str, now: float) -> float:
         """Tokens ``tenant`` trained in the window ending ``now``."""
-        return sum(t for start, t in self._buckets.get(tenant, ()) if start + BUCKET_S + WINDOW_S > now)
+        return sum(t for _, t in self._live(tenant, now))
 
     def resumes_in(self, tenant: str, limit: int, now: float) -> float:
         """Seconds until ``tenant`` is under ``limit`` again (0 when it is)."""
-        live = [b for b in self._buckets.get(tenant, ()) if b[0] + BUCKET_S + WINDOW_S > now]
+        live = self._live(tenant, now)
         used = sum(t for _, t in live)
         for start, tokens in live:
             if used < limit:

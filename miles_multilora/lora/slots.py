@@ -149,16 +149,16 @@ def slot_rank(model: nn.Module, slot: int) -> int:
 
 
 # ----- checkpoint state -----
-def slot_state(model: nn.Module, slot: int, on_device: bool = False) -> dict[str, torch.Tensor]:
+def slot_state(model: nn.Module, slot: int, views: bool = False) -> dict[str, torch.Tensor]:
     """This rank's exact tensors of ``slot`` (A/B shards, rank, scale and PEFT shape of every layer);
-    ``on_device``: A and B as views of the live slot (no copy; the caller copies them before the slot
+    ``views``: A and B as views of the live slot (no copy; the caller copies them before the slot
     changes), else copies on the CPU."""
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
     out: dict[str, torch.Tensor] = {}
 
     def take(t: torch.Tensor) -> torch.Tensor:
-        return t.detach() if on_device else t.detach().cpu().clone()
+        return t.detach() if views else t.detach().cpu().clone()
 
     for layer in layers:
         out[f"{layer.key}.lora_A"] = take(layer.lora_A[slot])

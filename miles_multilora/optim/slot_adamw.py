@@ -254,14 +254,14 @@ class SlotAdamW:
                 p.data.index_copy_(0, idx, w.to(p.dtype))
 
     # ----- per-slot state for checkpoints -----
-    def slot_state_dict(self, slot: int, on_device: bool = False) -> dict:
+    def slot_state_dict(self, slot: int, views: bool = False) -> dict:
         """Everything this rank holds for ``slot`` (moments are this rank's TP shard), on CPU;
-        ``on_device``: the moments and masters as views of the live state (no copy)."""
+        ``views``: the moments and masters as views of the live state (no copy)."""
         self._check_slot(slot)
         spec = self.specs[slot]
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            return t.detach() if on_device else t.detach().cpu().clone()
+            return t.detach() if views else t.detach().cpu().clone()
 
         state = {
             "step": self.steps[slot],

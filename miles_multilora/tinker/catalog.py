@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_multilora.controller.persistence import write_json_atomic
 from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.registry import Unknown
 
@@ -111,11 +112,7 @@ class Catalog:
         return self.root / run.tenant / "runs" / f"{run.run_id}.json"
 
     def _write(self, run: RunRecord) -> None:
-        target = self._run_file(run)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
-        tmp.write_text(json.dumps(run.to_json()))
-        os.replace(tmp, target)
+        write_json_atomic(self._run_file(run), run.to_json())
 
     def _load(self) -> None:
         for path in sorted(self.root.glob("*/runs/*.json")):

@@ -89,7 +89,7 @@ class ServerState:
         self._last_sweep = 0.0
 
     def weights_dir(self, tenant: str, run: str, name: str) -> Path:
-        return self.state_dir / tenant / "weights" / run / name
+        return self.catalog.files_of(tenant, run, TRAINING, name)
 
     # ----------------------------------------------------------------- sessions
     def end_session(self, tenant: str, session_id: str, why: str) -> None:

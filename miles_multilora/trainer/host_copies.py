@@ -11,6 +11,7 @@ way, ordered before whatever the current stream runs next.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,24 +54,36 @@ def _cuda_floats(tree: dict, prefix: TreePath = ()) -> list[tuple[TreePath, torc
     return found
 
 
-def _replaced(tree: dict, values: dict[TreePath, torch.Tensor], prefix: TreePath = ()) -> dict:
+def _replaced(
+    tree: dict, values: dict[TreePath, torch.Tensor], other: Callable[[Any], Any], prefix: TreePath = ()
+) -> dict:
+    """``tree`` with the tensors at ``values``' paths replaced, and ``other`` of every other leaf."""
     out = {}
     for key, value in tree.items():
         path = (*prefix, key)
         if isinstance(value, dict):
-            out[key] = _replaced(value, values, path)
+            out[key] = _replaced(value, values, other, path)
         else:
-            out[key] = values.get(path, value)
+            out[key] = values[path] if path in values else other(value)
     return out
 
 
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def cloned(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` (nested dicts) with every tensor a standalone copy."""
+    return _replaced(tree, {}, _clone)
+
+
 def to_host(tree: dict[str, Any]) -> tuple[dict[str, Any], HostPack | None]:
-    """A copy of ``tree`` (nested dicts) whose CUDA float tensors are views of pinned host buffers,
-    filled asynchronously (``HostPack.wait`` before reading them on the CPU); other values as they
-    are. The source tensors may change as soon as this returns. (tree, None) when nothing is on CUDA."""
+    """A copy of ``tree`` (nested dicts): its CUDA float tensors become views of pinned host buffers,
+    filled asynchronously (``HostPack.wait`` before reading them on the CPU); its other tensors are
+    cloned. The source tensors may change as soon as this returns. No pack when nothing is on CUDA."""
     items = _cuda_floats(tree)
     if not items:
-        return tree, None
+        return cloned(tree), None
     device = items[0][1].device
     groups: dict[torch.dtype, list[tuple[TreePath, torch.Tensor]]] = defaultdict(list)
     for path, t in items:
@@ -92,7 +105,7 @@ def to_host(tree: dict[str, Any]) -> tuple[dict[str, Any], HostPack | None]:
         buffers[dtype] = host
     ready = torch.cuda.Event()
     ready.record(stream)
-    return _replaced(tree, views), HostPack(buffers, places, device, ready)
+    return _replaced(tree, views, _clone), HostPack(buffers, places, device, ready)
 
 
 def to_device(tree: dict[str, Any], pack: HostPack) -> dict[str, Any]:
@@ -110,4 +123,4 @@ def to_device(tree: dict[str, Any], pack: HostPack) -> dict[str, Any]:
         path: on_device[dtype][offset : offset + shape.numel()].view(shape)
         for path, dtype, offset, shape in pack.places
     }
-    return _replaced(tree, views)
+    return _replaced(tree, views, lambda value: value)

@@ -24,7 +24,7 @@ import torch
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora.slots import slot_state
 from miles_multilora.trainer import shard
-from miles_multilora.trainer.host_copies import HostPack, to_device, to_host
+from miles_multilora.trainer.host_copies import HostPack, cloned, to_device, to_host
 
 if TYPE_CHECKING:
     from miles_multilora.trainer.rank import OpenSlot, TrainerRank
@@ -36,14 +36,6 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, dict):
         return sum(_nbytes(v) for v in value.values())
     return 0
-
-
-def _cloned(tree: dict[str, Any]) -> dict[str, Any]:
-    """``tree`` with every tensor a standalone copy (a view of a packed buffer would save it whole)."""
-    return {
-        k: _cloned(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
-        for k, v in tree.items()
-    }
 
 
 @dataclass
@@ -68,7 +60,7 @@ class ParkedSlot:
         directory = Path(directory)
         saved = self.state(tp_rank)
         if self.pack is not None:
-            saved = _cloned(saved)
+            saved = cloned(saved)  # a view of a packed buffer would save the whole buffer
         shard.write_shard(directory, tp_rank, saved["slot"], saved["optimizer"], self.meta)
         if saved["grads"]:
             torch.save(saved["grads"], directory / f"grads_rank{tp_rank}.pt")
@@ -94,25 +86,20 @@ class ParkedSlot:
 
 
 def park(rank: TrainerRank, slot: int) -> ParkedSlot:
-    """Copy open ``slot``'s whole state to host memory (the caller closes the slot after). On a GPU
-    the copy is one per dtype, on a copy stream: it overlaps whatever the step does next."""
+    """Copy open ``slot``'s whole state to host memory (the caller closes the slot after): views of
+    the slot, copied by :func:`~miles_multilora.trainer.host_copies.to_host` (on a GPU one copy per
+    dtype, on a copy stream: it overlaps whatever the step does next)."""
     started = time.perf_counter()
     opened = rank.slot(slot)
     optimizer = rank.optimizer
-    on_gpu = bool(optimizer.params) and optimizer.params[0].is_cuda
     tensors, optim_state = shard.trim_to_rank(
-        slot_state(rank.model, slot, on_device=on_gpu), optimizer.slot_state_dict(slot, on_device=on_gpu),
-        copy=not on_gpu,
-    )  # fmt: skip
+        slot_state(rank.model, slot, views=True), optimizer.slot_state_dict(slot, views=True), copy=False
+    )
     with_grad = [(n, p) for n, p in zip(optimizer.names, optimizer.params, strict=True) if p.grad is not None]
     nonzero = (
         torch.stack([p.grad[slot].any() for _, p in with_grad]).tolist() if with_grad else []
     )  # one sync
-    grads = {
-        name: p.grad[slot].detach() if on_gpu else p.grad[slot].detach().cpu().clone()
-        for (name, p), keep in zip(with_grad, nonzero, strict=True)
-        if keep
-    }
+    grads = {name: p.grad[slot].detach() for (name, p), keep in zip(with_grad, nonzero, strict=True) if keep}
     meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
     saved, pack = to_host({"slot": tensors, "optimizer": optim_state, "meta": asdict(meta), "grads": grads})
     parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved), pack=pack)

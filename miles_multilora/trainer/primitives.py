@@ -8,7 +8,7 @@ rows over data-parallel ranks and runs its share through :func:`forward_backward
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,6 +114,22 @@ def row_logprobs(
     return out
 
 
+def _slot_micro_batches(
+    rows: Sequence[ScoredRow], indices: Iterable[int], settings: TrainerConfig, pad_id: int
+) -> Iterator[tuple[list[int], list[ScoredRow], torch.Tensor]]:
+    """``rows[indices]`` sorted by slot, in micro-batches by ``settings``' row and token budgets:
+    each batch's row indices, rows and right-padded input ids."""
+    order = sorted(indices, key=lambda i: rows[i].slot)
+    if not order:
+        return
+    lengths = [len(rows[i].tokens) for i in order]
+    for index in micro_batches(lengths, settings.micro_batch_size, settings.max_tokens_per_micro_batch):
+        picked = [order[i] for i in index]
+        batch = [rows[i] for i in picked]
+        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
+        yield picked, batch, input_ids
+
+
 def forward_backward_rows(
     model: torch.nn.Module,
     rows: Sequence[ScoredRow],
@@ -131,19 +147,11 @@ def forward_backward_rows(
     accumulate in the slots), else only its metrics are kept (no graph). ``reference`` also
     computes the base model's logprobs (slot -1, no grad) for the loss. The per-row logprobs are
     copied to the host once, at the end, when ``return_logprobs``."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # tokens sorted by slot
-    lengths = [len(rows[i].tokens) for i in order]
-    batches = (
-        micro_batches(lengths, settings.micro_batch_size, settings.max_tokens_per_micro_batch) if rows else []
-    )
     chunk = settings.logprob_chunk_tokens
     kept: list[tuple[list[int], torch.Tensor]] = []
     per_slot: dict[int, dict[str, float]] = {}
     model.train(backward)
-    for index in batches:
-        picked = [order[i] for i in index]
-        batch = [rows[i] for i in picked]
-        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
+    for picked, batch, input_ids in _slot_micro_batches(rows, range(len(rows)), settings, pad_id):
         slots = [r.slot for r in batch]
         width = max(r.width for r in batch)
         mask = torch.zeros(len(batch), width, device=input_ids.device)
@@ -195,18 +203,8 @@ def score_rows(
         raise ValueError("score_rows scores the next input token: rows must not carry targets")
     out = [RowScores([], [] if k > 0 else None, [] if k > 0 else None) for _ in rows]  # rows of no positions
     live = [i for i, r in enumerate(rows) if r.width]
-    order = sorted(live, key=lambda i: rows[i].slot)
-    lengths = [len(rows[i].tokens) for i in order]
-    batches = (
-        micro_batches(lengths, settings.micro_batch_size, settings.max_tokens_per_micro_batch)
-        if order
-        else []
-    )
     model.train(False)
-    for index in batches:
-        picked = [order[i] for i in index]
-        batch = [rows[i] for i in picked]
-        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
+    for picked, batch, input_ids in _slot_micro_batches(rows, live, settings, pad_id):
         device = input_ids.device
         row_index = torch.tensor([i for i, r in enumerate(batch) for _ in r.positions], device=device)
         positions = torch.tensor([p for r in batch for p in r.positions], device=device)
