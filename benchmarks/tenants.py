@@ -17,7 +17,7 @@ index over the tokens each tenant had trained once every tenant had trained half
 equal shares, 1/n: one tenant has everything).
 
     python benchmarks/tenants.py --cpu --layouts turns --tenants 1000 --slots 16
-    python benchmarks/tenants.py --tenants 64 --registered 256 --slots 64 --prompts 1 --layouts resident,turns,swap
+    python benchmarks/tenants.py --tenants 16 --registered 64 --slots 16 --prompts 1 --steps 6 --offload-host-gb 80
 """
 
 from __future__ import annotations
