@@ -168,15 +168,18 @@ def print_generation(step: int, gen: dict[str, float], generated: float, max_row
     )  # fmt: skip
 
 
-def schedule(worker: RLStep, specs: list[dict], steps: int, warmup: int) -> list[dict[str, float]]:
-    """Run ``warmup + steps`` steps over ``specs`` (a list per step: who runs); timings of the last
-    ``steps``, each with its generation's engine stats (:func:`generation_report`)."""
-    rows = []
+def schedule(
+    worker: RLStep, specs: list[dict], steps: int, warmup: int, min_wall_s: float = 0.0
+) -> list[dict[str, float]]:
+    """Run ``warmup + steps`` steps over ``specs`` (a list per step: who runs), and more timed steps
+    until they took ``min_wall_s``; timings of the timed steps, each with its generation's engine
+    stats (:func:`generation_report`)."""
+    rows: list[dict[str, Any]] = []
     engine = worker.rank.engine
     parsed_specs = [[parse_adapter_spec(raw, max_rank=64) for raw in group] for group in specs]  # once
     names = [parsed.name for group in parsed_specs for parsed in group]
     i = 0
-    while len(rows) < steps:
+    while len(rows) < steps or sum(r["step_s"] for r in rows) < min_wall_s:
         if (
             i == warmup
             and worker.continuous is not None
@@ -235,8 +238,13 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
         if continuous is not None:
             continuous.pace = pace
         specs = [[spec(f"m{m}a{i}", args.prompts, args) for i in range(args.adapters)]]
+        captures = engine._graphs.captures if engine._graphs is not None else 0
         start = time.perf_counter()
-        steps = schedule(worker, specs, args.steps, args.warmup)
+        # every mode after the first runs timed steps for at least the first's timed wall time: a
+        # few short continuous steps would time whichever samples happen to finish in them
+        min_wall = 0.0 if not rows or args.no_match_wall else next(iter(rows.values()))["timed_s"]
+        steps = schedule(worker, specs, args.steps, args.warmup, min_wall)
+        captures = (engine._graphs.captures if engine._graphs is not None else 0) - captures
         wall = time.perf_counter() - start
         decode = sum(r["generation"]["decode_steps"] for r in steps)
         row_steps = sum(r["generation"]["row_steps"] for r in steps)
@@ -245,6 +253,8 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
         roofline_ms = (decode * weight_bytes + kv_tokens * kv_token_bytes) / args.bandwidth * 1e3
         total = sum(r["step_s"] for r in steps)
         rows[label] = {
+            "timed_s": total,
+            "steps": len(steps),
             "step_s": statistics.median(r["step_s"] for r in steps),
             "rollout_s": sum(r["rollout_s"] for r in steps) / len(steps),
             "train_s": sum(r["train_s"] for r in steps) / len(steps),
@@ -261,14 +271,15 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
         print(
             f"  ran max_staleness={label}: {len(steps)} timed steps in {wall:.1f} s; median step {r['step_s']:.2f} s, "
             f"occupancy {r['occupancy']:.1%}, {r['trained']:.0f} trained tokens per step, "
-            f"{r['e2e_tok_s']:.0f} trained tok/s end to end", flush=True,
+            f"{r['e2e_tok_s']:.0f} trained tok/s end to end; {captures} decode graphs captured", flush=True,
         )  # fmt: skip
     header = (
-        f"{'max_staleness':>13} {'step s':>7} {'rollout s':>9} {'train s':>8} {'occupancy':>9} "
+        f"{'max_staleness':>13} {'steps':>5} {'timed s':>7} {'step s':>7} {'rollout s':>9} {'train s':>8} {'occupancy':>9} "
         f"{'gen tok/s':>10} {'decode ms':>9} {'x roofline':>10} {'train tok/s':>11} {'trained/step':>12} "
         f"{'e2e tok/s':>10} {'vs sync':>8}"
     )
-    print(f"\nschedule (a), {args.steps} timed steps each (step s: median; the rest: over all timed steps; "
+    matched = "" if args.no_match_wall else ", the later modes for at least the first's timed seconds"
+    print(f"\nschedule (a), at least {args.steps} timed steps each{matched} (step s: median; the rest: over all timed steps; "
           "a trailing s: without per-adapter pace; decode ms: device time per decode step; x roofline: "
           "over every weight byte + the KV pages of the batch's rows, at --bandwidth)")  # fmt: skip
     print(header)
@@ -276,7 +287,7 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
     base = rows.get("0", next(iter(rows.values())))["e2e_tok_s"]
     for k, r in rows.items():
         print(
-            f"{k:>13} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} {r['train_s']:>8.2f} {r['occupancy']:>9.1%} "
+            f"{k:>13} {r['steps']:>5} {r['timed_s']:>7.1f} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} {r['train_s']:>8.2f} {r['occupancy']:>9.1%} "
             f"{r['gen_tok_s']:>10.0f} {r['decode_ms']:>9.2f} {r['roofline']:>10.2f} {r['train_tok_s']:>11.0f} {r['trained']:>12.0f} {r['e2e_tok_s']:>10.0f} "
             f"{r['e2e_tok_s'] / base:>7.2f}x"
         )  # fmt: skip
@@ -302,6 +313,37 @@ def profile_last_train(calls: int) -> None:
         return out
 
     rl_step_module.train = profiled
+
+
+def profile_engine_run(call: int) -> None:
+    """Wrap the embedded engine's ``run``: the ``call``-th call (counting from 1, every mode of the
+    run) runs under ``torch.profiler`` and prints its wall and device time and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from miles_multilora.rollout.embedded import EmbeddedEngine
+
+    run, count = EmbeddedEngine.run, [0]
+
+    def profiled(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        count[0] += 1
+        if count[0] != call:
+            return run(self, *args, **kwargs)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        before = dict(self.stats)
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            out = run(self, *args, **kwargs)
+        wall = time.perf_counter() - start
+        steps = self.stats["decode_steps"] - before["decode_steps"]
+        decode_ms = self.stats["decode_ms"] - before["decode_ms"]
+        rows = (self.stats["row_steps"] - before["row_steps"]) / max(steps, 1)
+        print(f"engine run {call}: {wall:.2f} s wall, {steps} decode steps at {rows:.1f} rows, "
+              f"{decode_ms / max(steps, 1):.2f} ms per step (events)")  # fmt: skip
+        sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+        return out
+
+    EmbeddedEngine.run = profiled
 
 
 def add_workload_args(
@@ -391,6 +433,11 @@ def main() -> None:
     )
     parser.add_argument("--no-pace", action="store_true", help="rollout.adapter_pace=false")
     parser.add_argument(
+        "--no-match-wall", action="store_true",
+        help="with --staleness: time --steps steps per mode (default: every mode after the first "
+        "runs timed steps until they took as long as the first mode's)",
+    )  # fmt: skip
+    parser.add_argument(
         "--bandwidth",
         type=float,
         default=3.0e12,
@@ -399,6 +446,10 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print a profile of the last step's train phase"
     )
+    parser.add_argument(
+        "--profile-rollout", type=int, default=0, metavar="N",
+        help="print a profile of the N-th call of the engine's run (continuous rollout's decode runs)",
+    )  # fmt: skip
     args = finish_workload_args(parser.parse_args())
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
@@ -414,6 +465,8 @@ def main() -> None:
         "b": ("(b) 1 adapter, same work", [[spec("b0", total, args)]]),
         "c": ("(c) 1 adapter at a time", [[spec("c0", args.prompts, args)]]),
     }  # fmt: skip
+    if args.profile_rollout:
+        profile_engine_run(args.profile_rollout)
     if args.profile:
         profile_last_train(args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

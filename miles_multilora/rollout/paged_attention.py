@@ -19,6 +19,10 @@ from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 PROGRAMS_PER_SM = 3
+# Fewest keys a split takes (rounded down to whole key blocks): a row of n keys uses
+# ceil(n / chunk) of the splits, so short rows stay whole while the longest row is cut into
+# MAX_SPLITS programs, and no step waits for one program walking a long row alone.
+MIN_SPLIT_KEYS = 1024
 # Keys per loop iteration, warps and pipeline stages of the split kernel: on an H100 (bf16, D=128,
 # page_size 16) this streams the cache at ~2.95 TB/s for large batches (32 or 128 keys: 1-3% slower).
 BLOCK_N = 64
@@ -29,20 +33,26 @@ NUM_STAGES = 2
 if HAVE_TRITON:
 
     @triton.jit
+    def _split_chunk(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+        """Keys per split of a row of ``length`` keys: whole key blocks, at least ``MIN_CHUNK``."""
+        return tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, G, D, max_len,
         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
         stride_bt, stride_ob, stride_oh,
-        NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, MIN_CHUNK: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """Program (row, kv head, split): online softmax of the G query heads over the split's keys."""
+        """Program (row, kv head, split): online softmax of the G query heads over the split's keys.
+        A split past the row's keys stores nothing (the combine reads only the row's used splits)."""
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.minimum(tl.load(lens_ptr + b), max_len)
-        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole key blocks per split
+        chunk = _split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
         start = split * chunk
         end = tl.minimum(start + chunk, length)
 
@@ -90,7 +100,7 @@ if HAVE_TRITON:
         if NUM_SPLITS == 1:
             o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_o)
-        else:
+        elif start < length:
             part = (b * G * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS]
             tl.store(part_o_ptr + part[:, None] * D + offs_d[None, :], o, mask=mask_o)
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -98,16 +108,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_splits_kernel(
-        part_o_ptr, part_lse_ptr, out_ptr,
-        H, D, stride_ob, stride_oh,
-        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        part_o_ptr, part_lse_ptr, lens_ptr, out_ptr,
+        H, D, max_len, stride_ob, stride_oh,
+        NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """Program (row, head): log-sum-exp merge of the normalized split outputs."""
+        """Program (row, head): log-sum-exp merge of the normalized outputs of the row's used splits
+        (none for an empty row: zeros)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
+        length = tl.minimum(tl.load(lens_ptr + b), max_len)
+        used = tl.cdiv(length, _split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        mask_s = offs_s < NUM_SPLITS
+        mask_s = offs_s < used
         mask_d = offs_d < D
         part = (b * H + h) * NUM_SPLITS + offs_s
         lse = tl.load(part_lse_ptr + part, mask=mask_s, other=float("-inf"))
@@ -160,11 +174,17 @@ def write_prefill_kv(
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int = 132) -> int:
-    """Splits per (row, kv head) so the grid has ~PROGRAMS_PER_SM programs per SM; 1 for large batches,
-    at most MAX_SPLITS, and no more than the key blocks of the longest possible row."""
+    """Splits per (row, kv head): enough for ~PROGRAMS_PER_SM programs per SM, and enough that the
+    longest possible row is cut into chunks of MIN_SPLIT_KEYS (rows use only the splits their
+    length needs); at most MAX_SPLITS, and no more than the key blocks of that row."""
     programs = max(batch * num_kv_heads, 1)
-    want = -(-PROGRAMS_PER_SM * num_sms // programs)
+    want = max(-(-PROGRAMS_PER_SM * num_sms // programs), -(-max_len // min_chunk_keys()))
     return max(1, min(want, MAX_SPLITS, -(-max_len // BLOCK_N)))
+
+
+def min_chunk_keys() -> int:
+    """MIN_SPLIT_KEYS in whole key blocks (at least one)."""
+    return max(BLOCK_N, MIN_SPLIT_KEYS // BLOCK_N * BLOCK_N)
 
 
 def _attention_triton(
@@ -199,15 +219,16 @@ def _attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(batch, heads)](
-            part_o, part_lse, out, heads, dim, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            part_o, part_lse, cache_lens, out, heads, dim, max_len, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk_keys(), BLOCK_N=BLOCK_N,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
         )  # fmt: skip
     return out
 

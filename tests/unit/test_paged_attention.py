@@ -98,9 +98,12 @@ def test_torch_path_equals_dense(page_size, group):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [8, 16])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_equals_dense(device, page_size, group, num_splits, monkeypatch):
-    monkeypatch.setattr(pa, "BLOCK_N", 16)  # 3 splits of the longest row: 16 + 16 + 3 keys
+@pytest.mark.parametrize("num_splits,min_keys", [(1, 16), (3, 16), (3, 32)])
+def test_triton_equals_dense(device, page_size, group, num_splits, min_keys, monkeypatch):
+    """3 splits of 16+ keys: the longest row is cut 16 + 16 + 3 (page 16) and the shorter rows use
+    the splits their length needs; with 32+ keys per split rows use 1 or 2 of the 3."""
+    monkeypatch.setattr(pa, "BLOCK_N", 16)
+    monkeypatch.setattr(pa, "MIN_SPLIT_KEYS", min_keys)
     q, k_cache, v_cache, table, lens = _scenario(page_size, group, device)
     got = paged_decode_attention(
         q, k_cache, v_cache, table, lens, 0.3, num_splits=num_splits, use_triton=True
@@ -112,9 +115,11 @@ def test_triton_equals_dense(device, page_size, group, num_splits, monkeypatch):
 
 
 def test_default_num_splits():
-    assert default_num_splits(256, 8, 4096) == 1  # enough programs already
+    assert default_num_splits(256, 8, 512) == 1  # enough programs already, rows of one chunk
+    assert default_num_splits(256, 8, 4096) == 4  # the longest row in chunks of 1024 keys
+    assert default_num_splits(512, 4, 32768) == 16  # capped
     assert default_num_splits(1, 8, 4096) == 16  # capped
-    assert default_num_splits(8, 8, 4096) == 7  # ~3 programs per SM on 132 SMs
+    assert default_num_splits(8, 8, 1024) == 7  # ~3 programs per SM on 132 SMs
     assert default_num_splits(1, 1, 100) == 2  # no more splits than 64-key blocks
 
 
