@@ -167,3 +167,21 @@ def test_families_of_modules_and_the_models_own_check():
     assert check_targets(["mlp", "attn"], ("attn", "mlp")) == ("attn", "mlp")
     with pytest.raises(SpecError, match="add output_layer to lora.target_modules"):
         check_targets(["unembed"], ("attn", "mlp"))
+
+
+def test_a_moe_slot_without_mlp_leaves_its_experts_alone():
+    from tests.moe_helpers import tiny_moe_gpt
+
+    moe = tiny_moe_gpt(num_slots=2)
+    opt_moe = _opened(moe, {0: ("attn",), 1: None})
+    reference = tiny_moe_gpt(num_slots=2, targets=ATTN_ONLY)
+    opt_ref = _opened(reference, {0: None})
+    for step in range(2):
+        _train(moe, opt_moe, {0: _data(0, step)})
+        _train(reference, opt_ref, {0: _data(0, step)})
+    experts = _family_params(moe, 0, "mlp")
+    assert any(".experts." in k for k in experts) and not any(t.any() for t in experts.values())
+    assert all(t.any() for k, t in _family_params(moe, 1, "mlp").items() if k.endswith("lora_A"))
+    ids, slots = _data(9, 0, rows=3), torch.zeros(3, SEQ, dtype=torch.long)
+    with torch.no_grad():
+        assert torch.equal(lm_logits(moe, ids, slots), lm_logits(reference, ids, slots))
