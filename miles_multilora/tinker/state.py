@@ -163,8 +163,9 @@ class ServerState:
             self.registry.drop_model(model_id, "its creation failed")
             raise
         try:
+            targets = self.backend.model(model_id).targets
             self.catalog.add_run(
-                tenant, owned.run_id, session_id, model_id, self.base_model, rank, user_metadata
+                tenant, owned.run_id, session_id, model_id, self.base_model, rank, user_metadata, targets
             )
         except BaseException:  # e.g. the disk is full: no model without its run record
             self._unload_if_loaded(model_id)

@@ -106,6 +106,8 @@ def test_a_model_trains_and_exports_only_its_families(server: Any) -> None:
 
     # a saved state keeps its targets; a model created otherwise refuses it and keeps its weights
     path = tc.save_state("no-mlp").result().path
+    info = tinker.RestClient(base_url=server.url, api_key=KEY).get_weights_info_by_tinker_path(path).result()
+    assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, False, False)
     restored = sc.create_training_client_from_state_with_optimizer(path).result()
     model_r = restored.get_info().model_id
     assert server.state.backend.model(model_r).targets == ("attn",)
