@@ -85,3 +85,13 @@ def test_targets_the_model_does_not_wrap_are_refused_before_anything_changes(bac
         with pytest.raises(SpecError, match=message):
             rank.open_slot(0, 4, 8.0, 0, OptimizerSpec(), "x", targets=targets)
         assert 0 not in rank.slots and all(layer.slot_rank[0] == 0 for layer in multi_lora_layers(rank.model))
+
+
+def test_the_unembed_policy_setting_is_checked() -> None:
+    from miles_multilora.config.run import config_from_container
+    from miles_multilora.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="must be one of") as refused:
+        config_from_container({"model": {"source": "tiny"}, "tinker": {"unembed_lora": "maybe"}})
+    assert refused.value.key == "tinker.unembed_lora"
+    assert config_from_container({"model": {"source": "tiny"}}).tinker.unembed_lora == "ignore"
