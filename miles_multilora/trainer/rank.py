@@ -308,7 +308,7 @@ class TrainerRank:
             raise SpecError(
                 "rank", f"the saved state has LoRA rank {meta.rank}, the slot holds {opened.rank}"
             )
-        saved_targets = meta.targets if meta is not None and meta.targets is not None else None
+        saved_targets = meta.targets if meta is not None else None
         if saved_targets is None:  # written before slots had targets: the families it holds
             saved_targets = state_families(saved["slot"])
         if tuple(saved_targets) != opened.targets:
