@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from miles_multilora.config.adapter import OptimizerSpec
+from miles_multilora.config.lora_targets import check_targets
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.optim.slot_adamw import SlotStepStats
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
@@ -95,12 +96,14 @@ class FakeRank:
     def open_slot(
         self, slot: int, rank: int, alpha: float, seed: int, optimizer: OptimizerSpec, name: str, *,
         total_steps: int | None = None, run: str = "", restore: str | Path | None = None,
+        targets: list[str] | None = None,
     ) -> OpenSlot:  # fmt: skip
         if slot in self.slots:
             raise ConfigError("slot", f"slot {slot} is open")
         if not 1 <= rank <= self.max_rank:
             raise SpecError("rank", f"must be in 1..{self.max_rank}")
-        opened = self.slots[slot] = OpenSlot(slot, name, rank, float(alpha), seed, 0, run)
+        families = check_targets(targets, ("attn", "mlp"))  # the tiny model's all-linear LoRA
+        opened = self.slots[slot] = OpenSlot(slot, name, rank, float(alpha), seed, 0, run, families)
         if restore is not None:
             self._load(opened, restore, optimizer=True)
         return opened
@@ -174,7 +177,7 @@ class FakeRank:
         opened = self.slot(slot)
         if self.fail_save(opened):
             raise OSError(f"disk full on rank {self.global_rank}")
-        meta = SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
+        meta = SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets)
         weights = {"w": torch.full((2,), float(opened.version))}
         write_shard(directory, self.layout.tp_rank, weights, {"step": opened.version}, meta)
 

@@ -19,6 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from miles_multilora.config.lora_targets import check_targets
 from miles_multilora.config.safe_yaml import load_yaml_no_aliases
 from miles_multilora.config.template import parse_template
 from miles_multilora.errors import SpecError
@@ -172,6 +173,8 @@ class AdapterSpec:
     name: str = "???"
     rank: int = 8
     alpha: float = 16.0
+    # module families it trains, of those lora.target_modules wraps: attn | mlp | unembed; None: all
+    lora_targets: list[str] | None = None
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
     prompt: PromptSpec = field(default_factory=PromptSpec)
@@ -194,7 +197,7 @@ class AdapterSpec:
     def to_dict(self) -> dict[str, Any]:
         out = OmegaConf.to_container(OmegaConf.structured(self), resolve=True)
         assert isinstance(out, dict)
-        for key in ("eval", "tenant"):  # a spec without them serialises as before
+        for key in ("eval", "tenant", "lora_targets"):  # a spec without them serialises as before
             if out.get(key) is None:
                 out.pop(key, None)
         return out
@@ -239,6 +242,8 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     if max_rank is not None:
         _check(spec.rank <= max_rank, "rank", f"{spec.rank} exceeds the model's max_rank {max_rank}")
     _check(spec.alpha > 0, "alpha", f"must be > 0, got {spec.alpha}")
+    if spec.lora_targets is not None:  # which of them the model wraps: AdmissionRules.lora_families
+        spec.lora_targets = list(check_targets(spec.lora_targets))
     opt = spec.optimizer
     _check(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
     _check(

@@ -21,6 +21,7 @@ from miles_multilora.config.quotas import TenantQuota, check_tenant_quotas, pars
 from miles_multilora.errors import ConfigError, SpecError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+UNEMBED_LORA_POLICIES = ("ignore", "error")  # tinker.unembed_lora
 
 
 @dataclass
@@ -213,6 +214,9 @@ class TinkerConfig:
     offload_host_gb: float = (
         16.0  # parked models' state in host memory; past it, on disk (<output_dir>/offload)
     )
+    # a client's train_unembed=True (the SDK's default) when lora.target_modules has no output_layer:
+    # ignore (train attn/mlp as asked, no unembed LoRA) | error (refuse the model)
+    unembed_lora: str = "ignore"
     # lifetimes
     session_timeout_s: float = 120.0  # a session without a heartbeat for this long ends; its models unload
     result_ttl_s: float = 3600.0  # an unretrieved result is dropped after this
@@ -375,6 +379,11 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
                 "max_user_metadata_bytes"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
     _check(tk.offload_host_gb >= 0, "tinker.offload_host_gb", "must be >= 0 (0: parked models go to disk)")
+    _check(
+        tk.unembed_lora in UNEMBED_LORA_POLICIES,
+        "tinker.unembed_lora",
+        f"must be one of {UNEMBED_LORA_POLICIES}, got {tk.unembed_lora!r}",
+    )
     for key in ("body_timeout_s", "keep_alive_s", "session_timeout_s", "result_ttl_s",
                 "retrieved_result_ttl_s", "checkpoint_sweep_interval_s", "download_url_ttl_s"):  # fmt: skip
         _check(getattr(tk, key) > 0, f"tinker.{key}", "must be > 0 (seconds)")

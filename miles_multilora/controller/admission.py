@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.config.lora_targets import check_targets
 from miles_multilora.data.datasets import looks_local
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.data.spec_checks import SpecCheckLimits, check_spec_work
@@ -41,6 +42,8 @@ class AdmissionRules:
         max_live_adapters: adapters PENDING, RUNNING or DRAINING at once; more are refused (409).
         spec_checks: time and memory bounds of the checks that run spec-chosen work in a child
             process (reasoning-gym generation, compiling ``reward.format_regex``).
+        lora_families: the module families the model's LoRA layers cover (``lora.target_modules``),
+            which a spec's ``lora_targets`` must be among (None: not checked here).
     """
 
     reward_modules: tuple[str, ...] = ()
@@ -48,6 +51,7 @@ class AdmissionRules:
     max_context: int | None = None
     max_live_adapters: int = 1000
     spec_checks: SpecCheckLimits = SpecCheckLimits()
+    lora_families: tuple[str, ...] | None = None
 
     def check_spec_work(self, spec: AdapterSpec) -> None:
         """The bounded child-process checks (:mod:`miles_multilora.data.spec_checks`) for ``spec``;
@@ -56,6 +60,8 @@ class AdmissionRules:
 
     def check(self, spec: AdapterSpec, remote: bool) -> None:
         """Raise :class:`SpecError` naming the key when ``spec`` breaks a rule. Never imports code."""
+        if self.lora_families is not None:
+            check_targets(spec.lora_targets, self.lora_families)
         if self.max_context is not None:
             room = self.max_context - 1 - spec.sampling.max_new_tokens
             if room < MIN_PROMPT_TOKENS:

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from miles_multilora.api_token import read_token
 from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.config.lora_targets import families_of_modules
 from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
 from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
 from miles_multilora.data.reward_registry import import_reward_modules
@@ -38,6 +39,7 @@ def admission_rules(cfg: RunConfig) -> AdmissionRules:
         max_context=context_length(cfg),
         max_live_adapters=c.max_live_adapters,
         spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),
+        lora_families=families_of_modules(cfg.lora.target_modules),
     )
 
 

@@ -18,10 +18,13 @@ from miles_multilora.lora.slots import (
     load_slot_state,
     slot_rank,
     slot_state,
+    slot_targets,
 )
+from miles_multilora.lora.targets import FAMILIES
 
 __all__ = [
     "ALL_LINEAR",
+    "FAMILIES",
     "MultiLoRAExpertLinear",
     "MultiLoRALinear",
     "RoutingPlan",
@@ -36,5 +39,6 @@ __all__ = [
     "set_token_slots",
     "slot_rank",
     "slot_state",
+    "slot_targets",
     "token_slots",
 ]

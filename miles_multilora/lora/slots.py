@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from miles_multilora.lora.peft_format import (
     write_adapter,
 )
 from miles_multilora.lora.peft_parts import PartShape, SlotShape, fuse_parts, peft_scale
+from miles_multilora.lora.targets import check_targets, family_of, held_families
 
 
 def _check_slot(layers: list[MultiLoRALinear], slot: int) -> None:
@@ -96,9 +98,14 @@ def _empty_slot(layer: MultiLoRALinear, slot: int) -> None:
     )
 
 
-def check_slot_args(model: nn.Module, slot: int, rank: int, alpha: float) -> list[MultiLoRALinear]:
-    """The model's LoRA layers, once ``slot``, ``rank`` and ``alpha`` are known to fit them."""
+def check_slot_args(
+    model: nn.Module, slot: int, rank: int, alpha: float, targets: Sequence[str] | None = None
+) -> list[MultiLoRALinear]:
+    """The model's LoRA layers, once ``slot``, ``rank``, ``alpha`` and ``targets`` (families,
+    :mod:`~miles_multilora.lora.targets`) are known to fit them."""
     layers = multi_lora_layers(model)
+    if targets is not None:
+        check_targets(targets)
     _check_slot(layers, slot)
     max_rank = layers[0].max_rank
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
@@ -108,10 +115,25 @@ def check_slot_args(model: nn.Module, slot: int, rank: int, alpha: float) -> lis
     return layers
 
 
-def init_slot(model: nn.Module, slot: int, rank: int, alpha: float, seed: int, optimizer: Any = None) -> None:
-    """Fresh adapter in ``slot``: ``A`` kaiming-uniform (as PEFT), ``B = 0``, scale ``alpha / rank`` (fp32)."""
-    layers = check_slot_args(model, slot, rank, alpha)
+def init_slot(
+    model: nn.Module,
+    slot: int,
+    rank: int,
+    alpha: float,
+    seed: int,
+    optimizer: Any = None,
+    targets: Sequence[str] | None = None,
+) -> None:
+    """Fresh adapter in ``slot``: ``A`` kaiming-uniform (as PEFT), ``B = 0``, scale ``alpha / rank`` (fp32).
+
+    ``targets``: the families it trains (None: all); in the layers of the others the slot is empty
+    (rank 0, scale 0, zero ``A`` and ``B``), so it adds nothing there and nothing there moves. Each
+    layer's ``A`` is drawn from ``(seed, layer key)``, whatever the targets."""
+    layers = check_slot_args(model, slot, rank, alpha, targets)
     for layer in layers:
+        if targets is not None and family_of(layer.key) not in targets:
+            _empty_slot(layer, slot)
+            continue
         if isinstance(layer, MultiLoRAExpertLinear):
             a_experts = expert_slots.init_a(layer, rank, seed).to(layer.lora_A.dtype)
             b_experts = torch.zeros(
@@ -139,6 +161,13 @@ def clear_slot(model: nn.Module, slot: int, optimizer: Any = None) -> None:
         _empty_slot(layer, slot)
     if optimizer is not None:
         optimizer.reset_slot(slot)
+
+
+def slot_targets(model: nn.Module, slot: int) -> tuple[str, ...]:
+    """The families in which ``slot`` holds a LoRA (empty for an empty slot)."""
+    layers = multi_lora_layers(model)
+    _check_slot(layers, slot)
+    return held_families({layer.key: layer.slot_rank[slot] for layer in layers})
 
 
 def slot_rank(model: nn.Module, slot: int) -> int:

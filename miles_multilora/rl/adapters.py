@@ -144,7 +144,7 @@ class Residents:
             check_run_dir_is_ours(self.run_dir(assignment), assignment)
         self.rank.open_slot(
             assignment.slot, spec.rank, spec.alpha, spec.seed, spec.optimizer, spec.name,
-            total_steps=spec.num_steps, run=assignment.run_id, restore=restore,
+            total_steps=spec.num_steps, run=assignment.run_id, restore=restore, targets=spec.lora_targets,
         )  # fmt: skip
         if state is not None:
             self.data.restore_adapter_state(spec.name, state["data"])

@@ -115,9 +115,10 @@ def tiny_gpt_with_lora(
     tp: int = 1,
     rank: int | None = None,
     kernels: str = "auto",
+    target_modules: str | list[str] = "all-linear",
     **sizes,
 ):
-    """A tiny CPU GPTModel (the provider's) with MultiLoRA on all linear layers. With ``rank`` set,
+    """A tiny CPU GPTModel (the provider's) with MultiLoRA on ``target_modules``. With ``rank`` set,
     this process is that rank of a ``tp``-process group (CPU init draws each full weight, then
     shards it, so every TP size builds the same model)."""
     from miles_multilora.lora.inject import apply_multi_lora
@@ -126,7 +127,7 @@ def tiny_gpt_with_lora(
 
     compat.init_distributed(tp=tp, pp=1, seed=0, rank=rank, world_size=None if rank is None else tp)
     model = build_tiny_gpt(seed=seed, **{**TINY_GPT_SIZES, **sizes})
-    apply_multi_lora(model, "all-linear", num_slots=num_slots, max_rank=max_rank, kernels=kernels)
+    apply_multi_lora(model, target_modules, num_slots=num_slots, max_rank=max_rank, kernels=kernels)
     return model
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
+from miles_multilora.lora.targets import ATTN, MLP, UNEMBED
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.tinker.losses import LOSS_INPUTS, check_input, check_loss, tinker_loss
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
@@ -182,14 +183,41 @@ class TinkerBackend:
         if parked is None:
             raise TinkerError("model_id", f"unknown model {model_id!r} (never created, or unloaded)")
         m = parked.meta
-        return OpenSlot(-1, m.name, m.rank, m.alpha, m.seed, m.version, parked.run)
+        return OpenSlot(-1, m.name, m.rank, m.alpha, m.seed, m.version, parked.run, m.targets or ())
 
-    def create_model(self, model_id: str, rank: int, seed: int = 0) -> OpenSlot:
-        """Initialise a fresh LoRA of ``rank`` in a slot (parking the least recently used model
-        when none is free)."""
+    def lora_targets(
+        self, train_attn: bool, train_mlp: bool, train_unembed: bool, unembed_lora: str = "ignore"
+    ) -> tuple[str, ...]:
+        """The module families a client's ``lora_config`` trains. ``train_unembed`` where the model
+        has no unembed LoRA (``output_layer`` not in ``lora.target_modules``): ``unembed_lora``
+        ``ignore`` trains the rest, ``error`` refuses. Training nothing is refused."""
+        available = self.rank.lora_families
+        if train_unembed and UNEMBED not in available and unembed_lora == "error":
+            raise TinkerError(
+                "lora_config.train_unembed",
+                "this server has no unembedding LoRA (lora.target_modules has no output_layer): pass "
+                "train_unembed=False, or serve with tinker.unembed_lora=ignore",
+            )
+        asked = {ATTN: train_attn, MLP: train_mlp, UNEMBED: train_unembed}
+        targets = tuple(f for f in available if asked[f])
+        if not targets:
+            raise TinkerError(
+                "lora_config",
+                f"trains nothing: this server's LoRA covers {' and '.join(available)} "
+                f"(train_{', train_'.join(available)}); set at least one of them to True",
+            )
+        return targets
+
+    def create_model(
+        self, model_id: str, rank: int, seed: int = 0, targets: Sequence[str] | None = None
+    ) -> OpenSlot:
+        """Initialise a fresh LoRA of ``rank`` training ``targets`` (None: every family the model
+        wraps) in a slot (parking the least recently used model when none is free)."""
         self.check_new_model(model_id, rank)
         slot = self._free_slot(keep=set())
-        opened = self.rank.open_slot(slot, rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id)
+        opened = self.rank.open_slot(
+            slot, rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id, targets=targets
+        )
         self.resident[model_id] = opened.slot
         self._ids[model_id] = None
         self._touch(model_id)
@@ -435,6 +463,13 @@ class TinkerBackend:
         meta = read_state(path)
         if meta.rank != e.rank:
             raise TinkerError("path", f"the saved state has rank {meta.rank}, the model {e.rank}")
+        if meta.targets is not None and meta.targets != e.targets:
+            raise TinkerError(
+                "path",
+                f"the saved state trains {list(meta.targets)}, the model {list(e.targets)} "
+                "(train_attn / train_mlp / train_unembed): load it into a model created like it, "
+                "or with create_training_client_from_state",
+            )
         self.rank.load_slot(self._slot_of(model_id), path, optimizer=optimizer)
 
 

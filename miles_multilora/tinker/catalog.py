@@ -20,7 +20,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ class RunRecord:
     created: float
     user_metadata: dict[str, str] | None = None
     checkpoints: dict[str, CheckpointRecord] = field(default_factory=dict)  # by checkpoint_id
+    lora_targets: list[str] | None = None  # the module families it trains (None: recorded before)
 
     def path(self, record: CheckpointRecord) -> str:
         return f"tinker://{self.run_id}/{record.checkpoint_id}"
@@ -138,11 +139,12 @@ class Catalog:
     # ------------------------------------------------------------------ runs
     def add_run(
         self, tenant: str, run_id: str, session_id: str, model_id: str, base_model: str, lora_rank: int,
-        user_metadata: dict[str, str] | None,
+        user_metadata: dict[str, str] | None, lora_targets: Sequence[str] | None = None,
     ) -> RunRecord:  # fmt: skip
         run = RunRecord(
-            run_id, tenant, session_id, model_id, base_model, lora_rank, self.clock(), user_metadata
-        )
+            run_id, tenant, session_id, model_id, base_model, lora_rank, self.clock(), user_metadata,
+            lora_targets=None if lora_targets is None else list(lora_targets),
+        )  # fmt: skip
         with self._lock:
             self._runs[run_id] = run
             self._by_model[model_id] = run_id

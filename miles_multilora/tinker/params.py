@@ -91,12 +91,12 @@ def number(
     return float(value)
 
 
-def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
+def flag(body: dict[str, Any], key: str, default: bool = False, where: str | None = None) -> bool:
     value = body.get(key, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise TinkerError(key, f"must be true or false, got {value!r}")
+        raise TinkerError(where or key, f"must be true or false, got {value!r}")
     return value
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
 
+from miles_multilora.config.lora_targets import FAMILIES
 from miles_multilora.config.run import TinkerConfig
 from miles_multilora.http_serving import HTTPProblem, read_body
 from miles_multilora.tinker import params
@@ -248,7 +249,10 @@ def register(app: FastAPI, state: ServerState) -> None:
             if public is None:
                 raise Unknown("tinker_path", f"no checkpoint {path}") from None
             run = public[0]
-        return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank}
+        trains = {}
+        if run.lora_targets is not None:  # the SDK's train_* flags of the run's model
+            trains = {f"train_{family}": family in run.lora_targets for family in FAMILIES}
+        return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank, **trains}
 
     # ---------------------------------------------------------------- external weights (PEFT)
     @app.post(f"{API}/save_weights_external")

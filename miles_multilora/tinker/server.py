@@ -36,6 +36,7 @@ from miles_multilora.tinker.wire import decode_forward_backward
 logger = logging.getLogger(__name__)
 
 API = "/api/v1"
+FLAGS = ("attn", "mlp", "unembed")  # lora_config.train_<family>: the SDK's module families
 
 
 # ---------------------------------------------------------------------------- answers
@@ -181,12 +182,16 @@ def create_app(
         seed = params.integer(lora, "seed", None, low=0, high=2**62, where="lora_config.seed")
         if seed is None:  # the SDK's None: a random seed (0 is a seed like any other)
             seed = secrets.randbelow(2**31)
+        trains = {k: params.flag(lora, f"train_{k}", True, where=f"lora_config.train_{k}") for k in FLAGS}
+        targets = backend.lora_targets(trains["attn"], trains["mlp"], trains["unembed"], s.unembed_lora)
         base = params.text(body, "base_model", None)
         metadata = rest_routes.user_metadata(body, s)
         model_id = f"{session.session_id}:train:{seq}"
 
         def create() -> dict[str, Any]:
-            return state.create_model(tenant, session.session_id, model_id, rank, seed, base, metadata)
+            return state.create_model(
+                tenant, session.session_id, model_id, rank, seed, base, metadata, targets
+            )
 
         rid = submit(
             tenant, (tenant, session.session_id, "create_model", seq), "json", session.lane, [create]

@@ -141,29 +141,31 @@ class ServerState:
     # ----------------------------------------------------------------- models (on the queue)
     def create_model(
         self, tenant: str, session_id: str, model_id: str, rank: int, seed: int, base: str | None,
-        user_metadata: dict[str, str] | None = None,
+        user_metadata: dict[str, str] | None = None, targets: tuple[str, ...] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         if base not in (None, self.base_model):
             raise TinkerError("base_model", f"this server trains {self.base_model!r}, not {base!r}")
-        self._create(tenant, session_id, model_id, rank, seed, user_metadata)
+        self._create(tenant, session_id, model_id, rank, seed, user_metadata, targets)
         return {"type": "create_model", "model_id": model_id}
 
     def _create(
         self, tenant: str, session_id: str, model_id: str, rank: int, seed: int,
-        user_metadata: dict[str, str] | None = None,
+        user_metadata: dict[str, str] | None = None, targets: tuple[str, ...] | None = None,
     ) -> None:  # fmt: skip
         """A new model of the session in a free slot (within ``tinker.max_models`` of the server
-        and ``tinker.max_models_per_tenant`` of its tenant), and its training run in the catalog."""
+        and ``tinker.max_models_per_tenant`` of its tenant), training the module families
+        ``targets`` (None: all the base wraps), and its training run in the catalog."""
         self.backend.check_new_model(model_id, rank)  # the server's own refusals come first
         owned = self.registry.add_model(tenant, session_id, model_id, self.settings.max_models_per_tenant)
         try:
-            self.backend.create_model(model_id, rank, seed)
+            self.backend.create_model(model_id, rank, seed, targets)
         except BaseException:
             self.registry.drop_model(model_id, "its creation failed")
             raise
         try:
+            targets = self.backend.model(model_id).targets
             self.catalog.add_run(
-                tenant, owned.run_id, session_id, model_id, self.base_model, rank, user_metadata
+                tenant, owned.run_id, session_id, model_id, self.base_model, rank, user_metadata, targets
             )
         except BaseException:  # e.g. the disk is full: no model without its run record
             self._unload_if_loaded(model_id)
@@ -233,7 +235,8 @@ class ServerState:
         user_metadata: dict[str, str] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Put the saved state ``path`` into ``model_id``; ``new_in_session``: create that model
-        first, in that session, with the saved state's LoRA rank and seed (and ``user_metadata``)."""
+        first, in that session, with the saved state's LoRA rank, seed and targets (and
+        ``user_metadata``)."""
         target = self.weights_of(tenant, path)
         gone = TinkerError("path", f"no saved state at {path} (deleted, expired, or never saved)")
         if not target.is_dir():
@@ -241,7 +244,9 @@ class ServerState:
         try:
             if new_in_session is not None:
                 meta = read_state(target)
-                self._create(tenant, new_in_session, model_id, meta.rank, meta.seed, user_metadata)
+                self._create(
+                    tenant, new_in_session, model_id, meta.rank, meta.seed, user_metadata, meta.targets
+                )
             self.backend.load_state(model_id, target, optimizer=optimizer)
         except FileNotFoundError as exc:  # deleted while it was being read
             raise gone from exc

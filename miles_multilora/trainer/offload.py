@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,8 +100,10 @@ def park(rank: TrainerRank, slot: int) -> ParkedSlot:
         torch.stack([p.grad[slot].any() for _, p in with_grad]).tolist() if with_grad else []
     )  # one sync
     grads = {name: p.grad[slot].detach() for (name, p), keep in zip(with_grad, nonzero, strict=True) if keep}
-    meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
-    saved, pack = to_host({"slot": tensors, "optimizer": optim_state, "meta": asdict(meta), "grads": grads})
+    meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets)
+    saved, pack = to_host(
+        {"slot": tensors, "optimizer": optim_state, "meta": shard.meta_dict(meta), "grads": grads}
+    )
     parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved), pack=pack)
     rank.offload_stats["park"] += 1
     rank.offload_stats["park_s"] += time.perf_counter() - started
@@ -118,7 +120,7 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     meta = parked.meta
     opened = rank.open_slot(
         slot, meta.rank, meta.alpha, meta.seed, OptimizerSpec(**spec) if spec else OptimizerSpec(), meta.name,
-        total_steps=saved["optimizer"].get("total_steps"), run=parked.run, restore=saved,
+        total_steps=saved["optimizer"].get("total_steps"), run=parked.run, restore=saved, targets=meta.targets,
     )  # fmt: skip
     grads = saved.get("grads") or {}
     if grads:

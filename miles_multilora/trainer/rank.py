@@ -30,6 +30,7 @@ from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.lora import clear_slot, export_slot, init_slot, load_slot_state, slot_state
 from miles_multilora.lora.slots import check_slot_args
+from miles_multilora.lora.targets import check_targets, families_of_modules, state_families
 from miles_multilora.models import compat
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.optim.slot_adamw import SlotStepStats
@@ -57,7 +58,8 @@ from miles_multilora.trainer.primitives import (
 class OpenSlot:
     """A slot in use: its holder's ``name`` (the engine's adapter name), LoRA shape and init seed,
     and its weight version. ``run``: the holder's id of this opening, naming its export directories
-    (a name opened again never shares them)."""
+    (a name opened again never shares them). ``targets``: the module families it trains
+    (:mod:`~miles_multilora.lora.targets`)."""
 
     slot: int
     name: str
@@ -66,6 +68,7 @@ class OpenSlot:
     seed: int
     version: int = 0
     run: str = ""
+    targets: tuple[str, ...] = ()
 
 
 class TrainerRank:
@@ -109,6 +112,11 @@ class TrainerRank:
     def max_rank(self) -> int:
         return self.cfg.lora.max_rank
 
+    @property
+    def lora_families(self) -> tuple[str, ...]:
+        """The module families the model's LoRA layers cover (``lora.target_modules``)."""
+        return families_of_modules(self.cfg.lora.target_modules)
+
     # ----------------------------------------------------------------- slots
     def free_slots(self) -> list[int]:
         return [s for s in range(self.num_slots) if s not in self.slots]
@@ -125,21 +133,24 @@ class TrainerRank:
         total_steps: int | None = None,
         run: str = "",
         restore: str | Path | dict | None = None,
+        targets: Sequence[str] | None = None,
     ) -> OpenSlot:
         """A fresh LoRA of ``rank`` in ``slot`` for ``name`` (``A`` drawn from ``seed``, ``B = 0``),
-        stepped with ``optimizer`` (``total_steps``: the schedule's horizon), at version 0; with
-        ``restore``, the state saved there (or this rank's shard of it, read) instead (weights,
-        optimizer, version). Published."""
+        training the module families ``targets`` (None: every family the model wraps), stepped with
+        ``optimizer`` (``total_steps``: the schedule's horizon), at version 0; with ``restore``, the
+        state saved there (or this rank's shard of it, read) instead (weights, optimizer, version;
+        its targets must be ``targets``). Published."""
         if slot in self.slots:
             raise ConfigError(
                 "slot", f"slot {slot} is open (held by {self.slots[slot].name!r}): close it first"
             )
+        families = check_targets(targets, self.lora_families)
         if restore is None:
-            init_slot(self.model, slot, rank, alpha, seed, self.optimizer)
+            init_slot(self.model, slot, rank, alpha, seed, self.optimizer, targets=families)
         else:  # the restore writes every tensor of the slot and its optimizer state: no fresh draw
-            check_slot_args(self.model, slot, rank, alpha)
+            check_slot_args(self.model, slot, rank, alpha, families)
         self.optimizer.configure_slot(slot, optimizer, total_steps=total_steps)
-        opened = self.slots[slot] = OpenSlot(slot, name, rank, float(alpha), seed, 0, run)
+        opened = self.slots[slot] = OpenSlot(slot, name, rank, float(alpha), seed, 0, run, families)
         if restore is not None:
             try:
                 self._load(opened, restore, optimizer=True)
@@ -275,7 +286,9 @@ class TrainerRank:
         opened = self.slot(slot)
         if not self.layout.is_shard_writer:
             return
-        meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version)
+        meta = shard.SlotMeta(
+            opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets
+        )
         tensors, optimizer = shard.trim_to_rank(
             slot_state(self.model, slot), self.optimizer.slot_state_dict(slot)
         )  # the adapter's own rank, not the slot's max_rank
@@ -294,6 +307,15 @@ class TrainerRank:
         if meta is not None and meta.rank != opened.rank:
             raise SpecError(
                 "rank", f"the saved state has LoRA rank {meta.rank}, the slot holds {opened.rank}"
+            )
+        saved_targets = meta.targets if meta is not None else None
+        if saved_targets is None:  # written before slots had targets: the families it holds
+            saved_targets = state_families(saved["slot"])
+        if tuple(saved_targets) != opened.targets:
+            raise SpecError(
+                "lora_targets",
+                f"the saved state trains {list(saved_targets)}, the slot {list(opened.targets)}: "
+                "open it with the saved state's targets",
             )
         load_slot_state(self.model, opened.slot, saved["slot"])
         if optimizer:

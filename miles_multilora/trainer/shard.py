@@ -23,13 +23,15 @@ import torch
 
 @dataclass(frozen=True)
 class SlotMeta:
-    """What a saved slot was: its owner's name, LoRA rank, alpha, init seed and weight version."""
+    """What a saved slot was: its owner's name, LoRA rank, alpha, init seed, weight version and the
+    module families it trains (``targets``; None in shards written before slots had targets)."""
 
     name: str
     rank: int
     alpha: float
     seed: int
     version: int
+    targets: tuple[str, ...] | None = None
 
 
 def _rank_dim(name: str) -> int | None:
@@ -95,9 +97,17 @@ def write_shard(
     path = shard_path(directory, tp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.part")
-    torch.save({"slot": slot, "optimizer": optimizer, "meta": asdict(meta)}, tmp)
+    torch.save({"slot": slot, "optimizer": optimizer, "meta": meta_dict(meta)}, tmp)
     os.replace(tmp, path)
     return path
+
+
+def meta_dict(meta: SlotMeta) -> dict[str, Any]:
+    """``meta`` as plain values (``targets`` a list) for ``torch.save``."""
+    out = asdict(meta)
+    if meta.targets is not None:
+        out["targets"] = list(meta.targets)
+    return out
 
 
 def read_shard(directory: str | Path, tp_rank: int) -> dict[str, Any]:
@@ -110,6 +120,8 @@ def shard_meta(shard: dict[str, Any]) -> SlotMeta | None:
     meta = shard.get("meta")
     if meta is None:
         return None
+    targets = meta.get("targets")
     return SlotMeta(
-        str(meta["name"]), int(meta["rank"]), float(meta["alpha"]), int(meta["seed"]), int(meta["version"])
-    )
+        str(meta["name"]), int(meta["rank"]), float(meta["alpha"]), int(meta["seed"]), int(meta["version"]),
+        None if targets is None else tuple(str(t) for t in targets),
+    )  # fmt: skip
