@@ -70,3 +70,15 @@ def test_a_named_save_replaced_by_a_new_one_answers_so(weights: tuple[SamplerWei
         sw.serve("t-a", first)
     assert sw.open("t-a", "run-1", "n") == second and sw.serve("t-a", second) == owned.model_id
     assert sorted(p.name for p in first.directory.parent.iterdir()) == ["n"]  # no staging left
+
+
+def test_the_limits_are_configured_and_checked() -> None:
+    from miles_multilora.config.run import config_from_container, load_run_config
+    from miles_multilora.errors import ConfigError
+
+    cfg = load_run_config("tinker", ["model=tiny", "tinker.max_sampler_copies_per_tenant=2"])
+    assert (cfg.tinker.max_sampler_copies_per_tenant, cfg.tinker.max_unnamed_sampler_weights) == (2, 64)
+    for key in ("max_sampler_copies_per_tenant", "max_unnamed_sampler_weights"):
+        with pytest.raises(ConfigError) as info:
+            config_from_container({"model": {"source": "tiny"}, "tinker": {key: 0}})
+        assert info.value.key == f"tinker.{key}"
