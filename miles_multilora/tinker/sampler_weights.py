@@ -110,14 +110,13 @@ class SamplerWeights:
             _key(sampler_id), tenant, f"the weights of sampler {sampler_id!r}", directory,
             session_id=owned.session_id,
         )  # fmt: skip
-        with self._lock:
-            mine = [s for s in self._unnamed.values() if s.owner == tenant and s.key != saved.key]
-        for old in mine[: max(len(mine) - self.settings.max_unnamed_sampler_weights + 1, 0)]:
-            self.forget(old)
         self.forget(saved)  # the same sampler saved again (a retried request): replaced
         self.backend.save_sampler_weights(owned.model_id, directory)
         with self._lock:
             self._unnamed[saved.key] = saved
+            mine = [s for s in self._unnamed.values() if s.owner == tenant]
+        for old in mine[: max(len(mine) - self.settings.max_unnamed_sampler_weights, 0)]:
+            self.forget(old)  # the oldest first (the new one is last)
         self._note_source(saved, owned.model_id)
         return saved
 
