@@ -217,6 +217,9 @@ class TinkerConfig:
     # a client's train_unembed=True (the SDK's default) when lora.target_modules has no output_layer:
     # ignore (train attn/mlp as asked, no unembed LoRA) | error (refuse the model)
     unembed_lora: str = "ignore"
+    # saved sampler weights: a version a model moved on from is sampled from a copy loaded in a slot
+    max_sampler_copies_per_tenant: int = 4  # per tenant: copies in slots; past it its LRU one is evicted
+    max_unnamed_sampler_weights: int = 64  # per tenant: sampler-id form saves kept; past it the oldest go
     # lifetimes
     session_timeout_s: float = 120.0  # a session without a heartbeat for this long ends; its models unload
     result_ttl_s: float = 3600.0  # an unretrieved result is dropped after this
@@ -375,6 +378,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
                 "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
                 "max_held_results_mb", "max_models", "max_models_per_tenant", "max_topk_prompt_logprobs",
+                "max_sampler_copies_per_tenant", "max_unnamed_sampler_weights",
                 "min_checkpoint_ttl_s", "max_checkpoints", "max_runs", "max_list_limit",
                 "max_user_metadata_bytes"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")

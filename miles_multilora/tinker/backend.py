@@ -13,6 +13,10 @@ gradients included, to host memory, and past ``offload_host_bytes`` of parked st
 :mod:`~miles_multilora.trainer.offload`) and the model comes back into the freed slot exactly as it
 was. Only ``max_models`` bounds how many a server holds (and, per tenant, the server state's
 ``tinker.max_models_per_tenant``).
+
+Besides the client models, a slot may hold a **sampling copy**: saved sampler weights loaded for
+sampling only (:meth:`TinkerBackend.load_copy`, :mod:`~miles_multilora.tinker.sampler_weights`).
+It is evicted, never parked (its weights are on disk), by the same least-recently-used choice.
 """
 
 from __future__ import annotations
@@ -161,8 +165,10 @@ class TinkerBackend:
         self.resident: dict[str, int] = {}  # model id -> its slot
         self.parked: dict[str, ParkedSlot] = {}  # model id -> its state off the GPU
         self._used: dict[str, int] = {}  # model id -> when an operation last needed it (LRU)
+        self._loads: dict[str, int] = {}  # model id -> how many saved states were loaded into it
+        self.copies: dict[str, str] = {}  # sampling copy -> the tenant it counts toward (resident only)
         self._clock = 0
-        self.stats = {"parked": 0, "restored": 0, "spilled": 0}
+        self.stats = {"parked": 0, "restored": 0, "spilled": 0, "copies_loaded": 0, "copies_evicted": 0}
 
     # ------------------------------------------------------------------ models
     @property
@@ -245,6 +251,12 @@ class TinkerBackend:
             self.parked.pop(model_id).discard()
         self._used.pop(model_id, None)
         self._ids.pop(model_id, None)
+        self._loads.pop(model_id, None)
+
+    def stamp(self, model_id: str) -> tuple[int, int]:
+        """What names the weights a model holds now: its version and how many loads it had (a
+        ``load_state`` with the optimizer may bring back a version number it had before)."""
+        return self.model(model_id).version, self._loads.get(model_id, 0)
 
     def _touch(self, model_id: str) -> None:
         self._clock += 1
@@ -262,6 +274,9 @@ class TinkerBackend:
             )
         victim = victims[0]
         slot = self.resident[victim]
+        if victim in self.copies:  # a sampling copy: its weights are on disk, nothing to keep
+            self.drop_copy(victim)
+            return slot
         self.parked[victim] = park(self.rank, slot)
         del self.resident[victim]
         self.rank.close_slot(slot)
@@ -297,6 +312,50 @@ class TinkerBackend:
         parked.discard()
         self.stats["restored"] += 1
         return slot
+
+    # ------------------------------------------------------------------ sampling copies
+    def load_copy(self, key: str, directory: str | Path, owner: str, max_per_owner: int) -> None:
+        """Make the sampling copy ``key`` resident: the saved weights in ``directory`` (written by
+        :meth:`save_sampler_weights`) in a slot, with no optimizer state, counted toward ``owner``.
+        Past ``max_per_owner`` resident copies of ``owner``, its least recently used one goes first;
+        a slot is freed as for a model (the least recently used resident is evicted or parked)."""
+        if key in self.resident:
+            self._touch(key)
+            return
+        mine = sorted((k for k, o in self.copies.items() if o == owner), key=lambda k: self._used.get(k, 0))
+        for victim in mine[: max(len(mine) - max_per_owner + 1, 0)]:
+            self.drop_copy(victim)
+        saved = read_shard(directory, self.rank.layout.tp_rank)  # once; FileNotFoundError: deleted
+        meta = shard_meta(saved)
+        if meta is None:
+            raise TinkerError("model_path", "not readable sampler weights: no meta")
+        slot = self._free_slot(keep=set())
+        self.rank.open_slot(
+            slot, meta.rank, meta.alpha, meta.seed, OptimizerSpec(clip_grad=0.0), key, targets=meta.targets
+        )
+        try:
+            self.rank.load_slot(slot, saved, optimizer=False)
+        except BaseException:
+            self.rank.close_slot(slot)
+            raise
+        self.resident[key] = slot
+        self.copies[key] = owner
+        self.stats["copies_loaded"] += 1
+        self._touch(key)
+
+    def drop_copy(self, key: str) -> None:
+        """Evict the sampling copy ``key`` (nothing when it is not resident)."""
+        if self.copies.pop(key, None) is None:
+            return
+        self.rank.close_slot(self.resident.pop(key))
+        self._used.pop(key, None)
+        self.stats["copies_evicted"] += 1
+
+    def save_sampler_weights(self, model_id: str, path: str | Path) -> Path:
+        """The model's LoRA weights and meta alone (no optimizer state), at its own rank, in the
+        directory ``path``: what :meth:`load_copy` reads."""
+        self.rank.save_slot(self._slot_of(model_id), path, optimizer=False)
+        return Path(path)
 
     # ------------------------------------------------------------------ training
     def check(self, request: ForwardBackwardRequest) -> dict[str, float]:
@@ -471,6 +530,7 @@ class TinkerBackend:
                 "or with create_training_client_from_state",
             )
         self.rank.load_slot(self._slot_of(model_id), path, optimizer=optimizer)
+        self._loads[model_id] = self._loads.get(model_id, 0) + 1
 
 
 def read_state(path: str | Path) -> SlotMeta:

@@ -4,7 +4,8 @@ A run (one client model, ``run-<boot>-<random>``) is recorded when its model is 
 base model, LoRA rank, session and ``user_metadata``. Its checkpoints are named
 ``<kind>/<name>`` as the SDK's ``tinker://<run>/<kind>/<name>`` paths: ``weights`` (save_state, a slot
 shard), ``external_weights`` (a PEFT adapter directory) and ``sampler_weights``
-(save_weights_for_sampler: a live slot version, never on disk, so never kept across a restart).
+(save_weights_for_sampler: a slot shard of the weights alone, :mod:`.sampler_weights`). Every kind
+has its files under :meth:`Catalog.files_of` and is kept across a restart.
 
 Each run is one JSON file ``<root>/<tenant>/runs/<run>.json``, replaced atomically on every change;
 a server start reads them all back (dropping checkpoints whose files are gone). Every lookup takes
@@ -33,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 TRAINING, SAMPLER, EXTERNAL = "weights", "sampler_weights", "external_weights"
 CHECKPOINT_TYPES = {TRAINING: "training", SAMPLER: "sampler", EXTERNAL: "external"}  # the SDK's names
-_ON_DISK = (TRAINING, EXTERNAL)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class RunRecord:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["checkpoints"] = [asdict(c) for c in self.checkpoints.values() if c.kind in _ON_DISK]
+        data["checkpoints"] = [asdict(c) for c in self.checkpoints.values()]
         return data
 
     @classmethod
@@ -106,7 +106,8 @@ class Catalog:
 
     # ------------------------------------------------------------------ layout
     def files_of(self, tenant: str, run_id: str, kind: str, name: str) -> Path:
-        """Where a checkpoint's files live (training: a slot shard; external: a PEFT adapter)."""
+        """Where a checkpoint's files live (training: a slot shard; sampler: a shard of the weights
+        alone; external: a PEFT adapter)."""
         return self.root / tenant / kind / run_id / name
 
     def _run_file(self, run: RunRecord) -> Path:
@@ -226,8 +227,7 @@ class Catalog:
         )
         with self._lock:
             run.checkpoints[record.checkpoint_id] = record
-            if kind in _ON_DISK:
-                self._write(run)
+            self._write(run)
         return record
 
     def remove(self, tenant: str, run_id: str, kind: str, name: str) -> CheckpointRecord:
@@ -236,24 +236,19 @@ class Catalog:
         with self._lock:
             if run.checkpoints.pop(record.checkpoint_id, None) is None:
                 raise Unknown("checkpoint_id", f"no checkpoint {run.path(record)}")
-            if kind in _ON_DISK:
-                self._write(run)
-                files = self.files_of(tenant, run_id, kind, name)
-                trash = self.root / tenant / f".deleted-{secrets.token_hex(8)}"
-                try:
-                    os.replace(files, trash)
-                except FileNotFoundError:
-                    trash = None
-        if kind in _ON_DISK and trash is not None:
+            self._write(run)
+            files = self.files_of(tenant, run_id, kind, name)
+            trash = self.root / tenant / f".deleted-{secrets.token_hex(8)}"
+            try:
+                os.replace(files, trash)
+            except FileNotFoundError:
+                trash = None
+        if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         return record
 
     def set_public(self, tenant: str, run_id: str, kind: str, name: str, public: bool) -> None:
         run, record = self.checkpoint(tenant, run_id, kind, name)
-        if kind == SAMPLER:
-            raise TinkerError(
-                "checkpoint_id", "sampler checkpoints live in the server's memory and cannot be published"
-            )
         with self._lock:  # already so: nothing to do (the SDK would retry a 409 for 5 minutes)
             if record.public != public:
                 record.public = public
@@ -263,8 +258,7 @@ class Catalog:
         run, record = self.checkpoint(tenant, run_id, kind, name)
         with self._lock:
             record.expires_at = None if ttl_s is None else self.clock() + ttl_s
-            if kind in _ON_DISK:
-                self._write(run)
+            self._write(run)
 
     def expired(self) -> list[tuple[RunRecord, CheckpointRecord]]:
         """Every checkpoint past its ``expires_at``."""

@@ -19,11 +19,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.ids import IdMint
 
-RESTARTED = "the server restarted since it was created (only save_state checkpoints survive a restart)"
+if TYPE_CHECKING:
+    from miles_multilora.tinker.sampler_weights import SavedWeights
+
+RESTARTED = (
+    "the server restarted since it was created (checkpoints survive a restart: open "
+    "tinker://<run>/sampler_weights/<name> or load tinker://<run>/weights/<name> again)"
+)
 
 
 class Unknown(TinkerError):
@@ -58,9 +65,10 @@ class Sampler:
     sampler_id: str
     tenant: str
     session_id: str
-    model_id: str | None  # None: the base model
+    model_id: str | None  # the model it was saved from (None: opened by path, or the base model)
     version: int | None
     model_path: str | None = None
+    weights: SavedWeights | None = None  # what it samples (None: the base model)
 
 
 class Registry:
@@ -72,7 +80,6 @@ class Registry:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, OwnedModel] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.snapshots: dict[tuple[str, str], tuple[str, int]] = {}  # (tenant, path) -> (model, version)
         self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (tenant, why)
 
     # ------------------------------------------------------------------ lookups
@@ -111,21 +118,6 @@ class Registry:
                 raise self._unknown("sampler", tenant, sampler_id)
             self.sessions[s.session_id].last_seen = self.clock()
             return s
-
-    def snapshot(self, tenant: str, path: str) -> tuple[str, int]:
-        with self._lock:
-            found = self.snapshots.get((tenant, path))
-        if found is None:
-            raise Unknown("model_path", f"no sampler weights at {path!r} (save_weights_for_sampler first)")
-        return found
-
-    def has_snapshot(self, tenant: str, path: str) -> bool:
-        with self._lock:
-            return (tenant, path) in self.snapshots
-
-    def drop_snapshot(self, tenant: str, path: str) -> None:
-        with self._lock:
-            self.snapshots.pop((tenant, path), None)
 
     def tenant_sessions(self, tenant: str) -> list[Session]:
         """The tenant's open sessions, oldest first."""
@@ -179,7 +171,6 @@ class Registry:
         session = self.sessions.get(m.session_id)
         if session is not None:
             session.models.discard(model_id)
-        self.snapshots = {k: v for k, v in self.snapshots.items() if v[0] != model_id}
         self._remember(model_id, m.tenant, why)
 
     def add_sampler(self, sampler: Sampler) -> None:
@@ -190,12 +181,6 @@ class Registry:
                 raise self._unknown("session", sampler.tenant, sampler.session_id)
             self.samplers[sampler.sampler_id] = sampler
             s.samplers.add(sampler.sampler_id)
-
-    def add_snapshot(self, tenant: str, path: str, model_id: str, version: int) -> None:
-        """Name a live model's version by a sampler path (kept while the model lives)."""
-        with self._lock:
-            if self.models.get(model_id) is not None:
-                self.snapshots[(tenant, path)] = (model_id, version)
 
     def count_sessions(self, tenant: str) -> int:
         with self._lock:
@@ -210,6 +195,7 @@ class Registry:
             del self.sessions[session_id]
             for sid in s.samplers:
                 self.samplers.pop(sid, None)
+                self._remember(sid, tenant, f"its session ended ({why})")
             self._remember(session_id, tenant, why)
             models = sorted(s.models)
             for model_id in models:

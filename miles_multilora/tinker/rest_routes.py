@@ -3,8 +3,8 @@ info, sessions, ``save_weights_external`` and its signed download URLs.
 
 Everything answers the caller's tenant only: another tenant's run, checkpoint or session is a 404
 exactly like a missing one (:class:`~miles_multilora.tinker.registry.Unknown`). A published
-checkpoint is readable by other tenants through ``load`` (and ``weights_info``) by its path, never
-listed or downloaded by them. :func:`register` adds the routes to :mod:`.server`'s app.
+checkpoint is readable by other tenants by its path (training states through ``load``, sampler
+weights through ``create_sampling_client``, and ``weights_info``), never listed or downloaded by them. :func:`register` adds the routes to :mod:`.server`'s app.
 
 Download URLs (``get_external_weights_urls``) carry an HMAC-signed token (tenant, checkpoint, file,
 expiry; the key is drawn at each server start), so a plain GET without the API key fetches the file,
@@ -150,9 +150,6 @@ def register(app: FastAPI, state: ServerState) -> None:
     def tenant_of(request: Request) -> str:
         return request.state.principal
 
-    def listed(run: RunRecord, record: CheckpointRecord) -> bool:
-        return record.kind != SAMPLER or registry.has_snapshot(run.tenant, run.path(record))
-
     def checkpoint_json(run: RunRecord, c: CheckpointRecord) -> dict[str, Any]:
         return {
             "checkpoint_id": c.checkpoint_id, "checkpoint_type": CHECKPOINT_TYPES[c.kind],
@@ -170,7 +167,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return max(times)
 
     def run_json(run: RunRecord) -> dict[str, Any]:
-        mine = sorted((c for c in catalog.checkpoints_of(run) if listed(run, c)), key=lambda c: c.created)
+        mine = sorted(catalog.checkpoints_of(run), key=lambda c: c.created)
         last = {
             kind: next((c for c in reversed(mine) if c.kind == kind), None) for kind in (TRAINING, SAMPLER)
         }
@@ -204,13 +201,13 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
     async def list_run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
         run = catalog.run(tenant_of(request), run_id)
-        mine = sorted((c for c in catalog.checkpoints_of(run) if listed(run, c)), key=lambda c: -c.created)
+        mine = sorted(catalog.checkpoints_of(run), key=lambda c: -c.created)
         return {"checkpoints": [checkpoint_json(run, c) for c in mine], "cursor": None}
 
     @app.get(f"{API}/checkpoints")
     async def list_user_checkpoints(request: Request) -> dict[str, Any]:
         limit, offset = _page(request, s, 100)
-        found = [(r, c) for r, c in catalog.checkpoints(tenant_of(request)) if listed(r, c)]
+        found = catalog.checkpoints(tenant_of(request))
         return {
             "checkpoints": [checkpoint_json(r, c) for r, c in found[offset : offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},

@@ -50,6 +50,8 @@ class TinkerServer:
         backend = self.state.backend
         for model_id in list(backend.models):  # nothing outlives the server but saved states
             backend.unload_model(model_id)
+        for copy in list(backend.copies):  # sampling copies: their weights are on disk
+            backend.drop_copy(copy)
 
 
 def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:

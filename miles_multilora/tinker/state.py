@@ -6,13 +6,13 @@ operations are what :mod:`.server`'s routes queue in the caller's lane: each run
 thread, checks what only the live state can tell, and returns the JSON (or protobuf) answer.
 
 Saved states live in ``<state_dir>/<tenant>/weights/<run>/<name>/`` and are addressed as
-``tinker://<run>/weights/<name>``: a tenant can only ever reach its own. A sampler serves a model's
-live slot at the version it was saved for (no export); a slot whose version moved on refuses it.
+``tinker://<run>/weights/<name>``: a tenant can only ever reach its own. Sampler weights are saved
+to disk and last (:mod:`.sampler_weights`): a sampler samples from its model's slot while that holds
+its weights, else from a copy of them loaded into a slot.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -40,6 +40,7 @@ from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog,
 from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
+from miles_multilora.tinker.sampler_weights import SamplerWeights
 from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped
 from miles_multilora.tinker.wire import PROTOBUF, encode_forward_backward, encode_samples
 
@@ -70,6 +71,7 @@ class ServerState:
     registry: Registry = field(init=False)
     futures: FutureStore = field(init=False)
     catalog: Catalog = field(init=False)
+    sampler_weights: SamplerWeights = field(init=False)
     stopping: threading.Event = field(default_factory=threading.Event)  # long polls end (503)
 
     def __post_init__(self) -> None:
@@ -86,6 +88,7 @@ class ServerState:
             self.state_dir, max_checkpoints=s.max_checkpoints, max_runs=s.max_runs,
             live_runs=self.registry.live_runs,
         )  # fmt: skip
+        self.sampler_weights = SamplerWeights(self.catalog, self.backend, s)
         self._last_sweep = 0.0
 
     def weights_dir(self, tenant: str, run: str, name: str) -> Path:
@@ -99,6 +102,12 @@ class ServerState:
         self.queue.drop_lane((tenant, session_id), TinkerError("session", f"the session ended: {why}"))
         for model_id in models:
             self.queue.submit_calls((tenant, ""), [lambda m=model_id: self._unload_if_loaded(m)])
+        self._evict_copies(tenant, self.sampler_weights.end_session(tenant, session_id))
+
+    def _evict_copies(self, tenant: str, copies: list[str]) -> None:
+        """Evict sampling copies on the queue thread (in the tenant's own lane)."""
+        if copies:
+            self.queue.submit_calls((tenant, ""), [lambda: [self.backend.drop_copy(c) for c in copies]])
 
     def maintain(self) -> None:
         """Expire silent sessions and release old results (called periodically)."""
@@ -118,8 +127,7 @@ class ServerState:
 
     # ----------------------------------------------------------------- checkpoints (any thread)
     def sweep_checkpoints(self) -> int:
-        """Delete every checkpoint past its ``ttl_seconds``, and forget sampler checkpoints whose
-        model is gone; returns how many expired."""
+        """Delete every checkpoint past its ``ttl_seconds``; returns how many expired."""
         expired = self.catalog.expired()
         for run, record in expired:
             try:
@@ -127,16 +135,14 @@ class ServerState:
             except Unknown:  # deleted meanwhile
                 continue
             logger.info("tinker: %s of %s expired (ttl_seconds)", run.path(record), run.tenant)
-        for run, record in self.catalog.all_checkpoints(SAMPLER):
-            if not self.registry.has_snapshot(run.tenant, run.path(record)):
-                with contextlib.suppress(Unknown):
-                    self.catalog.remove(run.tenant, run.run_id, record.kind, record.name)
         return len(expired)
 
     def delete_checkpoint(self, tenant: str, run_id: str, kind: str, name: str) -> None:
         record = self.catalog.remove(tenant, run_id, kind, name)
         if kind == SAMPLER:
-            self.registry.drop_snapshot(tenant, f"tinker://{run_id}/{record.checkpoint_id}")
+            self._evict_copies(
+                tenant, self.sampler_weights.forget_named_later(tenant, run_id, name, record.created)
+            )
 
     # ----------------------------------------------------------------- models (on the queue)
     def create_model(
@@ -257,27 +263,37 @@ class ServerState:
         self, tenant: str, owned: OwnedModel, path: str | None, sampler_id: str | None,
         ttl_s: int | None = None, user_metadata: dict[str, str] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """Record the model's current version under ``path`` (a named snapshot) or as a sampler."""
+        """Save the model's weights at its current version under ``path`` (named, lasting sampler
+        weights) or for a new sampler ``sampler_id`` of its session (:mod:`.sampler_weights`)."""
         version = self.backend.model(owned.model_id).version
         if path is not None:
-            name = path.rsplit("/", 1)[1]
-            self.catalog.check_room(tenant, owned.run_id, SAMPLER, name)
-            self.registry.add_snapshot(tenant, path, owned.model_id, version)
-            self.catalog.add_checkpoint(
-                tenant, owned.run_id, SAMPLER, name, size_bytes=None, ttl_s=ttl_s, user_metadata=user_metadata
-            )
+            self.sampler_weights.save_named(tenant, owned, path.rsplit("/", 1)[1], ttl_s, user_metadata)
             return {"type": "save_weights_for_sampler", "path": path}
         assert sampler_id is not None
-        self.registry.add_sampler(Sampler(sampler_id, tenant, owned.session_id, owned.model_id, version))
+        saved = self.sampler_weights.save_unnamed(tenant, owned, sampler_id)
+        try:
+            self.registry.add_sampler(
+                Sampler(sampler_id, tenant, owned.session_id, owned.model_id, version, weights=saved)
+            )
+        except BaseException:  # the session ended meanwhile: its weights go with it
+            self.sampler_weights.forget(saved)
+            raise
         return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler_id}
 
     def open_sampler(
         self, tenant: str, session_id: str, sampler_id: str, model_path: str | None, base: str | None
     ) -> None:
-        """A sampler of a named snapshot (``model_path``), or of the base model."""
+        """A sampler of named sampler weights (``model_path``: the tenant's own or published ones),
+        or of the base model."""
         if model_path:
-            model_id, version = self.registry.snapshot(tenant, model_path)
-            sampler = Sampler(sampler_id, tenant, session_id, model_id, version, model_path)
+            match = PATH.match(model_path)
+            if match is None or match.group(2) != SAMPLER:
+                raise TinkerError(
+                    "model_path", f"expected tinker://<run>/sampler_weights/<name> (from save_weights_for_sampler), "
+                    f"got {model_path!r}",
+                )  # fmt: skip
+            saved = self.sampler_weights.open(tenant, match.group(1), match.group(3))
+            sampler = Sampler(sampler_id, tenant, session_id, None, None, model_path, saved)
         else:
             if base not in (None, self.base_model):
                 raise TinkerError("base_model", f"this server serves {self.base_model!r}, not {base!r}")
@@ -291,7 +307,7 @@ class ServerState:
         """``n`` samples as calls of at most ``tinker.sample_batch_tokens`` tokens each (sample ``j``
         seeded ``seed + j``), after one call scoring the prompt when ``scoring`` asks for it; what
         each can cost; and how their results combine. Refused over ``tinker.max_sample_tokens``.
-        Each call first checks that the sampler's version is still the slot's."""
+        Each call first finds what the sampler samples from now (:meth:`_serving`)."""
         s = self.settings
         room = max(self.backend.rank.max_seq_len - len(prompt), 1)
         each = min(spec.max_new_tokens, room)  # what one sample can cost
@@ -308,8 +324,7 @@ class ServerState:
 
         def part(first: int, count: int) -> Callable[[], Any]:
             def run() -> Any:
-                self._check_version(sampler)
-                return self.backend.sample(sampler.model_id, prompt, count, spec, seed + first)
+                return self.backend.sample(self._serving(sampler), prompt, count, spec, seed + first)
 
             return run
 
@@ -320,25 +335,19 @@ class ServerState:
         self.backend.check_scoring(prompt, scoring)
 
         def score() -> PromptScores:
-            self._check_version(sampler)
-            return self.backend.score_prompt(sampler.model_id, prompt, scoring)
+            return self.backend.score_prompt(self._serving(sampler), prompt, scoring)
 
         def combine(parts: list[Any]) -> SampleOutput:
             return SampleOutput([r for p in parts[1:] for r in p], parts[0])
 
         return [score, *calls], [len(prompt), *costs], combine
 
-    def _check_version(self, sampler: Sampler) -> None:
-        """Refuse a sampler of a model whose slot has moved on from the version it serves."""
-        if sampler.model_id is None:
-            return
-        live = self.backend.model(sampler.model_id).version
-        if live != sampler.version:
-            raise TinkerError(
-                "sampler", f"the sampler serves version {sampler.version} of {sampler.model_id}, "
-                f"whose slot now holds version {live}; save_weights_for_sampler again for the "
-                "current weights",
-            )  # fmt: skip
+    def _serving(self, sampler: Sampler) -> str | None:
+        """The backend model the sampler samples from now (None: the base model): its model's slot
+        while that holds the saved weights, else a copy of them (an error once they are gone)."""
+        if sampler.weights is None:
+            return None
+        return self.sampler_weights.serve(sampler.tenant, sampler.weights)
 
 
 # ---------------------------------------------------------------------------- results

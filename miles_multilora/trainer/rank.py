@@ -280,9 +280,10 @@ class TrainerRank:
         return stats
 
     # ----------------------------------------------------------------- slot state
-    def save_slot(self, slot: int, directory: str | Path) -> None:
+    def save_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None:
         """Write ``slot``'s state (exact tensors, optimizer state, meta) into ``directory``: one shard
-        per TP rank, written by DP rank 0 (:mod:`~miles_multilora.trainer.shard`)."""
+        per TP rank, written by DP rank 0 (:mod:`~miles_multilora.trainer.shard`). Without
+        ``optimizer``, the weights alone (an empty optimizer state: weights for sampling)."""
         opened = self.slot(slot)
         if not self.layout.is_shard_writer:
             return
@@ -290,13 +291,14 @@ class TrainerRank:
             opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets
         )
         tensors, optimizer = shard.trim_to_rank(
-            slot_state(self.model, slot), self.optimizer.slot_state_dict(slot)
+            slot_state(self.model, slot), self.optimizer.slot_state_dict(slot) if optimizer else {}
         )  # the adapter's own rank, not the slot's max_rank
         shard.write_shard(directory, self.layout.tp_rank, tensors, optimizer, meta)
 
-    def load_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None:
-        """Put the state saved in ``directory`` into open ``slot``: with ``optimizer``, the weights,
-        optimizer state and version saved; without, the weights alone, as a new version. Published."""
+    def load_slot(self, slot: int, directory: str | Path | dict, optimizer: bool = True) -> None:
+        """Put the state saved in ``directory`` (or this rank's shard of it, read) into open
+        ``slot``: with ``optimizer``, the weights, optimizer state and version saved; without, the
+        weights alone, as a new version. Published."""
         self._load(self.slot(slot), directory, optimizer)
         self._publish([slot])
 

@@ -426,3 +426,38 @@ def test_one_tenant_cannot_hold_every_model_of_the_server(backend: TinkerBackend
         assert set(backend.models) == {a_ids[1], a_ids[2], b_ids[0]}
     finally:
         queue.close()
+
+
+def test_a_sampling_copy_samples_the_saved_weights_and_is_evicted_never_parked(
+    backend: TinkerBackend, tmp_path: Path
+) -> None:
+    """Sampler weights are saved at the model's own rank without optimizer state; a copy loaded in
+    a slot samples exactly what the model sampled at that version; a copy makes room by eviction
+    (never parked), and an owner past its cap loses its least recently used copy."""
+    backend.create_model("a", rank=4, seed=1)
+    backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
+    backend.optim_step("a", lr=3e-2)
+    saved = backend.save_sampler_weights("a", tmp_path / "v1")
+    shard = torch.load(saved / "slot_rank0.pt", weights_only=True)
+    assert shard["optimizer"] == {} and shard["meta"]["version"] == 1
+    assert {t.shape[-2] for k, t in shard["slot"].items() if k.endswith(".lora_A")} == {4}  # not max_rank 8
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=6)
+    before = [r.output_ids for r in backend.sample("a", TEXT[:4], 3, spec, seed=7)]
+    for _ in range(2):
+        backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
+        backend.optim_step("a", lr=3e-2)
+
+    backend.load_copy("copy-1", saved, "t-a", max_per_owner=2)
+    assert [r.output_ids for r in backend.sample("copy-1", TEXT[:4], 3, spec, seed=7)] == before
+    assert "copy-1" not in backend.models  # not a client model
+    backend.sample("a", TEXT[:4], 1, spec)  # "a" is used last: the copy is the least recently used
+    backend.create_model("b", rank=2, seed=2)  # both slots were taken
+    assert "copy-1" not in backend.copies and "copy-1" not in backend.parked
+    assert backend.stats["copies_evicted"] == 1 and backend.stats["parked"] == 0
+    assert set(backend.resident) == {"a", "b"}
+
+    backend.unload_model("b")
+    backend.load_copy("copy-1", saved, "t-a", max_per_owner=1)
+    backend.load_copy("copy-2", saved, "t-a", max_per_owner=1)  # past the owner's cap: copy-1 goes
+    assert set(backend.copies) == {"copy-2"}
+    assert [r.output_ids for r in backend.sample("copy-2", TEXT[:4], 3, spec, seed=7)] == before

@@ -29,14 +29,13 @@ def catalog(root: Path, clock: Clock, **caps: int) -> Catalog:
 def saved(c: Catalog, tenant: str, run: str, kind: str, name: str, ttl_s: int | None = None) -> None:
     """A checkpoint with files, as the server writes them."""
     files = c.files_of(tenant, run, kind, name)
-    if kind != SAMPLER:
-        files.mkdir(parents=True)
-        (files / "f").write_bytes(b"x" * 10)
+    files.mkdir(parents=True)
+    (files / "f").write_bytes(b"x" * 10)
     c.check_room(tenant, run, kind, name)
     c.add_checkpoint(tenant, run, kind, name, size_bytes=10, ttl_s=ttl_s, user_metadata={"k": "v"})
 
 
-def test_runs_and_checkpoints_survive_a_restart_but_sampler_ones_do_not(tmp_path: Path) -> None:
+def test_runs_and_checkpoints_of_every_kind_survive_a_restart(tmp_path: Path) -> None:
     clock = Clock()
     c = catalog(tmp_path, clock)
     c.add_run("t-a", "run-1", "sess-1", "sess-1:train:0", "tiny", 4, {"exp": "1"})
@@ -49,7 +48,7 @@ def test_runs_and_checkpoints_survive_a_restart_but_sampler_ones_do_not(tmp_path
     run = again.run("t-a", "run-1")
     assert (run.base_model, run.lora_rank, run.user_metadata) == ("tiny", 4, {"exp": "1"})
     assert again.run("t-a", "sess-1:train:0").run_id == "run-1"  # by its model's id too
-    assert sorted(run.checkpoints) == ["external_weights/e1", "weights/s1"]
+    assert sorted(run.checkpoints) == ["external_weights/e1", "sampler_weights/p1", "weights/s1"]
     s1 = run.checkpoints["weights/s1"]
     assert (s1.public, s1.expires_at, s1.user_metadata, s1.size_bytes) == (True, 1050.0, {"k": "v"}, 10)
 
