@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from miles_multilora.rollout.embedded import EmbeddedEngine
 
 # A CPU decode step runs a multiple of this many rows (the rest empty). CPU BLAS rounds a row by the
-# GEMM's shape and by the row's place in it: measured with PyTorch 2.13's fp32 GEMM on this x86 CPU
+# GEMM's shape and by the row's place in it: measured with PyTorch 2.13's fp32 GEMM on an AMD EPYC
 # (tiny-model and 1024x4096 weights), 1, 2 and 3 rows each round differently from 4 or more, and
 # so do the last M % 4 rows of 5-11; at a multiple of 4 rows every row rounds as it would at any
 # other. With the one-prompt-per-forward prefill (prefill.py) a request thus samples the same tokens
