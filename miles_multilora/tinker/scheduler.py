@@ -13,11 +13,14 @@ and failing alone; ``batch_sampling=False``: one part per call, as a call), and 
 "Owed the most" is the least service received, first among tenants, then among the lanes of that
 tenant. Service is counted in forward/backward tokens; a call is charged the time it took, at the
 tokens per second the recent batches ran (so a flood of cheap-looking calls is charged what it
-costs); the parts of a sample batch share its time in proportion to their samples x max tokens. A lane that becomes busy starts at the current service level (idle time earns no credit). So a small request waits at most for the batch running when it arrives and its
-own, however large the requests of others are; one tenant's many sessions share that tenant's
-share. Splitting is exact: each piece's loss is a sum over its own datums and gradients
-accumulate in the model's slot, so the pieces of a request give its gradient, and the request's
-future gets its logprobs in order and its summed metrics.
+costs); the parts of a sample batch share its time in proportion to their samples x max tokens.
+A lane that becomes busy starts at the current service level (idle time earns no credit). So a
+small request waits at most for the batch running when it arrives and its own, however large the
+requests of others are; one tenant's many sessions share that tenant's share. Splitting is exact:
+each piece's loss is a sum over its own datums and gradients accumulate in the model's slot, so
+the pieces of a request give its gradient, and the request's future gets its logprobs in order
+and its summed metrics; a sample part's samples keep their seeds, so they are what they would be
+alone.
 """
 
 from __future__ import annotations
