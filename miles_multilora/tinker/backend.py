@@ -18,7 +18,7 @@ was. Only ``max_models`` bounds how many a server holds (and, per tenant, the se
 from __future__ import annotations
 
 import shutil
-from collections.abc import KeysView, Sequence
+from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -380,14 +380,26 @@ class TinkerBackend:
             raise outcome
         return outcome
 
-    def sample_many(self, requests: Sequence[SampleRequest]) -> list[SampleOutcome]:
+    def sample_many(
+        self,
+        requests: Sequence[SampleRequest],
+        on_done: Callable[[int, SampleOutcome], None] | None = None,
+    ) -> list[SampleOutcome]:
         """The requests of any models (and of the base model) as one engine call with mixed slots,
         in turns of at most ``lora.num_slots`` models. Each request keeps its own seeds, and a row's
         tokens do not depend on its batch (on a CPU its logprobs neither), so a request samples
         what it would alone. A request the backend refuses (an unknown model, a prompt the engine
         cannot serve) gets its error in its place and changes nothing; the others run. A failure of
-        the engine call itself is raised (it concerns every request of the call)."""
+        the engine call itself is raised (it concerns every request of the call).
+        ``on_done(i, outcome)`` hears each request's outcome as soon as it is known: a refusal at
+        once, samples when the request's last sample ends (the others may still decode)."""
         outcomes: list[SampleOutcome | None] = [None] * len(requests)
+
+        def done(i: int, outcome: SampleOutcome) -> None:
+            outcomes[i] = outcome
+            if on_done is not None:
+                on_done(i, outcome)
+
         models = list(dict.fromkeys(r.model_id for r in requests if r.model_id is not None))
         width = self.rank.num_slots
         turns = [models[start : start + width] for start in range(0, len(models), width)] or [[]]
@@ -401,12 +413,11 @@ class TinkerBackend:
                 try:
                     groups.append(self._generation_requests(requests[i], keep))
                 except Exception as exc:  # noqa: BLE001 - this request's own failure
-                    outcomes[i] = exc
+                    done(i, exc)
                     continue
                 where.append(i)
             if groups:
-                for i, results in zip(where, self.rank.sample(groups), strict=True):
-                    outcomes[i] = results
+                self.rank.sample(groups, on_group=lambda g, results, where=where: done(where[g], results))
         return outcomes  # type: ignore[return-value] - every request has its outcome
 
     def _generation_requests(self, request: SampleRequest, keep: set[str]) -> list[GenerationRequest]:

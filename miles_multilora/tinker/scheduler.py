@@ -38,6 +38,7 @@ from typing import Any
 from miles_multilora.tinker.backend import (
     ForwardBackwardOutput,
     ForwardBackwardRequest,
+    SampleOutcome,
     SampleRequest,
     TinkerBackend,
 )
@@ -367,8 +368,8 @@ class BatchingQueue:
 
     def _run_samples(self, batch: list[_Item]) -> None:
         """Sample parts as one engine call: each part's check first (failing it alone), then the
-        backend, whose refusal of one request fails that part alone; the parts share the time
-        charged in proportion to their costs."""
+        backend, whose refusal of one request fails that part alone. Each part is answered as soon
+        as its samples end; the parts share the time charged in proportion to their costs."""
         ok = []
         for item in batch:
             assert item.sample is not None
@@ -384,20 +385,23 @@ class BatchingQueue:
         if not ok:
             return
         self.sample_batches.append(len(ok))
-        started = time.perf_counter()
+        started, heard = time.perf_counter(), set()
+
+        def done(i: int, outcome: SampleOutcome) -> None:  # as soon as part i's samples end
+            heard.add(i)
+            if isinstance(outcome, Exception):
+                ok[i].job.fail(outcome)
+            else:
+                ok[i].job.part_done(ok[i].index, outcome)
+
         try:
-            outcomes = self.backend.sample_many([item.sample.request for item in ok])  # type: ignore[union-attr]
-        except Exception as exc:  # noqa: BLE001 - the shared engine call failed: every caller hears it
-            for item in ok:
-                item.job.fail(exc)
-            return
+            self.backend.sample_many([item.sample.request for item in ok], on_done=done)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - the shared engine call failed: its callers waiting hear it
+            for i, item in enumerate(ok):
+                if i not in heard:
+                    item.job.fail(exc)
         with self._cv:  # charge what it took, not what it was guessed to take
             if self._rate is not None:
                 total, guessed = (time.perf_counter() - started) * self._rate, sum(item.cost for item in ok)
                 for item in ok:
                     self._charge(item.lane, total * item.cost / max(guessed, 1e-9) - item.cost)
-        for item, outcome in zip(ok, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                item.job.fail(outcome)
-            else:
-                item.job.part_done(item.index, outcome)

@@ -161,3 +161,29 @@ def test_batch_sampling_off_runs_one_part_per_engine_call(backend: TinkerBackend
     finally:
         queue.close()
     assert queue.sample_batches == [1, 1, 1]
+
+
+def test_a_short_sample_is_answered_when_it_ends_not_when_its_engine_call_does(
+    backend: TinkerBackend,
+) -> None:
+    long = SampleRequest("a", TEXT[:4], 2, SamplingSpec(temperature=1.0, max_new_tokens=160), seed=1)
+    short = SampleRequest("b", TEXT[:4], 1, SamplingSpec(temperature=1.0, max_new_tokens=4), seed=1)
+    queue = BatchingQueue(backend, window_s=0.0)
+    finished: list[str] = []
+    try:
+        gate = _held(queue)
+        futures = {
+            name: queue.submit_calls((f"t-{name}", "s"), [SamplePart(r)])
+            for name, r in [("long", long), ("short", short)]
+        }
+        for name, future in futures.items():
+            future.add_done_callback(lambda _, name=name: finished.append(name))
+        gate.set()
+        results = {name: future.result(timeout=120) for name, future in futures.items()}
+    finally:
+        queue.close()
+    assert queue.sample_batches == [2]  # one engine call ...
+    assert finished == ["short", "long"]  # ... whose short request was answered first
+    assert len(results["short"][0].output_ids) == 4
+    assert max(len(r.output_ids) for r in results["long"]) > 8  # it decoded on after the short one ended
+    _same(results["short"], backend.sample_many([short])[0])
