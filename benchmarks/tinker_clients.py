@@ -1,13 +1,22 @@
-"""forward_backward throughput of the Tinker server with 1, 2 and 8 concurrent SDK clients.
+"""Throughput of the Tinker server with 1, 2 and 8 concurrent SDK clients.
 
 Starts ``tinker-serve`` in-process (the tiny model on CPU, or ``--hidden`` etc. on a GPU), then
-for each client count N: N official-SDK training clients (one model and slot each) send
-``--requests`` forward_backward calls of ``--datums`` datums of ``--tokens`` tokens each
-(cross_entropy), each client waiting for its result before the next, all at once. The server
-batches the clients' requests that arrive within ``--window`` seconds. Prints tokens/s over all
-clients and the ratio to one client. Rounds are interleaved (1, 2, 8, 1, 2, 8, ...); medians.
+for each client count N: N official-SDK clients (one model and slot each) send ``--requests``
+calls each, each client waiting for its result before the next, all at once.
 
-    python benchmarks/tinker_clients.py              # CPU, tiny model
+- ``--mode forward_backward``: calls of ``--datums`` datums of ``--tokens`` tokens each
+  (cross_entropy); the server batches the clients' requests that arrive within ``--window``
+  seconds. Prints tokens/s over all clients and the ratio to one client.
+- ``--mode sample``: each client's sampler (its model after one step) asks for ``--samples``
+  samples of ``--new-tokens`` tokens of its own prompt of ``--tokens`` tokens; each round runs
+  with the server's sample batching on (``tinker.batch_sampling``: the clients' sample calls share
+  one engine call) and off (one engine call per sample call, as before), side by side. Prints
+  samples/s for both and their ratio.
+
+Rounds are interleaved (1, 2, 8, 1, 2, 8, ...); medians.
+
+    python benchmarks/tinker_clients.py                  # CPU, tiny model, forward_backward
+    python benchmarks/tinker_clients.py --mode sample    # CPU, tiny model, sampling
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tinker
@@ -64,14 +74,80 @@ def run_round(clients: list, data: list, requests: int) -> float:
     return time.perf_counter() - start_t
 
 
+def sample_round(samplers: list, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    """All samplers send ``args.requests`` sample calls at once; returns the seconds taken."""
+    barrier = threading.Barrier(len(samplers) + 1)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        barrier.wait()
+        try:
+            for r in range(args.requests):
+                params = tinker.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=1000 * i + r)
+                result = samplers[i].sample(
+                    prompt=tinker.ModelInput.from_ints(prompts[i]), num_samples=args.samples,
+                    sampling_params=params,
+                ).result()  # fmt: skip
+                assert len(result.sequences) == args.samples
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(samplers))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start_t = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start_t
+
+
+def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.Namespace) -> None:
+    queue = server.state.queue
+    samplers = [c.save_weights_and_get_sampling_client().result() for c in clients]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, args.vocab, args.tokens).tolist() for _ in samplers]
+    sample_round(samplers[:1], prompts, args)  # warm-up
+    times: dict[tuple[int, bool], list[float]] = {(n, b): [] for n in counts for b in (True, False)}
+    calls: dict[tuple[int, bool], list[int]] = {key: [] for key in times}
+    for _ in range(args.rounds):
+        for n in counts:
+            for batching in (True, False):
+                queue.batch_sampling = batching  # read by the worker at each batch it makes
+                before = len(queue.sample_batches)
+                times[n, batching].append(sample_round(samplers[:n], prompts, args))
+                calls[n, batching].extend(queue.sample_batches[before:])
+    queue.batch_sampling = True
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"{device}; {args.samples} samples x {args.new_tokens} new tokens of a {args.tokens}-token prompt per "
+          f"call, {args.requests} calls per client per round, window {args.window} s; median of "
+          f"{args.rounds} interleaved rounds")  # fmt: skip
+    header = (
+        f"{'clients':>7} {'batched samples/s':>17} {'calls/engine call':>17} "
+        f"{'one at a time samples/s':>23} {'batched / one at a time':>23}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for n in counts:
+        rates = {b: n * args.requests * args.samples / statistics.median(times[n, b]) for b in (True, False)}
+        print(
+            f"{n:>7} {rates[True]:>17.1f} {statistics.mean(calls[n, True]):>17.2f} {rates[False]:>23.1f} "
+            f"{rates[True] / rates[False]:>22.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--mode", choices=("forward_backward", "sample"), default="forward_backward")
     parser.add_argument("--clients", default="1,2,8")
     parser.add_argument("--requests", type=int, default=4, help="forward_backward calls per client per round")
     parser.add_argument("--datums", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per datum (sample: per prompt)")
+    parser.add_argument("--samples", type=int, default=4, help="sample mode: num_samples per call")
+    parser.add_argument("--new-tokens", type=int, default=32, help="sample mode: max_tokens per sample")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=float, default=0.02, help="tinker.batch_window_s")
     parser.add_argument("--layers", type=int, default=2)
@@ -92,7 +168,7 @@ def main() -> None:
         "model": {"source": "tiny", "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "tiny": {
             "num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": args.ffn,
             "num_attention_heads": args.heads, "num_query_groups": args.groups, "vocab_size": args.vocab,
-            "max_seq_len": 1 << (args.tokens + 1).bit_length()}},
+            "max_seq_len": 1 << (args.tokens + args.new_tokens + 1).bit_length()}},
         "lora": {"num_slots": max(counts), "max_rank": 16},
         "trainer": {"output_dir": str(root / "out"), "micro_batch_size": max(counts) * args.datums},
         "tinker": {"port": 0, "api_key_file": str(key), "base_model": "bench", "batch_window_s": args.window},
@@ -107,6 +183,13 @@ def main() -> None:
         ]
         rng = np.random.default_rng(0)
         data = [datum(rng, args.tokens, args.vocab) for _ in range(args.datums)]
+        if args.mode == "sample":
+            for client in clients:  # one step: each model's LoRA moves its distribution
+                client.forward_backward(data[:1], "cross_entropy").result()
+                client.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+            bench_sample(server, clients, counts, args)
+            service.close("success")
+            return
         run_round(clients[:1], data, 1)  # warm-up
         times: dict[int, list[float]] = {n: [] for n in counts}
         batches: dict[int, list[int]] = {n: [] for n in counts}

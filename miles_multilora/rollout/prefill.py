@@ -63,8 +63,10 @@ class RowStarter:
 
     def start(self, groups: list[Group], resumed: list[Row], first: int) -> list[Row]:
         """Prefill ``groups`` and ``resumed`` rows (similar lengths together, at most
-        ``PREFILL_TOKENS`` padded tokens per forward) and load their rows into batch rows
-        ``first, first + 1, ...``; returns those rows in batch order."""
+        ``PREFILL_TOKENS`` padded tokens per forward; on a CPU one sequence per forward, so that a
+        prompt's logits never depend on what else is admitted with it: CPU GEMMs round by their
+        shape) and load their rows into batch rows ``first, first + 1, ...``; returns those rows in
+        batch order."""
         work = [_Sequence(g.slot, g.prompt, [], group=g) for g in groups]
         work += [
             _Sequence(self.requests[r.request].slot, self._resume_tokens(r), [], resumed=r) for r in resumed
@@ -73,7 +75,7 @@ class RowStarter:
         chunk: list[_Sequence] = []
         for item in sorted(work, key=lambda s: len(s.tokens)):  # similar lengths pad less
             longest = max(len(item.tokens), *(len(s.tokens) for s in chunk)) if chunk else len(item.tokens)
-            if chunk and longest * (len(chunk) + 1) > PREFILL_TOKENS:
+            if chunk and (longest * (len(chunk) + 1) > PREFILL_TOKENS or self.engine.device.type == "cpu"):
                 rows += self._prefill(chunk, first + len(rows))
                 chunk = []
             chunk.append(item)

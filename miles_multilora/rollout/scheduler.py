@@ -43,6 +43,15 @@ from miles_multilora.rollout.types import FinishReason, GenerationRequest, Gener
 if TYPE_CHECKING:
     from miles_multilora.rollout.embedded import EmbeddedEngine
 
+# A CPU decode step runs a multiple of this many rows (the rest empty). CPU BLAS rounds a row by the
+# GEMM's shape and by the row's place in it: measured with PyTorch 2.13's fp32 GEMM on an AMD EPYC
+# (tiny-model and 1024x4096 weights), 1, 2 and 3 rows each round differently from 4 or more, and
+# so do the last M % 4 rows of 5-11; at a multiple of 4 rows every row rounds as it would at any
+# other. With the one-prompt-per-forward prefill (prefill.py) a request thus samples the same tokens
+# and logprobs alone or batched with other requests (tests/unit/test_tinker_sampling.py); 8 leaves a
+# margin for kernels that tile rows by 8.
+CPU_DECODE_ROW_MULTIPLE = 8
+
 
 @dataclass(frozen=True)
 class StreamState:
@@ -305,7 +314,12 @@ class Scheduler:
     def _decode(self, steps: int) -> None:
         engine, batch = self.engine, self.batch
         n = len(self.rows)
-        rows = bucket_for(n, batch.max_rows) if engine._graphs is not None else n
+        if engine._graphs is not None:
+            rows = bucket_for(n, batch.max_rows)
+        elif engine.device.type == "cpu":  # the BLAS kernel, hence a row's rounding, depends on the row count
+            rows = min(-(-n // CPU_DECODE_ROW_MULTIPLE) * CPU_DECODE_ROW_MULTIPLE, batch.max_rows)
+        else:
+            rows = n
         filtered = any(r.filtered for r in self.rows)
         dense = batch.dense_shrink_for(rows, (self.requests[r.request].slot for r in self.rows))
         if engine._graphs is not None:

@@ -22,7 +22,7 @@ It is evicted, never parked (its weights are on disk), by the same least-recentl
 from __future__ import annotations
 
 import shutil
-from collections.abc import KeysView, Sequence
+from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +134,21 @@ class PromptScores:
     k: int = 0
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """``num_samples`` completions of ``prompt`` from a model's live slot (``model_id`` None: the
+    base model); sample ``j`` is seeded ``seed + j``."""
+
+    model_id: str | None
+    prompt: list[int]
+    num_samples: int
+    sampling: SamplingSpec
+    seed: int = 0
+
+
+SampleOutcome = list[GenerationResult] | Exception  # a request's samples, or why it was refused
 
 
 @dataclass
@@ -446,22 +461,71 @@ class TinkerBackend:
     # ------------------------------------------------------------------ sampling
     def sample(self, model_id: str | None, prompt: list[int], num_samples: int, sampling: SamplingSpec,
                seed: int = 0) -> list[GenerationResult]:  # fmt: skip
-        """``num_samples`` completions of ``prompt`` from the model's live slot (or the base model);
-        sample ``j`` uses seed ``seed + j``."""
-        if num_samples < 1:
+        """One request of :meth:`sample_many`: its samples, or its error raised."""
+        (outcome,) = self.sample_many([SampleRequest(model_id, list(prompt), num_samples, sampling, seed)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def sample_many(
+        self,
+        requests: Sequence[SampleRequest],
+        on_done: Callable[[int, SampleOutcome], None] | None = None,
+    ) -> list[SampleOutcome]:
+        """The requests of any models (and of the base model) as one engine call with mixed slots,
+        in turns of at most ``lora.num_slots`` models. Each request keeps its own seeds, and a row's
+        tokens do not depend on its batch (on a CPU its logprobs neither), so a request samples
+        what it would alone. A request the backend refuses (an unknown model, a prompt the engine
+        cannot serve) gets its error in its place and changes nothing; the others run. A failure of
+        the engine call itself is raised (it concerns every request of the call).
+        ``on_done(i, outcome)`` hears each request's outcome as soon as it is known: a refusal at
+        once, samples when the request's last sample ends (the others may still decode)."""
+        outcomes: list[SampleOutcome | None] = [None] * len(requests)
+
+        def done(i: int, outcome: SampleOutcome) -> None:
+            outcomes[i] = outcome
+            if on_done is not None:
+                on_done(i, outcome)
+
+        models = list(dict.fromkeys(r.model_id for r in requests if r.model_id is not None))
+        width = self.rank.num_slots
+        turns = [models[start : start + width] for start in range(0, len(models), width)] or [[]]
+        for k, turn in enumerate(turns):
+            keep = set(turn)
+            picked = [
+                i for i, r in enumerate(requests) if r.model_id in keep or (r.model_id is None and k == 0)
+            ]
+            groups, where = [], []
+            for i in picked:
+                try:
+                    groups.append(self._generation_requests(requests[i], keep))
+                except Exception as exc:  # noqa: BLE001 - this request's own failure
+                    done(i, exc)
+                    continue
+                where.append(i)
+            if groups:
+                self.rank.sample(groups, on_group=lambda g, results, where=where: done(where[g], results))
+        return outcomes  # type: ignore[return-value] - every request has its outcome
+
+    def _generation_requests(self, request: SampleRequest, keep: set[str]) -> list[GenerationRequest]:
+        """The engine's requests of one sample request, its model in a slot (restored if parked,
+        never parking a model of ``keep``), checked."""
+        if request.num_samples < 1:
             raise TinkerError("num_samples", "must be >= 1")
-        if model_id is None:
-            requests = [
-                GenerationRequest.for_base(prompt, sampling, seed=seed + j) for j in range(num_samples)
+        prompt, sampling, seed = request.prompt, request.sampling, request.seed
+        if request.model_id is None:
+            generation = [
+                GenerationRequest.for_base(prompt, sampling, seed=seed + j)
+                for j in range(request.num_samples)
             ]
         else:
-            e = self.rank.slot(self._slot_of(model_id))
-            requests = [
-                GenerationRequest(model_id, e.slot, e.version, list(prompt), sampling, seed=seed + j)
-                for j in range(num_samples)
+            e = self.rank.slot(self._slot_of(request.model_id, keep))
+            generation = [
+                GenerationRequest(request.model_id, e.slot, e.version, list(prompt), sampling, seed=seed + j)
+                for j in range(request.num_samples)
             ]
-        self._check_generation(requests[0])
-        return self.rank.sample([requests])[0]
+        self._check_generation(generation[0])
+        return generation
 
     def check_scoring(self, prompt: list[int], scoring: PromptScoring) -> None:
         """Whether ``scoring`` fits this prompt and vocabulary (``last_n`` in 1..len - 1)."""

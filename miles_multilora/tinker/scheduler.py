@@ -2,20 +2,25 @@
 
 Work arrives in *lanes* (a lane is one client session: ``(tenant, session)``) and runs in order
 within its lane. A forward/backward request is split, by datums, into pieces of at most
-``batch_tokens`` input tokens; other operations are calls (a large sample request is several
-calls). Each batch starts with the next item of the lane owed the most service, waits
-``window_s`` for others, and is filled with the forward/backward pieces at the heads of the lanes
-owed the most, as long as they fit ``batch_tokens``: pieces of different models (and of different
-clients) run as one mixed-slot batch, and a call runs alone.
+``batch_tokens`` input tokens; a sample request comes as sample parts (:class:`SamplePart`, of at
+most ``sample_batch_tokens`` = samples x max tokens each); other operations are calls. Each batch
+starts with the next item of the lane owed the most service, waits ``window_s`` for others, and
+is filled with the items of its kind at the heads of the lanes owed the most, as long as they fit:
+forward/backward pieces within ``batch_tokens`` run as one mixed-slot forward/backward, sample
+parts within ``sample_batch_tokens`` as one engine call with mixed slots (each part's model
+resolved first, failing alone; ``batch_sampling=False``: one part per call, as a call), and a call runs alone.
 
 "Owed the most" is the least service received, first among tenants, then among the lanes of that
 tenant. Service is counted in forward/backward tokens; a call is charged the time it took, at the
 tokens per second the recent batches ran (so a flood of cheap-looking calls is charged what it
-costs). A lane that becomes busy starts at the current service level (idle time earns no credit). So a small request waits at most for the batch running when it arrives and its
-own, however large the requests of others are; one tenant's many sessions share that tenant's
-share. Splitting is exact: each piece's loss is a sum over its own datums and gradients
-accumulate in the model's slot, so the pieces of a request give its gradient, and the request's
-future gets its logprobs in order and its summed metrics.
+costs); the parts of a sample batch share its time in proportion to their samples x max tokens.
+A lane that becomes busy starts at the current service level (idle time earns no credit). So a
+small request waits at most for the batch running when it arrives and its own, however large the
+requests of others are; one tenant's many sessions share that tenant's share. Splitting is exact:
+each piece's loss is a sum over its own datums and gradients accumulate in the model's slot, so
+the pieces of a request give its gradient, and the request's future gets its logprobs in order
+and its summed metrics; a sample part's samples keep their seeds, so they are what they would be
+alone.
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from miles_multilora.tinker.backend import ForwardBackwardOutput, ForwardBackwardRequest, TinkerBackend
+from miles_multilora.tinker.backend import (
+    ForwardBackwardOutput,
+    ForwardBackwardRequest,
+    SampleOutcome,
+    SampleRequest,
+    TinkerBackend,
+)
 
 Lane = Hashable  # (tenant, session) on the server
 DEFAULT_LANE: tuple[str, str] = ("", "")
@@ -76,13 +87,28 @@ class _Job:
 
 
 @dataclass
+class SamplePart:
+    """A sample call that may share one engine call with other clients' sample parts. ``resolve``
+    runs on the worker just before that call and names the model the part samples from now (a
+    sampler's live slot, or a copy of its saved weights loaded then; None: the base model),
+    replacing ``request.model_id``: when it raises, this part fails alone and the others run."""
+
+    request: SampleRequest
+    resolve: Callable[[], str | None] | None = None
+
+
+Work = Callable[[], Any] | SamplePart  # what submit_calls takes
+
+
+@dataclass
 class _Item:
     job: _Job
     index: int
     lane: Lane
     cost: float  # tokens: charged when picked (a call's estimate is corrected by its time)
-    piece: ForwardBackwardRequest | None = None  # joins a batch
+    piece: ForwardBackwardRequest | None = None  # joins a forward/backward batch
     call: Callable[[], Any] | None = None  # runs alone
+    sample: SamplePart | None = None  # joins a sample batch
 
 
 def split_forward_backward(
@@ -117,14 +143,17 @@ class BatchingQueue:
     """The backend's one worker thread, shared fairly by lanes (see the module docstring)."""
 
     def __init__(
-        self, backend: TinkerBackend, window_s: float = 0.02, max_batch: int = 64, batch_tokens: int = 16_384
+        self,
+        backend: TinkerBackend,
+        window_s: float = 0.02,
+        max_batch: int = 64,
+        batch_tokens: int = 16_384,
+        sample_batch_tokens: int = 65_536,
+        batch_sampling: bool = True,
     ) -> None:
-        self.backend, self.window_s, self.max_batch, self.batch_tokens = (
-            backend,
-            window_s,
-            max_batch,
-            batch_tokens,
-        )
+        self.backend, self.window_s, self.max_batch = backend, window_s, max_batch
+        self.batch_tokens, self.sample_batch_tokens = batch_tokens, sample_batch_tokens
+        self.batch_sampling = batch_sampling
         self._lanes: dict[Lane, deque[_Item]] = {}
         self._tenant_served: dict[Any, float] = {}
         self._lane_served: dict[Lane, float] = {}
@@ -136,6 +165,7 @@ class BatchingQueue:
         self._cv = threading.Condition()
         self._stopped = False
         self.batches: list[int] = []  # pieces per forward/backward batch run (for tests and metrics)
+        self.sample_batches: list[int] = []  # sample parts per engine call
         self._thread = threading.Thread(target=self._run, name="tinker-batching", daemon=True)
         self._thread.start()
 
@@ -167,16 +197,19 @@ class BatchingQueue:
     def submit_calls(
         self,
         lane: Lane,
-        calls: Sequence[Callable[[], Any]],
+        calls: Sequence[Work],
         combine: Callable[[list[Any]], Any] = lambda results: results[0],
         costs: Sequence[int] | None = None,
     ) -> Future:
-        """Calls that run one after another in ``lane`` (others' work may run between them); the
-        future gets ``combine`` of their results, or the first failure."""
+        """Calls (or sample parts) that run one after another in ``lane`` (others' work may run
+        between them); the future gets ``combine`` of their results, or the first failure."""
         job = _Job(len(calls), combine)
         costs = costs or [1] * len(calls)
         items = [
-            _Item(job, i, lane, cost, call=c) for i, (c, cost) in enumerate(zip(calls, costs, strict=True))
+            _Item(job, i, lane, cost, sample=c)
+            if isinstance(c, SamplePart)
+            else _Item(job, i, lane, cost, call=c)
+            for i, (c, cost) in enumerate(zip(calls, costs, strict=True))
         ]
         self._put(lane, items)
         return job.future
@@ -270,15 +303,19 @@ class BatchingQueue:
                 if first is not None:
                     break
                 self._cv.wait()
-            if first.call is not None:
+            if first.call is not None or (first.sample is not None and not self.batch_sampling):
                 return [first]
+        if first.piece is not None:
+            cap, same_kind = self.batch_tokens, lambda it: it.piece is not None
+        else:
+            cap, same_kind = self.sample_batch_tokens, lambda it: it.sample is not None
         batch, tokens = [first], first.cost
-        if self.window_s > 0 and tokens < self.batch_tokens:
+        if self.window_s > 0 and tokens < cap:
             time.sleep(self.window_s)  # let other clients' requests join this batch
         with self._cv:
             while len(batch) < self.max_batch:
-                room = self.batch_tokens - tokens
-                item = self._pick(lambda it, room=room: it.piece is not None and it.cost <= room)
+                room = cap - tokens
+                item = self._pick(lambda it, room=room: same_kind(it) and it.cost <= room)
                 if item is None:
                     break
                 batch.append(item)
@@ -299,6 +336,9 @@ class BatchingQueue:
                 with self._cv:  # charge what it took, not what it was guessed to take
                     if self._rate is not None:
                         self._charge(first.lane, (time.perf_counter() - started) * self._rate - first.cost)
+                continue
+            if first.sample is not None:
+                self._run_samples(batch)
                 continue
             ok = []
             for item in batch:  # a piece whose model is gone fails alone, before the batch runs
@@ -326,3 +366,45 @@ class BatchingQueue:
                 self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
             for item, output in zip(ok, outputs, strict=True):
                 item.job.part_done(item.index, output)
+
+    def _run_samples(self, batch: list[_Item]) -> None:
+        """Sample parts as one engine call: each part's model resolved first (failing it alone), then the
+        backend, whose refusal of one request fails that part alone. Each part is answered as soon
+        as its samples end; the parts share the time charged in proportion to their costs."""
+        ok, requests = [], []
+        for item in batch:
+            assert item.sample is not None
+            if item.job.over:
+                continue
+            request = item.sample.request
+            try:
+                if item.sample.resolve is not None:
+                    request = dataclasses.replace(request, model_id=item.sample.resolve())
+            except Exception as exc:  # noqa: BLE001 - reported to that request's caller
+                item.job.fail(exc)
+                continue
+            ok.append(item)
+            requests.append(request)
+        if not ok:
+            return
+        self.sample_batches.append(len(ok))
+        started, heard = time.perf_counter(), set()
+
+        def done(i: int, outcome: SampleOutcome) -> None:  # as soon as part i's samples end
+            heard.add(i)
+            if isinstance(outcome, Exception):
+                ok[i].job.fail(outcome)
+            else:
+                ok[i].job.part_done(ok[i].index, outcome)
+
+        try:
+            self.backend.sample_many(requests, on_done=done)
+        except Exception as exc:  # noqa: BLE001 - the shared engine call failed: its callers waiting hear it
+            for i, item in enumerate(ok):
+                if i not in heard:
+                    item.job.fail(exc)
+        with self._cv:  # charge what it took, not what it was guessed to take
+            if self._rate is not None:
+                total, guessed = (time.perf_counter() - started) * self._rate, sum(item.cost for item in ok)
+                for item in ok:
+                    self._charge(item.lane, total * item.cost / max(guessed, 1e-9) - item.cost)

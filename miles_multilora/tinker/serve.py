@@ -71,7 +71,13 @@ def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:
     base = t.base_model or (cfg.model.hf_path if cfg.model.source == "hf" else cfg.model.source)
     return ServerState(
         backend,
-        BatchingQueue(backend, window_s=t.batch_window_s, batch_tokens=t.batch_tokens),
+        BatchingQueue(
+            backend,
+            window_s=t.batch_window_s,
+            batch_tokens=t.batch_tokens,
+            sample_batch_tokens=t.sample_batch_tokens,
+            batch_sampling=t.batch_sampling,
+        ),
         base_model=str(base),
         state_dir=Path(t.state_dir or Path(cfg.trainer.output_dir) / "tinker"),
         tokenizer_id=t.tokenizer_id,

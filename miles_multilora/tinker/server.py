@@ -29,7 +29,7 @@ from miles_multilora.tinker import params, rest_routes
 from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.futures import Busy, Gone
 from miles_multilora.tinker.registry import OwnedModel, Unknown
-from miles_multilora.tinker.scheduler import QueueStopped
+from miles_multilora.tinker.scheduler import QueueStopped, Work
 from miles_multilora.tinker.state import ServerState, checked_name, encoder
 from miles_multilora.tinker.wire import decode_forward_backward
 
@@ -117,7 +117,7 @@ def create_app(
         return request.state.principal
 
     def submit(
-        tenant: str, key: Any, kind: str, lane: Any, calls: list[Callable[[], Any]],
+        tenant: str, key: Any, kind: str, lane: Any, calls: list[Work],
         combine: Callable[[list[Any]], Any] = lambda r: r[0], costs: list[int] | None = None,
     ) -> str:  # fmt: skip
         return futures.submit(

@@ -13,6 +13,7 @@ its weights, else from a copy of them loaded into a slot.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -32,6 +33,7 @@ from miles_multilora.tinker.backend import (
     PromptScores,
     PromptScoring,
     SampleOutput,
+    SampleRequest,
     TinkerBackend,
     TinkerError,
     read_state,
@@ -41,7 +43,7 @@ from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
 from miles_multilora.tinker.sampler_weights import SamplerWeights
-from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped
+from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped, SamplePart, Work
 from miles_multilora.tinker.wire import PROTOBUF, encode_forward_backward, encode_samples
 
 logger = logging.getLogger(__name__)
@@ -303,11 +305,12 @@ class ServerState:
     def sample_parts(
         self, sampler: Sampler, prompt: list[int], n: int, spec: SamplingSpec, seed: int,
         scoring: PromptScoring | None = None,
-    ) -> tuple[list[Callable[[], Any]], list[int], Callable[[list[Any]], SampleOutput]]:  # fmt: skip
-        """``n`` samples as calls of at most ``tinker.sample_batch_tokens`` tokens each (sample ``j``
-        seeded ``seed + j``), after one call scoring the prompt when ``scoring`` asks for it; what
-        each can cost; and how their results combine. Refused over ``tinker.max_sample_tokens``.
-        Each call first finds what the sampler samples from now (:meth:`_serving`)."""
+    ) -> tuple[list[Work], list[int], Callable[[list[Any]], SampleOutput]]:  # fmt: skip
+        """``n`` samples as sample parts of at most ``tinker.sample_batch_tokens`` tokens each
+        (sample ``j`` seeded ``seed + j``; the queue runs them in engine calls shared with other
+        clients' parts), after one call scoring the prompt when ``scoring`` asks for it; what each
+        can cost; and how their results combine. Refused over ``tinker.max_sample_tokens``. Each
+        part first finds what the sampler samples from now (:meth:`_serving`)."""
         s = self.settings
         room = max(self.backend.rank.max_seq_len - len(prompt), 1)
         each = min(spec.max_new_tokens, room)  # what one sample can cost
@@ -322,13 +325,11 @@ class ServerState:
         starts = list(range(0, n, per_call))
         counts = [min(per_call, n - first) for first in starts]
 
-        def part(first: int, count: int) -> Callable[[], Any]:
-            def run() -> Any:
-                return self.backend.sample(self._serving(sampler), prompt, count, spec, seed + first)
-
-            return run
-
-        calls = [part(f, c) for f, c in zip(starts, counts, strict=True)]
+        serving = functools.partial(self._serving, sampler)
+        calls: list[Work] = [
+            SamplePart(SampleRequest(sampler.model_id, prompt, c, spec, seed + f), serving)
+            for f, c in zip(starts, counts, strict=True)
+        ]
         costs = [c * each for c in counts]
         if scoring is None:
             return calls, costs, lambda parts: SampleOutput([r for p in parts for r in p])

@@ -17,7 +17,7 @@ served those weights (embedded engine: the tag only; HTTP engines: a PEFT export
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,9 +183,18 @@ class TrainerRank:
         """Raise :class:`RolloutError` when the engine cannot serve ``request``."""
         self.engine.check_request(request)
 
-    def sample(self, groups: Sequence[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
+    def sample(
+        self,
+        groups: Sequence[Sequence[GenerationRequest]],
+        on_group: Callable[[int, list[GenerationResult]], None] | None = None,
+    ) -> list[list[GenerationResult]]:
         """The results of each group of requests, on every rank. Groups are generated whole, round
-        robin over DP ranks (request seeds do not depend on the rank), then gathered."""
+        robin over DP ranks (request seeds do not depend on the rank), then gathered.
+        ``on_group(i, results)`` hears each group's results: as soon as the group finishes, while
+        the others still decode, on one rank with a streaming (embedded) engine; else once all
+        have finished."""
+        if on_group is not None and self.layout.world_size == 1 and self.engine.streams:
+            return self._sample_streaming(groups, on_group)
 
         def generate(part: list[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
             results = self.engine.generate([r for group in part for r in group])
@@ -196,7 +205,40 @@ class TrainerRank:
             return out
 
         # a TP-sharded (embedded) engine needs every rank of the TP group; an HTTP one only the first
-        return generate_sharded(list(groups), generate, self.layout, every_tp_rank=not self.remote_engine)
+        results = generate_sharded(list(groups), generate, self.layout, every_tp_rank=not self.remote_engine)
+        for i, group in enumerate(results if on_group is not None else []):
+            on_group(i, group)
+        return results
+
+    def _sample_streaming(
+        self,
+        groups: Sequence[Sequence[GenerationRequest]],
+        on_group: Callable[[int, list[GenerationResult]], None],
+    ) -> list[list[GenerationResult]]:
+        """:meth:`sample` on the engine's stream: every group decodes in one batch, and each is
+        taken (and heard) at the first host check after its last sample ends."""
+        ids = self.engine.submit([r for group in groups for r in group])
+        pending: dict[int, list[int]] = {}
+        for i, group in enumerate(groups):
+            pending[i], ids = ids[: len(group)], ids[len(group) :]
+        out: list[list[GenerationResult]] = [[] for _ in groups]
+
+        def finished(state: Any, group: list[int]) -> bool:
+            return all(j in state.finished for j in group)
+
+        try:
+            while pending:
+                state = self.engine.run(lambda st: any(finished(st, g) for g in pending.values()))
+                done = [i for i, group in pending.items() if finished(state, group)]
+                if not done:
+                    raise RolloutError("the engine's stream stopped with requests unfinished")
+                for i in done:
+                    out[i] = self.engine.take(pending.pop(i))
+                    on_group(i, out[i])
+        except BaseException:
+            self.engine.cancel([j for group in pending.values() for j in group])
+            raise
+        return out
 
     # ----------------------------------------------------------------- training
     def forward_backward(

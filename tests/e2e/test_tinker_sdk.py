@@ -164,6 +164,54 @@ def test_two_clients_train_at_once_and_sample_their_own_adapters(server: Any) ->
     _close(sc, server)
 
 
+def test_three_clients_sampling_at_once_share_an_engine_call_and_get_what_they_get_alone(server: Any) -> None:
+    """Two clients' adapters and a third client's base-model sampler: their sample requests, queued
+    together, run as one engine call, and each gets exactly the tokens and logprobs it gets alone."""
+    queue = server.state.queue
+    services = [_client(server) for _ in range(3)]
+    samplers = []
+    for i, sc in enumerate(services[:2]):
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=10 + i).result()
+        tc.forward_backward([_sft_datum(TEXT[i:])], "cross_entropy").result()
+        tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        samplers.append(tc.save_weights_and_get_sampling_client().result())
+    samplers.append(services[2].create_sampling_client(base_model="tiny").result())
+    asks = [
+        (PROMPT, 3, tinker.SamplingParams(max_tokens=12, temperature=1.0, seed=7)),
+        (TEXT[3:9], 2, tinker.SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7)),
+        (TEXT[:2], 2, tinker.SamplingParams(max_tokens=14, temperature=1.0, seed=1)),
+    ]
+
+    def send(sampler: Any, ask: tuple[list[int], int, Any]) -> Any:
+        prompt, n, params = ask
+        return sampler.sample(
+            prompt=tinker.ModelInput.from_ints(prompt), num_samples=n, sampling_params=params
+        )
+
+    def sequences(result: Any) -> list[tuple[list[int], list[float], str]]:
+        return [(list(s.tokens), list(s.logprobs), s.stop_reason) for s in result.sequences]
+
+    alone = [sequences(send(s, a).result()) for s, a in zip(samplers, asks, strict=True)]
+    gate = threading.Event()
+    queue.submit(gate.wait)  # hold the server's worker until all three requests are queued
+    before = len(queue.sample_batches)
+    try:
+        futures = [send(s, a) for s, a in zip(samplers, asks, strict=True)]
+        deadline = time.monotonic() + 60
+        while queue.pending() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        gate.set()
+    together = [sequences(f.result()) for f in futures]
+    assert queue.sample_batches[before:] == [3]  # one engine call for the three clients
+    assert together == alone
+    assert [len(x) for x in together] == [3, 2, 2]
+    assert together[0] != together[1] and together[0][0][0] != together[2][0][0]
+    for sc in services[1:]:
+        sc.close("success")
+    _close(services[0], server)  # and wait until every model is unloaded
+
+
 def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> None:
     sc = _client(server)
     client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()

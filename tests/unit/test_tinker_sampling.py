@@ -1,0 +1,189 @@
+"""Sampling batched across Tinker clients (tiny model, fp32 CPU): the sample parts of several
+clients run as one engine call with mixed slots; each request gets exactly what it gets alone, a
+part that fails fails alone, and a client with many samples queued delays a small one by at most
+one engine call."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from miles_multilora.config.adapter import SamplingSpec
+from miles_multilora.models import compat
+from miles_multilora.rollout import GenerationResult
+from miles_multilora.tinker.backend import (
+    Datum,
+    ForwardBackwardRequest,
+    SampleRequest,
+    TinkerBackend,
+    TinkerError,
+)
+from miles_multilora.tinker.scheduler import BatchingQueue, SamplePart
+from miles_multilora.trainer.rank import TrainerRank
+from tests.e2e.conftest import tiny_run_config
+
+TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]
+SPEC = SamplingSpec(temperature=1.0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerBackend]:
+    """Models ``a``, ``b`` and ``c`` one optimizer step away from their init (their LoRAs move the
+    distribution), in three slots."""
+    root = tmp_path_factory.mktemp("sampling")
+    cfg = tiny_run_config(
+        root / "run", [], lora={"num_slots": 3, "max_rank": 8}, trainer={"micro_batch_size": 4}
+    )
+    rank = TrainerRank(cfg)
+    try:
+        backend = TinkerBackend(rank)
+        for seed, model in enumerate("abc", start=1):
+            backend.create_model(model, rank=4, seed=seed)
+            datum = Datum(TEXT[:-1], {"target_tokens": TEXT[1:], "weights": [1.0] * (len(TEXT) - 1)})
+            backend.forward_backward([ForwardBackwardRequest(model, [datum])])
+            backend.optim_step(model, lr=3e-2)
+        yield backend
+    finally:
+        compat.destroy_distributed()
+
+
+def _held(queue: BatchingQueue) -> threading.Event:
+    """Hold the queue's worker until the returned event is set (so that what is queued meanwhile
+    is there when the next batch is made)."""
+    gate = threading.Event()
+    queue.submit(gate.wait)
+    return gate
+
+
+def _same(x: list[GenerationResult], y: list[GenerationResult]) -> None:
+    assert [r.output_ids for r in x] == [r.output_ids for r in y]
+    assert [r.logprobs for r in x] == [r.logprobs for r in y]  # exactly: not approximately
+    assert [r.finish_reason for r in x] == [r.finish_reason for r in y]
+
+
+def test_a_sample_is_the_same_alone_and_batched_with_other_clients(backend: TinkerBackend) -> None:
+    mine = SampleRequest("a", TEXT[:4], 3, SPEC, seed=7)
+    others = [
+        SampleRequest("b", TEXT[2:9], 4, SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=30), seed=3),
+        SampleRequest(None, TEXT[5:7], 2, SamplingSpec(temperature=1.2, max_new_tokens=16), seed=7),
+        SampleRequest("c", TEXT[:4], 3, SPEC, seed=7),  # same prompt and seeds, another model
+    ]
+    alone = {r.model_id: backend.sample_many([r])[0] for r in [mine, *others]}
+    queue = BatchingQueue(backend, window_s=0.0)
+    try:
+        gate = _held(queue)
+        futures = [
+            queue.submit_calls((f"t-{i}", "s"), [SamplePart(r)])
+            for i, r in enumerate([others[0], mine, *others[1:]])
+        ]
+        gate.set()
+        batched = [f.result(timeout=120) for f in futures]
+    finally:
+        queue.close()
+    assert queue.sample_batches == [4]  # the four clients' requests ran as one engine call
+    for request, got in zip([others[0], mine, *others[1:]], batched, strict=True):
+        assert len(got) == request.num_samples
+        _same(got, alone[request.model_id])
+    # the batch did mix slots: the same prompt and seeds give other tokens on another model
+    assert [r.output_ids for r in alone["a"]] != [r.output_ids for r in alone["c"]]
+    assert {r.slot for r in batched[1]} == {backend.model("a").slot}
+
+
+def test_a_failing_part_fails_alone(backend: TinkerBackend) -> None:
+    good = SampleRequest("a", TEXT[:5], 2, SPEC, seed=1)
+    alone = backend.sample_many([good])[0]
+
+    def stale() -> str | None:
+        raise TinkerError("sampler", "the sampler serves an old version")
+
+    backend.create_model("gone", rank=4, seed=9)
+    queue = BatchingQueue(backend, window_s=0.0)
+    try:
+        gate = _held(queue)
+        checked = queue.submit_calls(("t-1", "s"), [SamplePart(SampleRequest("b", TEXT[:5], 2, SPEC), stale)])
+        ok = queue.submit_calls(("t-2", "s"), [SamplePart(good)])
+        unloaded = queue.submit_calls(("t-3", "s"), [SamplePart(SampleRequest("gone", TEXT[:5], 2, SPEC))])
+        too_long = queue.submit_calls(
+            ("t-4", "s"), [SamplePart(SampleRequest("c", [1] * backend.rank.max_seq_len, 1, SPEC))]
+        )
+        backend.unload_model("gone")  # after it was queued, before its batch runs
+        gate.set()
+        with pytest.raises(TinkerError, match="old version"):
+            checked.result(timeout=120)
+        with pytest.raises(TinkerError, match="unknown model 'gone'"):
+            unloaded.result(timeout=120)
+        with pytest.raises(TinkerError, match="leaves no room in the context window"):
+            too_long.result(timeout=120)
+        _same(ok.result(timeout=120), alone)
+    finally:
+        queue.close()
+    assert queue.sample_batches == [3]  # the check failed before the call; the backend refused two
+
+
+def test_a_small_clients_sample_waits_for_one_engine_call_of_a_big_ones(backend: TinkerBackend) -> None:
+    part = 2 * SPEC.max_new_tokens  # two samples of 24 tokens
+    queue = BatchingQueue(backend, window_s=0.0, sample_batch_tokens=2 * part)  # two parts per call
+    try:
+        big = queue.submit_calls(
+            ("t-big", "s"),
+            [SamplePart(SampleRequest("a", TEXT[:4], 2, SPEC, seed=2 * i)) for i in range(16)],
+            combine=lambda parts: [r for p in parts for r in p],
+            costs=[part] * 16,
+        )
+        while not queue.sample_batches:  # the big request is running
+            time.sleep(0.001)
+        sent_at = len(queue.sample_batches)
+        small = queue.submit_calls(
+            ("t-small", "s"), [SamplePart(SampleRequest("b", TEXT[:3], 1, SPEC))], costs=[24]
+        )
+        small.result(timeout=120)
+        assert len(queue.sample_batches) - sent_at <= 2  # the call running when it came, then its own
+        assert not big.done()
+        assert len(big.result(timeout=120)) == 32  # every part, in order, seeded as sent
+    finally:
+        queue.close()
+    assert max(queue.sample_batches) == 2  # sample_batch_tokens bounds each engine call
+
+
+def test_batch_sampling_off_runs_one_part_per_engine_call(backend: TinkerBackend) -> None:
+    requests = [SampleRequest(m, TEXT[:4], 2, SPEC, seed=5) for m in "abc"]
+    alone = [backend.sample_many([r])[0] for r in requests]
+    queue = BatchingQueue(backend, window_s=0.0, batch_sampling=False)
+    try:
+        gate = _held(queue)
+        futures = [queue.submit_calls((f"t-{i}", "s"), [SamplePart(r)]) for i, r in enumerate(requests)]
+        gate.set()
+        for future, expected in zip(futures, alone, strict=True):
+            _same(future.result(timeout=120), expected)
+    finally:
+        queue.close()
+    assert queue.sample_batches == [1, 1, 1]
+
+
+def test_a_short_sample_is_answered_when_it_ends_not_when_its_engine_call_does(
+    backend: TinkerBackend,
+) -> None:
+    long = SampleRequest("a", TEXT[:4], 2, SamplingSpec(temperature=1.0, max_new_tokens=160), seed=1)
+    short = SampleRequest("b", TEXT[:4], 1, SamplingSpec(temperature=1.0, max_new_tokens=4), seed=1)
+    queue = BatchingQueue(backend, window_s=0.0)
+    finished: list[str] = []
+    try:
+        gate = _held(queue)
+        futures = {
+            name: queue.submit_calls((f"t-{name}", "s"), [SamplePart(r)])
+            for name, r in [("long", long), ("short", short)]
+        }
+        for name, future in futures.items():
+            future.add_done_callback(lambda _, name=name: finished.append(name))
+        gate.set()
+        results = {name: future.result(timeout=120) for name, future in futures.items()}
+    finally:
+        queue.close()
+    assert queue.sample_batches == [2]  # one engine call ...
+    assert finished == ["short", "long"]  # ... whose short request was answered first
+    assert len(results["short"][0].output_ids) == 4
+    assert max(len(r.output_ids) for r in results["long"]) > 8  # it decoded on after the short one ended
+    _same(results["short"], backend.sample_many([short])[0])
