@@ -22,11 +22,13 @@ Rounds are interleaved (1, 2, 8, 1, 2, 8, ...); medians.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +51,20 @@ def datum(rng: np.random.Generator, tokens: int, vocab: int) -> tinker.Datum:
     )
 
 
-def run_round(clients: list, data: list, requests: int) -> float:
-    """All clients send ``requests`` forward_backward calls at once; returns the seconds taken."""
-    barrier = threading.Barrier(len(clients) + 1)
+def at_once(works: list[Callable[[], None]]) -> float:
+    """Start every work in its own thread at the same moment; the seconds until all are done (the
+    first error re-raised)."""
+    barrier = threading.Barrier(len(works) + 1)
     errors: list[BaseException] = []
 
-    def work(client: tinker.TrainingClient) -> None:
+    def run(work: Callable[[], None]) -> None:
         barrier.wait()
         try:
-            for _ in range(requests):
-                client.forward_backward(data, "cross_entropy").result()
+            work()
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(c,)) for c in clients]
+    threads = [threading.Thread(target=run, args=(w,)) for w in works]
     for t in threads:
         t.start()
     barrier.wait()
@@ -72,36 +74,31 @@ def run_round(clients: list, data: list, requests: int) -> float:
     if errors:
         raise errors[0]
     return time.perf_counter() - start_t
+
+
+def run_round(clients: list, data: list, requests: int) -> float:
+    """All clients send ``requests`` forward_backward calls at once; returns the seconds taken."""
+
+    def train(client: tinker.TrainingClient) -> None:
+        for _ in range(requests):
+            client.forward_backward(data, "cross_entropy").result()
+
+    return at_once([functools.partial(train, c) for c in clients])
 
 
 def sample_round(samplers: list, prompts: list[list[int]], args: argparse.Namespace) -> float:
     """All samplers send ``args.requests`` sample calls at once; returns the seconds taken."""
-    barrier = threading.Barrier(len(samplers) + 1)
-    errors: list[BaseException] = []
 
-    def work(i: int) -> None:
-        barrier.wait()
-        try:
-            for r in range(args.requests):
-                params = tinker.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=1000 * i + r)
-                result = samplers[i].sample(
-                    prompt=tinker.ModelInput.from_ints(prompts[i]), num_samples=args.samples,
-                    sampling_params=params,
-                ).result()  # fmt: skip
-                assert len(result.sequences) == args.samples
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+    def sample(i: int) -> None:
+        for r in range(args.requests):
+            params = tinker.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=1000 * i + r)
+            result = samplers[i].sample(
+                prompt=tinker.ModelInput.from_ints(prompts[i]), num_samples=args.samples,
+                sampling_params=params,
+            ).result()  # fmt: skip
+            assert len(result.sequences) == args.samples
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(samplers))]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start_t = time.perf_counter()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - start_t
+    return at_once([functools.partial(sample, i) for i in range(len(samplers))])
 
 
 def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.Namespace) -> None:
