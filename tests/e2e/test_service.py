@@ -331,20 +331,23 @@ def _cmdline(pid: int) -> bytes:
 
 
 def test_service_replaces_a_killed_trainer_three_times_and_loses_nothing(tmp_path: Path) -> None:
-    """SIGKILL the trainer rank three times in a row: the service replaces the group each time,
-    counts it in /health, and the adapter resumes from its checkpoints to its full budget."""
+    """SIGKILL the trainer rank three times in a row while two adapters take turns in one slot (one
+    of them parked off the GPU): the service replaces the group each time, counts it in /health,
+    and both adapters resume from their checkpoints to their full budgets."""
     out, log = tmp_path / "out", tmp_path / "service.log"
     ray_tmp = tempfile.mkdtemp(prefix="ray_heal_", dir="/tmp")
     port = free_port()
     client = ControllerClient(f"http://127.0.0.1:{port}")
-    service = _start_service(out, port, ray_tmp, log, extra=("trainer.restart_backoff_s=0.2",))
-    steps = 8
+    turns = ("lora.num_slots=1", "controller.max_running=2", "controller.min_residency_steps=1")
+    service = _start_service(out, port, ray_tmp, log, extra=("trainer.restart_backoff_s=0.2", *turns))
+    steps = 6
     try:
         _wait_for("the controller", lambda: client.health()["status"] == "ok", 120, service, log)
-        spec = toy_adapter(
-            "a", "fraction_of_letter_a", steps=steps, save_interval=2, sampling={"max_new_tokens": 8}
-        )
-        client.submit(spec)
+        for name in ("a", "b"):
+            spec = toy_adapter(
+                name, "fraction_of_letter_a", steps=steps, save_interval=2, sampling={"max_new_tokens": 8}
+            )
+            client.submit(spec)
         _wait_for(
             "a checkpoint", lambda: (client.status("a")["checkpoint_step"] or 0) >= 2, 240, service, log
         )
@@ -355,17 +358,19 @@ def test_service_replaces_a_killed_trainer_three_times_and_loses_nothing(tmp_pat
                 f"restart {kill}", lambda k=kill: client.health()["trainer_restarts"] >= k, 120, service, log
             )
         assert client.health()["trainer_restarts"] == 3
-        final = _wait_for(
-            "a to finish",
-            lambda: (r := client.status("a"))["state"] in ("DONE", "FAILED") and r,
-            300,
-            service,
-            log,
-        )
-        assert final["state"] == "DONE" and final["step"] == steps, final
-        assert _checkpoint_steps(out, "a")[-1] == steps
-        trained = [m["step"] for m in _metric_lines(out) if m["adapter"] == "a"]
-        assert sorted(set(trained)) == list(range(1, steps + 1)), trained  # every step, some twice
+        for name in ("a", "b"):
+            final = _wait_for(
+                f"{name} to finish",
+                lambda n=name: (r := client.status(n))["state"] in ("DONE", "FAILED") and r,
+                300,
+                service,
+                log,
+            )
+            assert final["state"] == "DONE" and final["step"] == steps, final
+            assert _checkpoint_steps(out, name)[-1] == steps
+            trained = [m["step"] for m in _metric_lines(out) if m["adapter"] == name]
+            assert sorted(set(trained)) == list(range(1, steps + 1)), trained  # every step, some twice
+        assert any(client.status(n)["parked_s"] > 0 for n in ("a", "b"))  # they took turns
         assert log.read_text().count("trainer group lost") == 3
         service.send_signal(signal.SIGTERM)
         assert service.wait(timeout=90) == 0, log.read_text()[-4000:]
