@@ -5,7 +5,9 @@ base model, LoRA rank, session and ``user_metadata``. Its checkpoints are named
 ``<kind>/<name>`` as the SDK's ``tinker://<run>/<kind>/<name>`` paths: ``weights`` (save_state, a slot
 shard), ``external_weights`` (a PEFT adapter directory) and ``sampler_weights``
 (save_weights_for_sampler: a slot shard of the weights alone, :mod:`.sampler_weights`). Every kind
-has its files under :meth:`Catalog.files_of` and is kept across a restart.
+has its files under :meth:`Catalog.files_of` and is kept across a restart. A copy
+(``copy_weights``, :meth:`Catalog.copy`) is a new run of the copying tenant whose one checkpoint
+links the source's files.
 
 Each run is one JSON file ``<root>/<tenant>/runs/<run>.json``, replaced atomically on every change;
 a server start reads them all back (dropping checkpoints whose files are gone). Every lookup takes

@@ -1,5 +1,6 @@
 """The SDK's REST surface (``RestClient``, the ``tinker`` CLI): training runs, checkpoints, weights
-info, sessions, ``save_weights_external`` and its signed download URLs.
+info, sessions, ``copy_weights``, ``save_weights_external`` and its signed download URLs; the
+SDK calls not served (session search, trace export, projects) answer a 400 naming them.
 
 Everything answers the caller's tenant only: another tenant's run, checkpoint or session is a 404
 exactly like a missing one (:class:`~miles_multilora.tinker.registry.Unknown`). A published
