@@ -10,10 +10,14 @@ them, never ignored.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import typing
 import uuid
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -244,6 +248,13 @@ def test_fields_the_server_does_not_serve_are_400s_naming_them(served: Served, c
             rest.search_sessions(types.SessionSearchRequest()).result()
     with pytest.raises(tinker.BadRequestError, match="export_session_trace is not served"):
         rest.export_session_trace(sid).result()
+    cli = Path(sys.executable).parent / "tinker"
+    if cli.exists():  # `tinker session export-trace` fails saying why
+        env = {**os.environ, "TINKER_BASE_URL": served.url, "TINKER_API_KEY": KEY_A}
+        done = subprocess.run(
+            [str(cli), "session", "export-trace", sid], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode != 0 and "export_session_trace is not served" in done.stdout + done.stderr
     with pytest.raises(tinker.BadRequestError, match="assign_session_project is not served"):
         rest.assign_session_project(sid, "proj").result()
     with pytest.raises(tinker.BadRequestError, match="project_id"):
