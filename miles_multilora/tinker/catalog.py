@@ -5,7 +5,9 @@ base model, LoRA rank, session and ``user_metadata``. Its checkpoints are named
 ``<kind>/<name>`` as the SDK's ``tinker://<run>/<kind>/<name>`` paths: ``weights`` (save_state, a slot
 shard), ``external_weights`` (a PEFT adapter directory) and ``sampler_weights``
 (save_weights_for_sampler: a slot shard of the weights alone, :mod:`.sampler_weights`). Every kind
-has its files under :meth:`Catalog.files_of` and is kept across a restart.
+has its files under :meth:`Catalog.files_of` and is kept across a restart. A copy
+(``copy_weights``, :meth:`Catalog.copy`) is a new run of the copying tenant whose one checkpoint
+links the source's files.
 
 Each run is one JSON file ``<root>/<tenant>/runs/<run>.json``, replaced atomically on every change;
 a server start reads them all back (dropping checkpoints whose files are gone). Every lookup takes
@@ -63,6 +65,8 @@ class RunRecord:
     user_metadata: dict[str, str] | None = None
     checkpoints: dict[str, CheckpointRecord] = field(default_factory=dict)  # by checkpoint_id
     lora_targets: list[str] | None = None  # the module families it trains (None: recorded before)
+    copied_from: str | None = None  # a copy's run (copy_weights): the path it was copied from
+    copy_key: str | None = None  # and the X-Idempotency-Key it was made under (a retry finds it)
 
     def path(self, record: CheckpointRecord) -> str:
         return f"tinker://{self.run_id}/{record.checkpoint_id}"
@@ -76,6 +80,24 @@ class RunRecord:
     def from_json(cls, data: dict[str, Any]) -> RunRecord:
         records = [CheckpointRecord(**c) for c in data.pop("checkpoints")]
         return cls(**data, checkpoints={c.checkpoint_id: c for c in records})
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """``target``: a tree of hard links to ``source``'s files (copies where linking fails). Safe
+    because checkpoint files are never rewritten in place (a save writes new files and renames)."""
+    if not source.is_dir():
+        raise FileNotFoundError(source)
+    for path in sorted(source.rglob("*")):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:  # another file system, or no links: a copy
+            shutil.copy2(path, dest)
+    target.mkdir(parents=True, exist_ok=True)
 
 
 def dir_size(path: Path) -> int:
@@ -214,6 +236,64 @@ class Catalog:
             raise TinkerError(
                 "path", f"this API key holds {held} checkpoints, the most tinker.max_checkpoints allows; "
                 "delete some (RestClient.delete_checkpoint, `tinker checkpoint delete`) first",
+            )  # fmt: skip
+
+    def copy(
+        self, tenant: str, run_id: str, source: tuple[RunRecord, CheckpointRecord], *, ttl_s: int | None,
+        key: str | None,
+    ) -> tuple[RunRecord, CheckpointRecord]:  # fmt: skip
+        """A copy of the checkpoint ``source`` (the tenant's own or a published one) as the only
+        checkpoint of a new run ``run_id`` of the tenant, of the same kind and name: its files are
+        hard links (a copy where the disk cannot link), so deleting either leaves the other whole.
+        Counted in ``max_checkpoints``; a retry with the same ``key`` gets the first copy back.
+        Raises :class:`FileNotFoundError` when the source is deleted meanwhile."""
+        src_run, src = source
+        with self._lock:
+            if key is not None and (done := self._copied(tenant, key)) is not None:
+                return done
+            self._check_count(tenant)
+        target = self.files_of(tenant, run_id, src.kind, src.name)
+        staging = target.parent / f".{src.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            _link_tree(self.files_of(src_run.tenant, src_run.run_id, src.kind, src.name), staging)
+            now = self.clock()
+            record = CheckpointRecord(
+                src.kind, src.name, now, src.size_bytes, None if ttl_s is None else now + ttl_s, False,
+                src.user_metadata if src_run.tenant == tenant else None,
+            )  # fmt: skip
+            run = RunRecord(
+                run_id, tenant, "", run_id, src_run.base_model, src_run.lora_rank, now,
+                checkpoints={record.checkpoint_id: record}, lora_targets=src_run.lora_targets,
+                copied_from=src_run.path(src), copy_key=key,
+            )  # fmt: skip
+            with self._lock:
+                if key is not None and (done := self._copied(tenant, key)) is not None:
+                    return done  # a retry that ran alongside finished first
+                self._check_count(tenant)
+                staging.replace(target)
+                self._runs[run_id] = run
+                self._by_model[run_id] = run_id
+                self._write(run)
+                self._forget_old_runs(tenant, keep=run_id)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return run, record
+
+    def _copied(self, tenant: str, key: str) -> tuple[RunRecord, CheckpointRecord] | None:
+        """The copy the tenant made under idempotency ``key``, while it lasts (lock held)."""
+        for run in self._runs.values():
+            if run.tenant == tenant and run.copy_key == key and run.checkpoints:
+                return run, next(iter(run.checkpoints.values()))
+        return None
+
+    def _check_count(self, tenant: str) -> None:
+        """Refuse one more checkpoint of the tenant past ``max_checkpoints`` (lock held)."""
+        held = sum(len(r.checkpoints) for r in self._runs.values() if r.tenant == tenant)
+        if held >= self.max_checkpoints:
+            raise TinkerError(
+                "source_path", f"this API key holds {held} checkpoints, the most tinker.max_checkpoints "
+                "allows; delete some (RestClient.delete_checkpoint, `tinker checkpoint delete`) first",
             )  # fmt: skip
 
     def add_checkpoint(

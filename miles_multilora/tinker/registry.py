@@ -45,6 +45,7 @@ class Session:
     models: set[str] = field(default_factory=set)
     samplers: set[str] = field(default_factory=set)
     user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
 
     @property
     def lane(self) -> tuple[str, str]:
@@ -130,8 +131,16 @@ class Registry:
             return {m.run_id for m in self.models.values()}
 
     # ------------------------------------------------------------------ changes
-    def open_session(self, tenant: str, user_metadata: dict[str, str] | None = None) -> Session:
-        session = Session(self.mint.new("sess"), tenant, self.clock(), user_metadata=user_metadata)
+    def open_session(
+        self, tenant: str, user_metadata: dict[str, str] | None = None, display_name: str | None = None
+    ) -> Session:
+        session = Session(
+            self.mint.new("sess"),
+            tenant,
+            self.clock(),
+            user_metadata=user_metadata,
+            display_name=display_name,
+        )
         with self._lock:
             self.sessions[session.session_id] = session
         return session

@@ -1,5 +1,6 @@
 """The SDK's REST surface (``RestClient``, the ``tinker`` CLI): training runs, checkpoints, weights
-info, sessions, ``save_weights_external`` and its signed download URLs.
+info, sessions, ``copy_weights``, ``save_weights_external`` and its signed download URLs; the
+SDK calls not served (session search, trace export, projects) answer a 400 naming them.
 
 Everything answers the caller's tenant only: another tenant's run, checkpoint or session is a 404
 exactly like a missing one (:class:`~miles_multilora.tinker.registry.Unknown`). A published
@@ -19,11 +20,13 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from miles_multilora.config.lora_targets import FAMILIES
 from miles_multilora.config.run import TinkerConfig
@@ -45,6 +48,12 @@ API = "/api/v1"
 DOWNLOAD = f"{API}/checkpoint_files"
 OPEN_PATHS = (DOWNLOAD,)  # no API key: the signed token is the credential
 _SCOPES = ("owned", "accessible")
+PROJECT = "default"  # each API key's one namespace: the only project id accepted
+ACCESS_TOKEN_HEADER = "x-tinker-weights-access-token"
+NO_ACCESS_TOKENS = (
+    "weights access tokens are not served; the checkpoint's owner publishes it "
+    "(RestClient.publish_checkpoint_from_tinker_path) and any API key may then read it by its path"
+)
 
 
 # ---------------------------------------------------------------------------- checked inputs
@@ -65,6 +74,27 @@ def user_metadata(
         raise TinkerError(
             key,
             f"is {size} bytes as JSON, over tinker.max_user_metadata_bytes ({settings.max_user_metadata_bytes})",
+        )
+    return value
+
+
+def project(body: dict[str, Any], key: str = "project_id") -> None:
+    """A project id: this server has one project per API key, :data:`PROJECT` (None means it too)."""
+    value = body.get(key)
+    if value is not None and value != PROJECT:
+        raise TinkerError(
+            key, f"this server has one project per API key, {PROJECT!r}; pass {PROJECT!r} "
+            f"(e.g. TINKER_PROJECT_ID={PROJECT}) or leave it unset, got {value!r}",
+        )  # fmt: skip
+
+
+def display_name(body: dict[str, Any], settings: TinkerConfig) -> str | None:
+    """A session's ``display_name``: a string, at most ``tinker.max_user_metadata_bytes`` bytes."""
+    value = params.text(body, "display_name", None)
+    if value is not None and len(value.encode()) > settings.max_user_metadata_bytes:
+        raise TinkerError(
+            "display_name",
+            f"is over tinker.max_user_metadata_bytes ({settings.max_user_metadata_bytes}) bytes",
         )
     return value
 
@@ -183,8 +213,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.get(f"{API}/training_runs")
     async def list_training_runs(request: Request) -> dict[str, Any]:
         _scope(request)
-        if request.query_params.get("project_id") is not None:
-            raise TinkerError("project_id", "this server has no projects; list without project_id")
+        project(dict(request.query_params))
         limit, offset = _page(request, s, 20)
         runs = catalog.runs(tenant_of(request))
         return {
@@ -251,6 +280,41 @@ def register(app: FastAPI, state: ServerState) -> None:
             trains = {f"train_{family}": family in run.lora_targets for family in FAMILIES}
         return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank, **trains}
 
+    # ---------------------------------------------------------------- copies
+    @app.post(f"{API}/copy_weights")
+    async def copy_weights(request: Request) -> dict[str, Any]:
+        body = params.json_body(await read_body(request, required='{"source_path": ...}'))
+        source = params.text(body, "source_path")
+        project(body, "destination_project_id")
+        if body.get("session_id") is not None or body.get("model_seq_id") is not None:
+            raise TinkerError(
+                "session_id", "copies go to the caller's namespace (destination_project_id "
+                f"{PROJECT!r}), not into a session; leave session_id and model_seq_id unset",
+            )  # fmt: skip
+        if body.get("weights_access_token") or request.headers.get(ACCESS_TOKEN_HEADER):
+            raise TinkerError("weights_access_token", NO_ACCESS_TOKENS)
+        ttl = ttl_seconds(body, s)
+        key = request.headers.get("x-idempotency-key") or None
+        path = await run_in_threadpool(state.copy_weights, tenant_of(request), source, ttl, key)
+        return {"tinker_path": path}
+
+    # ---------------------------------------------------------------- not served
+    def not_served(what: str, instead: str) -> Callable[..., Any]:
+        async def refuse(request: Request) -> None:
+            raise TinkerError(what, f"{what} is not served by this server; {instead}")
+
+        return refuse
+
+    app.post(f"{API}/sessions/search")(
+        not_served("search_sessions", "list them with RestClient.list_sessions / get_session")
+    )
+    app.get(f"{API}/sessions/{{session_id}}/trace_export")(
+        not_served("export_session_trace", "there are no session traces to export")
+    )
+    app.put(f"{API}/sessions/{{session_id}}/project")(
+        not_served("assign_session_project", f"this server has one project per API key, {PROJECT!r}")
+    )
+
     # ---------------------------------------------------------------- external weights (PEFT)
     @app.post(f"{API}/save_weights_external")
     async def save_weights_external(request: Request) -> dict[str, Any]:
@@ -315,7 +379,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         session = registry.session(tenant, session_id, touch=False)
         runs = [r.run_id for r in reversed(catalog.runs(tenant)) if r.session_id == session_id]
         return {"training_run_ids": runs, "sampler_ids": sorted(session.samplers),
-                "user_metadata": session.user_metadata, "display_name": None}  # fmt: skip
+                "user_metadata": session.user_metadata, "display_name": session.display_name}  # fmt: skip
 
 
 def _parts(path: str) -> tuple[str, str, str]:

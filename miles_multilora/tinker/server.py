@@ -142,14 +142,20 @@ def create_app(
 
     @app.post(f"{API}/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        metadata = rest_routes.user_metadata(await body_of(request), s)
+        body = await body_of(request)
+        metadata = rest_routes.user_metadata(body, s)
+        rest_routes.project(body)
+        name = rest_routes.display_name(body, s)
         tenant = tenant_of(request)
         if registry.count_sessions(tenant) >= s.max_sessions:
             raise Busy(
                 f"this API key has {s.max_sessions} open sessions, the most tinker.max_sessions allows; "
                 "close some (ServiceClient.close) or let them expire"
             )
-        return {"type": "create_session", "session_id": registry.open_session(tenant, metadata).session_id}
+        return {
+            "type": "create_session",
+            "session_id": registry.open_session(tenant, metadata, name).session_id,
+        }
 
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> Any:
@@ -186,6 +192,7 @@ def create_app(
         targets = backend.lora_targets(trains["attn"], trains["mlp"], trains["unembed"], s.unembed_lora)
         base = params.text(body, "base_model", None)
         metadata = rest_routes.user_metadata(body, s)
+        adamw_only(body)
         model_id = f"{session.session_id}:train:{seq}"
 
         def create() -> dict[str, Any]:
@@ -278,6 +285,12 @@ def create_app(
         state.weights_of(tenant, path)  # a 400 now when it is no path of saved weights
         with_optimizer = params.flag(body, "optimizer")
         metadata = rest_routes.user_metadata(body, s)
+        adamw_only(body)
+        if body.get("weights_access_token") is not None:
+            raise TinkerError("weights_access_token", rest_routes.NO_ACCESS_TOKENS)
+        base = params.text(body, "base_model", None)
+        if base not in (None, state.base_model):
+            raise TinkerError("base_model", f"this server trains {state.base_model!r}, not {base!r}")
         if body.get("model_id") is not None:
             owned = registry.model(tenant, params.text(body, "model_id"))
             seq = params.integer(body, "seq_id", None)
@@ -301,6 +314,11 @@ def create_app(
         seq = params.integer(body, "seq_id", None)
         name = params.text(body, "path", None)
         ttl, metadata = rest_routes.ttl_seconds(body, s), rest_routes.user_metadata(body, s)
+        kind = params.text(body, "kind", "snapshot")
+        if kind != "snapshot":
+            raise TinkerError(
+                "kind", f"only 'snapshot' samplers are served (they keep the saved version); got {kind!r}"
+            )
         path, sampler_id = None, None
         if name is not None:
             path = f"tinker://{owned.run_id}/sampler_weights/{checked_name(name)}"
@@ -338,6 +356,12 @@ def create_app(
     async def asample(request: Request) -> Any:
         body, tenant = await body_of(request), tenant_of(request)
         sampler = registry.sampler(tenant, params.text(body, "sampling_session_id"))
+        for key in ("model_path", "base_model"):  # what a sampler samples is chosen when it is made
+            if body.get(key) is not None:
+                raise TinkerError(
+                    key, f"a sample request samples its sampling session's model; leave {key} unset "
+                    "(create_sampling_client(model_path=... / base_model=...) chooses it)",
+                )  # fmt: skip
         prompt = params.prompt_tokens(body)
         n, spec, seed = params.sampling(body)
         scoring = params.prompt_scoring(body, s.max_topk_prompt_logprobs)
@@ -373,6 +397,19 @@ def create_app(
 
     rest_routes.register(app, state)  # runs, checkpoints, weights info, sessions, external weights
     return app
+
+
+def adamw_only(body: dict[str, Any]) -> None:
+    """``optimizer_config``: AdamW (the SDK's default) is the one optimizer served."""
+    config = body.get("optimizer_config")
+    if config is None:
+        return
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind != "adamw" or set(config) != {"type"}:
+        raise TinkerError(
+            "optimizer_config",
+            f"only AdamW ({{'type': 'adamw'}}, the SDK's default) is served; got {config!r}",
+        )
 
 
 def _lane(owned: OwnedModel) -> tuple[str, str]:

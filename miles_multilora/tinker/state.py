@@ -146,6 +146,30 @@ class ServerState:
                 tenant, self.sampler_weights.forget_named_later(tenant, run_id, name, record.created)
             )
 
+    def copy_weights(self, tenant: str, source_path: str, ttl_s: int | None, key: str | None) -> str:
+        """Copy ``tinker://<run>/<weights|sampler_weights>/<name>`` (the tenant's own or a published
+        checkpoint) into a new run of the tenant, the same kind and name; returns the copy's path.
+        Another tenant's unpublished checkpoint is :class:`Unknown`, exactly like a missing one."""
+        match = PATH.match(source_path)
+        if match is None:
+            raise TinkerError(
+                "source_path", "expected tinker://<run>/weights/<name> (save_state) or "
+                f"tinker://<run>/sampler_weights/<name> (save_weights_for_sampler), got {source_path!r}",
+            )  # fmt: skip
+        run_id, kind, name = match.groups()
+        missing = Unknown("source_path", f"no checkpoint {source_path}")
+        try:
+            source = self.catalog.checkpoint(tenant, run_id, kind, name)
+        except Unknown:
+            source = self.catalog.published(run_id, kind, name)
+        if source is None or (source[1].expires_at is not None and source[1].expires_at <= time.time()):
+            raise missing
+        try:
+            run, record = self.catalog.copy(tenant, self.mint.new("run"), source, ttl_s=ttl_s, key=key)
+        except FileNotFoundError:  # deleted while it was being copied
+            raise missing from None
+        return run.path(record)
+
     # ----------------------------------------------------------------- models (on the queue)
     def create_model(
         self, tenant: str, session_id: str, model_id: str, rank: int, seed: int, base: str | None,

@@ -119,3 +119,45 @@ def test_past_max_runs_the_oldest_runs_without_checkpoints_or_models_are_forgott
     assert [r.run_id for r in c.runs("t-a")] == ["run-3", "run-1", "run-0"]
     assert not (tmp_path / "t-a" / "runs" / "run-2.json").exists()
     assert [r.run_id for r in c.runs("t-b")] == ["run-b"]
+
+
+def test_a_copy_is_a_new_run_that_outlives_its_source_and_a_restart(tmp_path: Path) -> None:
+    """``copy``: a new run of the copying tenant, its files linked (the same bytes, not the same
+    directory), kept when the source goes, found again by its idempotency key after a restart."""
+    clock = Clock()
+    c = catalog(tmp_path, clock, max_checkpoints=2)
+    c.add_run("t-a", "run-1", "sess-1", "sess-1:train:0", "tiny", 4, None, ("attn",))
+    saved(c, "t-a", "run-1", SAMPLER, "p1", ttl_s=50)
+    clock.now += 5
+    run, record = c.copy("t-b", "run-2", c.checkpoint("t-a", "run-1", SAMPLER, "p1"), ttl_s=None, key="k1")
+    assert (run.tenant, run.lora_rank, run.lora_targets, run.copied_from) == (
+        "t-b",
+        4,
+        ["attn"],
+        "tinker://run-1/sampler_weights/p1",
+    )
+    assert (record.kind, record.name, record.created, record.expires_at) == (SAMPLER, "p1", 1005.0, None)
+    assert record.user_metadata is None  # another tenant's metadata is not copied
+    copied = c.files_of("t-b", "run-2", SAMPLER, "p1") / "f"
+    assert copied.read_bytes() == b"x" * 10
+    with pytest.raises(Unknown):
+        c.run("t-a", "run-2")  # the copy is t-b's alone
+    again = c.copy("t-b", "run-3", c.checkpoint("t-a", "run-1", SAMPLER, "p1"), ttl_s=None, key="k1")
+    assert again[0].run_id == "run-2" and len(c.checkpoints("t-b")) == 1  # a retry: no second copy
+
+    c.remove("t-a", "run-1", SAMPLER, "p1")
+    restarted = catalog(tmp_path, clock, max_checkpoints=2)
+    assert copied.read_bytes() == b"x" * 10
+    assert restarted.checkpoint("t-b", "run-2", SAMPLER, "p1")[1].name == "p1"
+    source = restarted.checkpoint("t-b", "run-2", SAMPLER, "p1")
+    assert restarted.copy("t-b", "run-4", source, ttl_s=None, key="k1")[0].run_id == "run-2"
+    gone = (restarted.run("t-a", "run-1"), record)  # its files were deleted: nothing to copy
+    with pytest.raises(FileNotFoundError):
+        restarted.copy("t-b", "run-6", gone, ttl_s=None, key=None)
+    clock.now += 1
+    restarted.copy("t-b", "run-4", source, ttl_s=100, key="k2")
+    with pytest.raises(TinkerError, match="tinker.max_checkpoints"):
+        restarted.copy("t-b", "run-5", source, ttl_s=None, key="k3")
+    assert not restarted.files_of("t-b", "run-5", SAMPLER, "p1").exists()
+    assert not restarted.files_of("t-b", "run-6", SAMPLER, "p1").exists()
+    assert [r.run_id for r in restarted.runs("t-b")] == ["run-4", "run-2"]
