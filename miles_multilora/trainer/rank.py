@@ -85,6 +85,11 @@ class TrainerRank:
             tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
         )
         self.layout = DPLayout.from_megatron(world_size)
+        self.slot_sizing = None  # lora.num_slots=auto: what the warm-up measured (trainer/auto_slots.py)
+        if cfg.lora.num_slots == "auto":
+            from miles_multilora.trainer.auto_slots import resolve_num_slots
+
+            self.slot_sizing = resolve_num_slots(cfg, rank, world_size)
         built = build_model(cfg)
         self.model = built.model
         self.tokenizer = built.tokenizer
