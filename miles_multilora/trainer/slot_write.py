@@ -93,7 +93,7 @@ def _to_device(src: list[torch.Tensor], device: torch.device) -> list[torch.Tens
     out = list(src)
     for idx in groups.values():
         flat = torch.cat([src[i].reshape(-1) for i in idx])
-        on_device = flat.pin_memory().to(device, non_blocking=True)
+        on_device = flat.to(device)  # pageable: pinning a fresh block costs more than it saves
         offset = 0
         for i in idx:
             n = src[i].numel()
