@@ -17,7 +17,8 @@ before any step mixes all of that in (a peer's probe overcounted a slot 19x). So
    reserved bytes over the warm-up, the bytes one slot holds (:func:`slot_bytes`, exact from the
    slot tensors: ``A`` and ``B`` with their gradients in the model dtype, Adam moments and fp32
    masters, the per-slot scale, the decode stack's copy of ``A``) and the optimizer step's transient
-   bytes per stepped slot (its measured peak over what was allocated before it, per probe slot).
+   bytes per stepped slot (its measured peak over what was allocated before it, per probe slot);
+   once the probe is dropped, what it left allocated (the final build adds to it).
 4. **Sizing** (:func:`size_slots`, pure): the peak grows by ``slot_bytes + step_bytes`` per slot
    beyond the probe; the count is the most whose peak stays within ``lora.auto_memory_fraction`` of
    the device's memory, at most ``lora.auto_max_slots``. Fewer than ``lora.auto_min_slots`` is
@@ -38,6 +39,7 @@ On a CPU there is no device memory to measure: ``auto`` is refused with what to 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import math
@@ -75,6 +77,7 @@ class SlotMeasurement:
     slot_bytes: int  # held per slot (exact, :func:`slot_bytes`)
     step_bytes: int = 0  # the optimizer step's transient bytes per stepped slot (measured)
     kv_cache_bytes: int = 0  # the embedded engine's KV cache (inside ``peak``; for the log)
+    left_over: int = 0  # still allocated once the probe was dropped: the final build adds to it
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class SlotSizing:
         return (
             f"lora.num_slots=auto: {self.num_slots} slots ({self.fit} fit). Measured after a warm-up step "
             f"with {m.probe_slots}: peak {gib(self.used)} GiB of {gib(m.total)} (outside PyTorch "
-            f"{gib(m.outside)}, KV cache {gib(m.kv_cache_bytes)}), a slot {mib(m.slot_bytes)} MiB held + "
+            f"{gib(m.outside)}, KV cache {gib(m.kv_cache_bytes)}, left by the probe {gib(m.left_over)}), a slot {mib(m.slot_bytes)} MiB held + "
             f"{mib(m.step_bytes)} MiB in the optimizer step; budget {gib(self.budget)} GiB"
         )
 
@@ -108,7 +111,8 @@ def mib(n: float) -> str:
 
 def size_slots(m: SlotMeasurement, memory_fraction: float, min_slots: int, max_slots: int) -> SlotSizing:
     """The most slots whose peak stays within ``memory_fraction`` of ``m.total``, at most
-    ``max_slots``; the peak grows linearly from the probe's by ``slot_bytes + step_bytes`` per slot.
+    ``max_slots``; the peak (with what the probe left allocated) grows linearly from the probe's by
+    ``slot_bytes + step_bytes`` per slot.
     Raises :class:`ConfigError` when fewer than ``min_slots`` fit. Pure: no device is touched."""
     if not 0 < memory_fraction <= 1:
         raise ConfigError("lora.auto_memory_fraction", f"must be in (0, 1], got {memory_fraction}")
@@ -122,7 +126,7 @@ def size_slots(m: SlotMeasurement, memory_fraction: float, min_slots: int, max_s
             "lora.num_slots", f"a measurement needs slot_bytes > 0 and probe_slots >= 1, got {m}"
         )
     budget = int(memory_fraction * m.total)
-    used = m.outside + m.peak
+    used = m.outside + m.peak + m.left_over
     per_slot = m.slot_bytes + m.step_bytes
     fit = m.probe_slots + math.floor((budget - used) / per_slot)
     sizing = SlotSizing(min(fit, max_slots), fit, budget, used, per_slot, m)
@@ -281,10 +285,18 @@ def resolve_num_slots(cfg: RunConfig, rank: int, world_size: int) -> SlotSizing:
     probe = TrainerRank(probe_cfg, rank, world_size)
     try:
         measured = measure(probe)
+    except torch.OutOfMemoryError as exc:
+        raise ConfigError(
+            "lora.auto_min_slots",
+            f"auto: the warm-up step with {lora.auto_min_slots} slots ran out of GPU memory ({exc}); lower "
+            "lora.auto_min_slots or lora.max_rank, the KV cache (rollout.kv_cache_fraction or "
+            "rollout.kv_cache_tokens) or the micro-batch (trainer.max_tokens_per_micro_batch)",
+        ) from None
     finally:
         del probe
         gc.collect()
         torch.cuda.empty_cache()
+    measured = dataclasses.replace(measured, left_over=torch.cuda.memory_allocated())
     sizing = size_slots(measured, lora.auto_memory_fraction, lora.auto_min_slots, lora.auto_max_slots)
     count = sizing.num_slots
     if world_size > 1:

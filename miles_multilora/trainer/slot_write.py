@@ -129,6 +129,10 @@ def write_slot_state(
     checked before anything is written."""
     layers = multi_lora_layers(model)
     _check_slot(layers, slot)
+    needed = [f"{la.key}.{part}" for la in layers for part in ("rank", "scale", "lora_A", "lora_B")]
+    missing = [k for k in needed if k not in tensors]
+    if missing:
+        raise ConfigError("slot_state", f"missing {missing[:3]}: the state was saved from another model")
     spec = _check_optimizer(optimizer, optim_state)
     grads = dict(grads or {})
     unknown = sorted(set(grads) - set(optimizer.names))[:3]

@@ -93,6 +93,8 @@ def test_the_count_is_the_most_whose_peak_fits_the_budget(real_slot_bytes: int) 
     # the optimizer step's transient bytes per slot count too
     with_step = size_slots(measured(per, total=m.total, step_bytes=per), 0.9, 1, 10_000)
     assert with_step.num_slots == 2 + 5
+    # what the probe left allocated counts against the budget
+    assert size_slots(measured(per, total=m.total, left_over=2 * per), 0.9, 1, 10_000).num_slots == 10
     # the cap, and a larger share of the device fitting more
     assert size_slots(m, 0.9, 1, 8).num_slots == 8
     assert size_slots(m, 0.95, 1, 10_000).num_slots > sizing.num_slots

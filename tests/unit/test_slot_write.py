@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from miles_multilora.config.adapter import OptimizerSpec
+from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.models import compat
 from miles_multilora.trainer import offload
 from miles_multilora.trainer.primitives import ScoredRow
@@ -118,5 +119,41 @@ def test_the_batched_restore_is_bit_exact(tmp_path: Path) -> None:
         for key, value in before.items():
             assert torch.equal(value, after[key]), key
         assert rank.optimizer.steps[1] == 2
+    finally:
+        compat.destroy_distributed()
+
+
+def test_a_state_that_does_not_fit_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    from miles_multilora.errors import ConfigError
+    from miles_multilora.trainer.slot_write import write_slot_state
+
+    rank = rank_with(tmp_path, 2)
+    try:
+        parked = trained_and_parked(rank, 4)
+        rank.open_slot(1, 8, 8.0, 3, OptimizerSpec(lr=1e-2), "b")
+        held = snapshot(rank, 1)  # gradients exist: the parked adapter's backward allocated them
+        ranks = [list(layer.slot_rank) for layer in multi_lora_layers(rank.model)]
+        saved = parked.state(0)
+        name = rank.optimizer.names[0]
+        layer = name.rsplit(".", 1)[0]
+        too_wide = {
+            **saved["optimizer"],
+            "exp_avg": {**saved["optimizer"]["exp_avg"], name: torch.zeros(99, 99)},
+        }
+        no_layer = {k: v for k, v in saved["slot"].items() if not k.startswith(f"{layer}.")}
+        cases = [
+            (saved["slot"], too_wide, {}, f"optimizer_state.exp_avg.{name}"),
+            (no_layer, saved["optimizer"], {}, "slot_state"),
+            (saved["slot"], saved["optimizer"], {"nope.lora_A": torch.zeros(1)}, "grads"),
+        ]
+        for tensors, optim, grads, key in cases:
+            with pytest.raises(ConfigError) as err:
+                write_slot_state(rank.model, rank.optimizer, 1, tensors, optim, grads)
+            assert err.value.key == key
+            after = snapshot(rank, 1)
+            for k, v in held.items():
+                assert torch.equal(v, after[k]), k
+        assert rank.optimizer.steps[1] == 0 and rank.slot(1).name == "b"
+        assert [list(layer.slot_rank) for layer in multi_lora_layers(rank.model)] == ranks
     finally:
         compat.destroy_distributed()
