@@ -96,8 +96,9 @@ class SlotSizing:
         return (
             f"lora.num_slots=auto: {self.num_slots} slots ({self.fit} fit). Measured after a warm-up step "
             f"with {m.probe_slots}: peak {gib(self.used)} GiB of {gib(m.total)} (outside PyTorch "
-            f"{gib(m.outside)}, KV cache {gib(m.kv_cache_bytes)}, left by the probe {gib(m.left_over)}), a slot {mib(m.slot_bytes)} MiB held + "
-            f"{mib(m.step_bytes)} MiB in the optimizer step; budget {gib(self.budget)} GiB"
+            f"{gib(m.outside)}, KV cache {gib(m.kv_cache_bytes)}, left by the probe {gib(m.left_over)}), "
+            f"a slot {mib(m.slot_bytes)} MiB held + {mib(m.step_bytes)} MiB in the optimizer step; "
+            f"budget {gib(self.budget)} GiB"
         )
 
 
@@ -297,14 +298,26 @@ def resolve_num_slots(cfg: RunConfig, rank: int, world_size: int) -> SlotSizing:
         gc.collect()
         torch.cuda.empty_cache()
     measured = dataclasses.replace(measured, left_over=torch.cuda.memory_allocated())
-    sizing = size_slots(measured, lora.auto_memory_fraction, lora.auto_min_slots, lora.auto_max_slots)
-    count = sizing.num_slots
+    error: ConfigError | None = None
+    try:
+        sizing = size_slots(measured, lora.auto_memory_fraction, lora.auto_min_slots, lora.auto_max_slots)
+        count = sizing.num_slots
+    except ConfigError as exc:  # every rank must reach the agreement below, then all raise
+        error, count = exc, 0
     if world_size > 1:
         import torch.distributed as dist
 
         agreed = torch.tensor([count], dtype=torch.int64, device=f"cuda:{torch.cuda.current_device()}")
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         count = int(agreed.item())
+    if error is not None:
+        raise error
+    if count == 0:
+        raise ConfigError(
+            "lora.num_slots",
+            f"auto: too few slots fit on another trainer rank (this one fits {sizing.num_slots}; its log "
+            "has the numbers); see lora.auto_memory_fraction, lora.max_rank, the KV cache, or set a number",
+        )
     log.info("%s%s", sizing.summary(), "" if count == sizing.num_slots else f"; {count} on every rank")
     lora.num_slots = count
     cfg.trainer.recompute = probe_cfg.trainer.recompute
