@@ -58,7 +58,12 @@ class ModelConfig:
 
 @dataclass
 class LoRAConfig:
-    num_slots: int = 4
+    # resident adapter slots: a number, or auto: as many as fit, sized on each GPU rank from memory measured
+    # after a warm-up step with auto_min_slots slots (trainer/auto_slots.py; refused on a CPU)
+    num_slots: Any = 4
+    auto_min_slots: int = 2  # auto: the probe's slots, and the fewest it accepts (fewer fitting is an error)
+    auto_max_slots: int = 64  # auto: the most it sizes
+    auto_memory_fraction: float = 0.9  # auto: the share of the GPU's memory the rank's peak may reach
     max_rank: int = 16
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     kernels: str = "auto"  # auto (Triton on CUDA when installed) | triton | torch
@@ -290,7 +295,23 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         "model.max_context",
         f"must be >= 2 tokens (or null: the checkpoint's), got {m.max_context}",
     )
-    _check(cfg.lora.num_slots >= 1, "lora.num_slots", "must be >= 1")
+    lo = cfg.lora
+    _check(
+        lo.num_slots == "auto" or (type(lo.num_slots) is int and lo.num_slots >= 1),
+        "lora.num_slots",
+        f"must be an integer >= 1 or auto (sized from GPU memory), got {lo.num_slots!r}",
+    )
+    _check(lo.auto_min_slots >= 1, "lora.auto_min_slots", f"must be >= 1, got {lo.auto_min_slots}")
+    _check(
+        lo.auto_max_slots >= lo.auto_min_slots,
+        "lora.auto_max_slots",
+        f"must be >= lora.auto_min_slots ({lo.auto_min_slots}), got {lo.auto_max_slots}",
+    )
+    _check(
+        0 < lo.auto_memory_fraction <= 1,
+        "lora.auto_memory_fraction",
+        f"must be in (0, 1], got {lo.auto_memory_fraction}",
+    )
     _check(cfg.lora.max_rank >= 1, "lora.max_rank", "must be >= 1")
     _check(
         m.moe_token_dispatcher in ("allgather", "alltoall"),

@@ -105,6 +105,7 @@ class Session:
         self.controller: Any = None
         self.url = ""
         self.group: TrainerGroup | None = None
+        self._trainer_seconds = 0.0
         self.logger: MetricsLogger | None = None
 
     def start_controller(self, state_dir: Path, specs: list[AdapterSpec]) -> list[dict[str, Any]]:
@@ -114,6 +115,8 @@ class Session:
         from miles_multilora.controller.residency import ResidencyPolicy
 
         c = self.cfg.controller
+        if self.cfg.lora.num_slots == "auto":  # the ranks size the slots: the controller takes their count
+            self.start_trainers()
         if self.service:
             replace_stale_controller(c.name, c.namespace)
         self.controller = get_or_create_controller(
@@ -135,17 +138,32 @@ class Session:
                 TenantQuotas(c.default_tenant_quota, dict(c.tenant_quotas)),
             ),
         )
+        if self.group is not None:
+            self.group.controller = self.controller
         self.url = ray.get(self.controller.url.remote())
         register_new_adapters(self.controller, specs)
         return ray.get(self.controller.list.remote())
 
     def start_trainers(self) -> float:
         """The trainer ranks (where they run is printed when there are several) and the metrics
-        log; returns the seconds the ranks took to start."""
+        log; returns the seconds the ranks took to start. With ``lora.num_slots=auto``
+        :meth:`start_controller` starts them first (they size the slots, ``trainer/auto_slots.py``)
+        and writes their count into the config (a replaced group reuses it); a second call returns
+        the first one's seconds."""
+        if self.group is not None:
+            return self._trainer_seconds
         self.console.print("starting trainer ranks (loading the model) ...")
         t0 = time.perf_counter()
         self.group = TrainerGroup(self.cfg, self.controller, self.console)
-        seconds = time.perf_counter() - t0
+        if self.cfg.lora.num_slots == "auto":  # every rank agreed on the count; rank 0 says it
+            sized = ray.get(self.group.workers[0].sized_settings.remote())
+            self.cfg.lora.num_slots = sized.pop("num_slots")
+            for key, value in sized.items():
+                setattr(self.cfg.trainer, key, value)
+            self.console.print(
+                f"lora.num_slots=auto: {self.cfg.lora.num_slots} slots (measured after a warm-up step)"
+            )
+        seconds = self._trainer_seconds = time.perf_counter() - t0
         for line in placement_lines(self.group.workers) if len(self.group.workers) > 1 else []:
             self.console.print(f"  {line}")
         self.logger = MetricsLogger(

@@ -28,6 +28,18 @@ class TrainerWorker:
         path = self.rl.save_checkpoint(name)
         return AdapterResult(trained=False, step=self.rl.version(name), checkpoint=path)
 
+    def sized_settings(self) -> dict[str, Any]:
+        """The settings ``lora.num_slots=auto`` resolved on this rank (``trainer/auto_slots.py``): the
+        slot count its warm-up sized and the probe's recompute and token budget, which a trainer
+        group started again must reuse."""
+        cfg = self.rl.rank.cfg
+        return {
+            "num_slots": cfg.lora.num_slots,
+            "recompute": cfg.trainer.recompute,
+            "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
+            "memory_check": cfg.trainer.memory_check,
+        }
+
     def placement(self) -> dict[str, Any]:
         """Where this rank runs: its ranks, host and device (the GPU's UUID on CUDA)."""
         rank = self.rl.rank

@@ -119,18 +119,17 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     spec = saved["optimizer"].get("optimizer")
     meta = parked.meta
     opened = rank.open_slot(
-        slot, meta.rank, meta.alpha, meta.seed, OptimizerSpec(**spec) if spec else OptimizerSpec(), meta.name,
-        total_steps=saved["optimizer"].get("total_steps"), run=parked.run, restore=saved, targets=meta.targets,
-    )  # fmt: skip
-    grads = saved.get("grads") or {}
-    if grads:
-        optimizer = rank.optimizer
-        with torch.no_grad():
-            for name, p in zip(optimizer.names, optimizer.params, strict=True):
-                if name in grads:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    p.grad[slot].copy_(grads[name])
+        slot,
+        meta.rank,
+        meta.alpha,
+        meta.seed,
+        OptimizerSpec(**spec) if spec else OptimizerSpec(),
+        meta.name,
+        total_steps=saved["optimizer"].get("total_steps"),
+        run=parked.run,
+        restore=saved,
+        targets=meta.targets,
+    )  # fmt: skip  (the restore writes the gradients too: trainer/slot_write.py)
     rank.offload_stats["unpark"] += 1
     rank.offload_stats["unpark_s"] += time.perf_counter() - started
     return opened

@@ -52,6 +52,7 @@ from miles_multilora.trainer.primitives import (
     forward_backward_rows,
     score_rows,
 )
+from miles_multilora.trainer.slot_write import write_slot_state
 
 
 @dataclass
@@ -84,6 +85,11 @@ class TrainerRank:
             tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
         )
         self.layout = DPLayout.from_megatron(world_size)
+        self.slot_sizing = None  # lora.num_slots=auto: what the warm-up measured (trainer/auto_slots.py)
+        if cfg.lora.num_slots == "auto":
+            from miles_multilora.trainer.auto_slots import resolve_num_slots
+
+            self.slot_sizing = resolve_num_slots(cfg, rank, world_size)
         built = build_model(cfg)
         self.model = built.model
         self.tokenizer = built.tokenizer
@@ -345,7 +351,8 @@ class TrainerRank:
         self._publish([slot])
 
     def _load(self, opened: OpenSlot, source: str | Path | dict, optimizer: bool) -> None:
-        """Load a saved state (a directory, or one rank's shard already read) into ``opened``."""
+        """Load a saved state (a directory, or one rank's shard already read; a parked state's
+        ``"grads"`` too) into ``opened``."""
         saved = source if isinstance(source, dict) else shard.read_shard(source, self.layout.tp_rank)
         meta = shard.shard_meta(saved)
         if meta is not None and meta.rank != opened.rank:
@@ -361,15 +368,13 @@ class TrainerRank:
                 f"the saved state trains {list(saved_targets)}, the slot {list(opened.targets)}: "
                 "open it with the saved state's targets",
             )
-        load_slot_state(self.model, opened.slot, saved["slot"])
-        if optimizer:
-            shapes = {
-                n: tuple(p.shape[1:])
-                for n, p in zip(self.optimizer.names, self.optimizer.params, strict=True)
-            }
-            self.optimizer.load_slot_state_dict(opened.slot, shard.pad_optimizer(saved["optimizer"], shapes))
+        if optimizer:  # weights, optimizer state (and a parked state's gradients) in batched copies
+            write_slot_state(
+                self.model, self.optimizer, opened.slot, saved["slot"], saved["optimizer"], saved.get("grads")
+            )
             opened.version = meta.version if meta is not None else int(saved["optimizer"]["step"])
         else:
+            load_slot_state(self.model, opened.slot, saved["slot"])
             self.optimizer.refresh_masters(opened.slot)
             opened.version += 1
 

@@ -26,7 +26,11 @@ def test_default_configs_compose_and_validate():
 @pytest.mark.parametrize(
     ("overrides", "key", "text"),
     [
-        (["lora.num_slots=abc"], "override", "lora.num_slots"),
+        (["lora.num_slots=abc"], "lora.num_slots", "integer >= 1 or auto"),
+        (["lora.num_slots=0"], "lora.num_slots", "integer >= 1 or auto"),
+        (["lora.auto_min_slots=0"], "lora.auto_min_slots", ">= 1"),
+        (["lora.auto_max_slots=1"], "lora.auto_max_slots", ">= lora.auto_min_slots (2)"),
+        (["lora.auto_memory_fraction=0"], "lora.auto_memory_fraction", "(0, 1]"),
         (["trainer.nope=1"], "override", "trainer.nope"),
         (["model.source=gpt9"], "model.source", "demo, hf or tiny"),
         (["model.source=hf"], "model.hf_path", "hf_path"),
@@ -69,3 +73,10 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
 def test_data_parallel_size_and_world_size_fill_each_other_in(overrides, dp, world):
     cfg = load_run_config("train", overrides)
     assert (cfg.model.dp, cfg.trainer.world_size) == (dp, world)
+
+
+def test_num_slots_is_a_number_or_auto():
+    assert load_run_config("train", ["lora.num_slots=auto"]).lora.num_slots == "auto"
+    cfg = load_run_config("train", ["lora.num_slots=8"])
+    assert cfg.lora.num_slots == 8 and type(cfg.lora.num_slots) is int
+    assert (cfg.lora.auto_min_slots, cfg.lora.auto_max_slots, cfg.lora.auto_memory_fraction) == (2, 64, 0.9)

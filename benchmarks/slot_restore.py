@@ -1,0 +1,133 @@
+"""A parked slot's restore: the batched write (``trainer/slot_write.py``) against the per-tensor path it
+replaced (``load_slot_state`` + ``pad_optimizer`` + ``SlotAdamW.load_slot_state_dict`` + a copy per
+gradient), on one trainer rank built in-process (the tiny Megatron model at a given shape).
+
+An adapter is opened at each ``--ranks`` value, stepped once (moments and masters not zero) with one
+more backward left unstepped (gradients to keep), then parked and restored ``--repeats`` times into
+the next slot, alternating the two paths. Each restore is timed to the device's completion; after
+every per-tensor restore the same state is written again by the batched path and compared bit for bit.
+Prints the mean and least ms per path (the first two restores, warm-up, left out).
+
+    python benchmarks/slot_restore.py                     # GPU, bf16, 28 layers of 2048 (1.7 B-like LoRA)
+    python benchmarks/slot_restore.py --cpu --layers 2 --hidden 64 --repeats 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from miles_multilora.config.adapter import OptimizerSpec
+from miles_multilora.config.run import config_from_container
+from miles_multilora.lora import clear_slot, load_slot_state
+from miles_multilora.lora.slots import check_slot_args
+from miles_multilora.trainer import offload, shard
+from miles_multilora.trainer.host_copies import to_device
+from miles_multilora.trainer.primitives import ScoredRow
+from miles_multilora.trainer.rank import TrainerRank
+
+
+def per_tensor_restore(rank: TrainerRank, parked: offload.ParkedSlot, slot: int) -> None:
+    """The restore as it was: each tensor zeroed, padded and copied on its own."""
+    saved = parked.state(rank.layout.tp_rank)
+    if parked.pack is not None:
+        saved = to_device(saved, parked.pack)
+    meta = parked.meta
+    check_slot_args(rank.model, slot, meta.rank, meta.alpha, meta.targets)
+    load_slot_state(rank.model, slot, saved["slot"])
+    opt = rank.optimizer
+    shapes = {n: tuple(p.shape[1:]) for n, p in zip(opt.names, opt.params, strict=True)}
+    opt.load_slot_state_dict(slot, shard.pad_optimizer(saved["optimizer"], shapes))
+    with torch.no_grad():
+        for name, p in zip(opt.names, opt.params, strict=True):
+            if name in saved["grads"]:
+                p.grad[slot].copy_(saved["grads"][name])
+
+
+def slot_tensors(rank: TrainerRank, slot: int) -> list[torch.Tensor]:
+    opt = rank.optimizer
+    masters = [m for m in opt.master if m is not None]
+    return [
+        t[slot] for t in [*opt.params, *opt.exp_avg, *opt.exp_avg_sq, *masters, *(p.grad for p in opt.params)]
+    ]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (fp32)")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--max-rank", type=int, default=16)
+    parser.add_argument("--ranks", default="16,8", help="adapter ranks to restore (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=12)
+    args = parser.parse_args()
+    if args.cpu:
+        torch.cuda.is_available = lambda: False  # the whole rank on the CPU
+    tiny = {
+        "num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": 3 * args.hidden,
+        "num_attention_heads": max(1, args.hidden // 128), "num_query_groups": max(1, args.hidden // 256),
+        "vocab_size": 8192, "max_seq_len": 512,
+    }  # fmt: skip
+    cfg = config_from_container({
+        "model": {"source": "tiny", "dtype": "float32" if args.cpu else "bfloat16", "tiny": tiny},
+        "lora": {"num_slots": 4, "max_rank": args.max_rank},
+        "rollout": {"kv_cache_tokens": 4096, "max_staleness": 0},
+        "trainer": {"output_dir": tempfile.mkdtemp(), "micro_batch_size": 1},
+        "logging": {"wandb_mode": "disabled", "console": False, "plot": False},
+    })  # fmt: skip
+    rank = TrainerRank(cfg)
+
+    def nll(mb):  # noqa: ANN001 - a MicroBatch
+        return -(mb.logprobs * mb.mask).sum(), {}
+
+    tokens = list(range(3, 200))
+    for adapter_rank in [int(r) for r in args.ranks.split(",")]:
+        rank.open_slot(0, adapter_rank, 2.0 * adapter_rank, 1, OptimizerSpec(lr=1e-4), "a")
+        row = ScoredRow(0, tokens, list(range(len(tokens) - 1)))
+        rank.forward_backward([row], nll)
+        rank.optim_step([0])
+        rank.forward_backward([row], nll)
+        times: dict[str, list[float]] = {"batched": [], "per-tensor": []}
+        slot = 0
+        for i in range(args.repeats):
+            parked = offload.park(rank, slot)
+            rank.close_slot(slot)
+            parked.state(rank.layout.tp_rank)  # the host copy is complete
+            sync()
+            new, kind = (slot + 1) % 4, ("batched", "per-tensor")[i % 2]
+            t0 = time.perf_counter()
+            if kind == "batched":
+                offload.unpark(rank, parked, new)
+            else:
+                per_tensor_restore(rank, parked, new)
+            sync()
+            if i >= 2:
+                times[kind].append(1e3 * (time.perf_counter() - t0))
+            if kind == "per-tensor":  # the batched path writes the same bits
+                before = [t.clone() for t in slot_tensors(rank, new)]
+                clear_slot(rank.model, new, rank.optimizer)
+                offload.unpark(rank, parked, new)
+                sync()
+                assert all(torch.equal(a, b) for a, b in zip(before, slot_tensors(rank, new), strict=True))
+            slot = new
+        line = ", ".join(f"{k} {sum(v) / len(v):.2f} ms (least {min(v):.2f})" for k, v in times.items() if v)
+        print(
+            f"rank {adapter_rank} of {args.max_rank}: {len(rank.optimizer.params)} LoRA tensors, "
+            f"parked {parked.nbytes / 1e6:.1f} MB; restore {line}; bit-exact",
+            flush=True,
+        )
+        rank.close_slot(slot)
+
+
+if __name__ == "__main__":
+    main()

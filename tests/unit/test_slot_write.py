@@ -1,0 +1,159 @@
+"""A parked slot comes back in a fixed number of batched copies, however many layers the model has,
+and bit for bit as it was (tiny Megatron model, fp32 CPU, a real trainer rank; the operations are
+counted with torch.profiler)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from miles_multilora.config.adapter import OptimizerSpec
+from miles_multilora.lora.inject import multi_lora_layers
+from miles_multilora.models import compat
+from miles_multilora.trainer import offload
+from miles_multilora.trainer.primitives import ScoredRow
+from miles_multilora.trainer.rank import TrainerRank
+from tests.e2e.conftest import tiny_run_config
+
+# Tensor operations that write memory. Views (select, slice, narrow) move no data and are not counted.
+WRITES = ("aten::copy_", "aten::zero_", "aten::fill_", "aten::index_put_", "aten::_to_copy", "aten::clone")
+
+
+def rank_with(tmp_path: Path, layers: int) -> TrainerRank:
+    cfg = tiny_run_config(
+        tmp_path / f"run{layers}",
+        [],
+        lora={"num_slots": 2, "max_rank": 8},
+        model={"tiny": {"num_layers": layers}},
+    )
+    return TrainerRank(cfg)
+
+
+def nll(mb):
+    return -(mb.logprobs * mb.mask).sum(), {}
+
+
+def trained_and_parked(rank: TrainerRank, adapter_rank: int) -> offload.ParkedSlot:
+    """Slot 0 opened at ``adapter_rank``, two optimizer steps, one more backward not stepped
+    (gradients to keep), parked and closed."""
+    rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
+    tokens = [3, 14, 15, 92, 65, 35, 89, 79]
+    row = ScoredRow(slot=0, tokens=tokens, positions=list(range(len(tokens) - 1)))
+    for _ in range(2):
+        rank.forward_backward([row], nll)
+        rank.optim_step([0])
+    rank.forward_backward([row], nll)
+    parked = offload.park(rank, 0)
+    rank.close_slot(0)
+    return parked
+
+
+def snapshot(rank: TrainerRank, slot: int) -> dict[str, torch.Tensor]:
+    out = {}
+    opt = rank.optimizer
+    for i, (name, p) in enumerate(zip(opt.names, opt.params, strict=True)):
+        out[name] = p[slot].clone()
+        out[f"{name}.grad"] = p.grad[slot].clone()
+        out[f"{name}.m"] = opt.exp_avg[i][slot].clone()
+        out[f"{name}.v"] = opt.exp_avg_sq[i][slot].clone()
+    return out
+
+
+def restore_writes(tmp_path: Path, layers: int, adapter_rank: int) -> tuple[Counter, int]:
+    """Top-level writing operations of one restore, and the number of slot tensors restored."""
+    rank = rank_with(tmp_path, layers)
+    try:
+        parked = trained_and_parked(rank, adapter_rank)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            offload.unpark(rank, parked, 1)
+        top = Counter(
+            e.name
+            for e in prof.events()
+            if e.cpu_parent is None and (e.name in WRITES or "_foreach_" in e.name)
+        )
+        return top, len(rank.optimizer.params)
+    finally:
+        compat.destroy_distributed()
+
+
+@pytest.mark.parametrize("adapter_rank", [8, 4])  # the full max_rank, and cut to a lower rank (padded back)
+def test_a_restore_is_a_few_batched_copies_whatever_the_layer_count(
+    tmp_path: Path, adapter_rank: int
+) -> None:
+    small, tensors_small = restore_writes(tmp_path, 2, adapter_rank)
+    large, tensors_large = restore_writes(tmp_path, 4, adapter_rank)
+    assert tensors_large == 2 * tensors_small  # twice the slot tensors ...
+    assert small == large  # ... the same operations
+    assert not any(name in WRITES for name in large), large  # no per-tensor copy outside the batched calls
+    assert 1 <= sum(large.values()) <= 8, large
+
+
+def test_the_batched_restore_is_bit_exact(tmp_path: Path) -> None:
+    rank = rank_with(tmp_path, 2)
+    try:
+        rank.open_slot(0, 4, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
+        tokens = [3, 14, 15, 92, 65, 35, 89, 79]
+        row = ScoredRow(slot=0, tokens=tokens, positions=list(range(len(tokens) - 1)))
+        for _ in range(2):
+            rank.forward_backward([row], nll)
+            rank.optim_step([0])
+        rank.forward_backward([row], nll)
+        before = snapshot(rank, 0)
+        parked = offload.park(rank, 0)
+        rank.close_slot(0)
+        # slot 1 held someone else first: the restore must overwrite everything it had
+        rank.open_slot(1, 8, 8.0, 3, OptimizerSpec(lr=1e-2), "b")
+        rank.forward_backward([ScoredRow(slot=1, tokens=tokens, positions=[0, 1, 2])], nll)
+        rank.optim_step([1])
+        rank.close_slot(1)
+        rank.forward_backward(
+            [ScoredRow(slot=1, tokens=tokens, positions=[0])], nll
+        )  # grads the restore replaces
+        opened = offload.unpark(rank, parked, 1)
+        after = snapshot(rank, 1)
+        assert opened.version == 2
+        for key, value in before.items():
+            assert torch.equal(value, after[key]), key
+        assert rank.optimizer.steps[1] == 2
+    finally:
+        compat.destroy_distributed()
+
+
+def test_a_state_that_does_not_fit_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    from miles_multilora.errors import ConfigError
+    from miles_multilora.trainer.slot_write import write_slot_state
+
+    rank = rank_with(tmp_path, 2)
+    try:
+        parked = trained_and_parked(rank, 4)
+        rank.open_slot(1, 8, 8.0, 3, OptimizerSpec(lr=1e-2), "b")
+        held = snapshot(rank, 1)  # gradients exist: the parked adapter's backward allocated them
+        ranks = [list(layer.slot_rank) for layer in multi_lora_layers(rank.model)]
+        saved = parked.state(0)
+        name = rank.optimizer.names[0]
+        layer = name.rsplit(".", 1)[0]
+        too_wide = {
+            **saved["optimizer"],
+            "exp_avg": {**saved["optimizer"]["exp_avg"], name: torch.zeros(99, 99)},
+        }
+        no_layer = {k: v for k, v in saved["slot"].items() if not k.startswith(f"{layer}.")}
+        cases = [
+            (saved["slot"], too_wide, {}, f"optimizer_state.exp_avg.{name}"),
+            (no_layer, saved["optimizer"], {}, "slot_state"),
+            (saved["slot"], saved["optimizer"], {"nope.lora_A": torch.zeros(1)}, "grads"),
+        ]
+        for tensors, optim, grads, key in cases:
+            with pytest.raises(ConfigError) as err:
+                write_slot_state(rank.model, rank.optimizer, 1, tensors, optim, grads)
+            assert err.value.key == key
+            after = snapshot(rank, 1)
+            for k, v in held.items():
+                assert torch.equal(v, after[k]), k
+        assert rank.optimizer.steps[1] == 0 and rank.slot(1).name == "b"
+        assert [list(layer.slot_rank) for layer in multi_lora_layers(rank.model)] == ranks
+    finally:
+        compat.destroy_distributed()
