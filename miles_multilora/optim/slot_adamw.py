@@ -10,8 +10,9 @@ grad norm vetoes that slot's step only. Moments are fp32; low-precision params g
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,13 @@ def _check_spec(spec: OptimizerSpec) -> None:
     for ok, key, msg in checks:
         if not ok:
             raise SpecError(key, msg)
+
+
+def fits_block(saved: tuple[int, ...], full: tuple[int, ...], cut: bool = True) -> bool:
+    """``saved`` is ``full`` (or, when ``cut``, a leading block of it)."""
+    if not cut:
+        return saved == full
+    return len(saved) == len(full) and all(s <= f for s, f in zip(saved, full, strict=True))
 
 
 class SlotAdamW:
@@ -276,18 +284,21 @@ class SlotAdamW:
         return state
 
     @torch.no_grad()
-    def load_slot_state_dict(self, slot: int, state: dict) -> None:
-        """Restore :meth:`slot_state_dict` output into ``slot`` (strict names and shapes)."""
-        self._check_slot(slot)
-        for part in ("exp_avg", "exp_avg_sq"):
+    def check_slot_state(self, state: Mapping[str, Any], cut: bool = False) -> OptimizerSpec | None:
+        """Check a :meth:`slot_state_dict` output before anything is written (parameter names, shapes,
+        the Adam settings) and return its spec. ``cut``: a saved tensor may be the leading block of
+        the slot's (a state cut to its adapter's rank); fp32 masters may be missing."""
+        for part in ("exp_avg", "exp_avg_sq", "master"):
             got = state.get(part)
-            if not isinstance(got, dict) or set(got) != set(self.names):
+            if part == "master" and got is None:
+                continue
+            if not isinstance(got, dict) or (part != "master" and set(got) != set(self.names)):
                 extra = sorted(set(got or {}) ^ set(self.names))[:3]
                 raise ConfigError(
                     f"optimizer_state.{part}", f"parameter names do not match this model: {extra}"
                 )
             for name, p in zip(self.names, self.params, strict=True):
-                if tuple(got[name].shape) != tuple(p.shape[1:]):
+                if name in got and not fits_block(tuple(got[name].shape), tuple(p.shape[1:]), cut):
                     raise ConfigError(
                         f"optimizer_state.{part}.{name}",
                         f"shape {tuple(got[name].shape)}, expected {tuple(p.shape[1:])}",
@@ -295,6 +306,12 @@ class SlotAdamW:
         spec = OptimizerSpec(**state["optimizer"]) if state.get("optimizer") else None
         if spec is not None:
             _check_spec(spec)
+        return spec
+
+    def load_slot_state_dict(self, slot: int, state: dict) -> None:
+        """Restore :meth:`slot_state_dict` output into ``slot`` (strict names and shapes)."""
+        self._check_slot(slot)
+        spec = self.check_slot_state(state)
         for i, name in enumerate(self.names):
             self.exp_avg[i][slot].copy_(state["exp_avg"][name])
             self.exp_avg_sq[i][slot].copy_(state["exp_avg_sq"][name])

@@ -29,14 +29,11 @@ from typing import Any
 
 import torch
 
-from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.errors import ConfigError
 from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.lora.peft_parts import SlotShape
 from miles_multilora.lora.slots import _check_slot, _shapes
-from miles_multilora.optim.slot_adamw import SlotAdamW, _check_spec
-
-OPTIMIZER_PARTS = ("exp_avg", "exp_avg_sq", "master")
+from miles_multilora.optim.slot_adamw import SlotAdamW, fits_block
 
 
 class _Plan:
@@ -57,31 +54,6 @@ class _Plan:
                 return
             self.dst.append(full[tuple(slice(0, n) for n in src.shape)])
         self.src.append(src)
-
-
-def _fits(saved: torch.Tensor, full: tuple[int, ...]) -> bool:
-    return saved.dim() == len(full) and all(s <= f for s, f in zip(saved.shape, full, strict=True))
-
-
-def _check_optimizer(optimizer: SlotAdamW, state: Mapping[str, Any]) -> OptimizerSpec | None:
-    """Every check of ``SlotAdamW.load_slot_state_dict`` on a (possibly rank-cut) optimizer state."""
-    for part in OPTIMIZER_PARTS:
-        got = state.get(part)
-        if part == "master" and got is None:
-            continue
-        if not isinstance(got, dict) or (part != "master" and set(got) != set(optimizer.names)):
-            extra = sorted(set(got or {}) ^ set(optimizer.names))[:3]
-            raise ConfigError(f"optimizer_state.{part}", f"parameter names do not match this model: {extra}")
-        for name, p in zip(optimizer.names, optimizer.params, strict=True):
-            if name in got and not _fits(got[name], tuple(p.shape[1:])):
-                raise ConfigError(
-                    f"optimizer_state.{part}.{name}",
-                    f"shape {tuple(got[name].shape)}, expected {tuple(p.shape[1:])}",
-                )
-    spec = OptimizerSpec(**state["optimizer"]) if state.get("optimizer") else None
-    if spec is not None:
-        _check_spec(spec)
-    return spec
 
 
 def _to_device(src: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -135,7 +107,7 @@ def write_slot_state(
     missing = [k for k in needed if k not in tensors]
     if missing:
         raise ConfigError("slot_state", f"missing {missing[:3]}: the state was saved from another model")
-    spec = _check_optimizer(optimizer, optim_state)
+    spec = optimizer.check_slot_state(optim_state, cut=True)
     grads = dict(grads or {})
     unknown = sorted(set(grads) - set(optimizer.names))[:3]
     if unknown:
@@ -149,7 +121,7 @@ def write_slot_state(
             saved = tensors[f"{layer.key}.{which}"]
             if saved.shape[dim] > rank:
                 saved = saved.narrow(dim, 0, rank)
-            if not _fits(saved, tuple(full.shape)):
+            if not fits_block(tuple(saved.shape), tuple(full.shape)):
                 raise ConfigError(
                     f"slot_state.{layer.key}.{which}",
                     f"shape {tuple(saved.shape)}, expected {tuple(full.shape)}",
