@@ -150,3 +150,19 @@ def per_row_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tens
         reduction="none",
     )
     return lp.view(input_ids.shape[0], -1).mean(1)
+
+
+def mixed_train_step(model, opt, batches: dict[int, torch.Tensor]):
+    """One optimizer step on a batch mixing adapters: ``batches`` maps a slot to its rows of token
+    ids ``[rows, seq]``; each adapter's loss is the mean over its rows, and the losses are summed.
+    Returns what ``opt.step`` returns."""
+    ids = torch.cat(list(batches.values()))
+    slots = torch.cat([torch.full(tuple(b.shape), s) for s, b in batches.items()])
+    row_loss = per_row_lm_loss(lm_logits(model, ids, slots), ids)
+    loss, start = 0.0, 0
+    for b in batches.values():
+        loss = loss + row_loss[start : start + b.shape[0]].mean()
+        start += b.shape[0]
+    opt.zero_grad()
+    loss.backward()
+    return opt.step(batches.keys())

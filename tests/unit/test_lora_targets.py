@@ -21,7 +21,7 @@ from miles_multilora.lora import (
 )
 from miles_multilora.lora.targets import check_targets, families_of_modules, family_of
 from miles_multilora.optim import SlotAdamW
-from miles_multilora.testing.lora import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
+from miles_multilora.testing.lora import lm_logits, mixed_train_step, tiny_gpt_with_lora
 
 VOCAB, SEQ = 64, 8
 ATTN_ONLY = ["linear_qkv", "linear_proj"]
@@ -31,19 +31,6 @@ SPEC = OptimizerSpec(lr=3e-2, clip_grad=0.05, weight_decay=0.1)  # decay would m
 def _data(adapter: int, step: int, rows: int = 2) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * adapter + step)
     return torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
-
-
-def _train(model, opt, batches: dict[int, torch.Tensor]) -> None:
-    ids = torch.cat(list(batches.values()))
-    slots = torch.cat([torch.full((b.shape[0], SEQ), s) for s, b in batches.items()])
-    row_loss = per_row_lm_loss(lm_logits(model, ids, slots), ids)
-    loss, start = 0.0, 0
-    for b in batches.values():
-        loss = loss + row_loss[start : start + b.shape[0]].mean()
-        start += b.shape[0]
-    opt.zero_grad()
-    loss.backward()
-    opt.step(batches.keys())
 
 
 def _opened(model, slots: dict[int, tuple[str, ...] | None]) -> SlotAdamW:
@@ -76,10 +63,10 @@ def trained():
     full = tiny_gpt_with_lora(num_slots=2, max_rank=4)
     opt_full = _opened(full, {1: None})
     for step in range(3):
-        _train(alone, opt_alone, {0: _data(0, step)})
-        _train(together, opt_together, {0: _data(0, step), 1: _data(1, step)})
-        _train(no_mlp_lora, opt_no_mlp, {0: _data(0, step)})
-        _train(full, opt_full, {1: _data(1, step)})
+        mixed_train_step(alone, opt_alone, {0: _data(0, step)})
+        mixed_train_step(together, opt_together, {0: _data(0, step), 1: _data(1, step)})
+        mixed_train_step(no_mlp_lora, opt_no_mlp, {0: _data(0, step)})
+        mixed_train_step(full, opt_full, {1: _data(1, step)})
     return {
         "alone": (alone, opt_alone),
         "together": (together, opt_together),
@@ -177,8 +164,8 @@ def test_a_moe_slot_without_mlp_leaves_its_experts_alone():
     reference = tiny_moe_gpt(num_slots=2, targets=ATTN_ONLY)
     opt_ref = _opened(reference, {0: None})
     for step in range(2):
-        _train(moe, opt_moe, {0: _data(0, step)})
-        _train(reference, opt_ref, {0: _data(0, step)})
+        mixed_train_step(moe, opt_moe, {0: _data(0, step)})
+        mixed_train_step(reference, opt_ref, {0: _data(0, step)})
     experts = _family_params(moe, 0, "mlp")
     assert any(".experts." in k for k in experts) and not any(t.any() for t in experts.values())
     assert all(t.any() for k, t in _family_params(moe, 1, "mlp").items() if k.endswith("lora_A"))

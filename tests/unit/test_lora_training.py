@@ -7,7 +7,7 @@ import torch
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora import clear_slot, init_slot, multi_lora_layers
 from miles_multilora.optim import SlotAdamW
-from miles_multilora.testing.lora import lm_logits, per_row_lm_loss, tiny_gpt_with_lora
+from miles_multilora.testing.lora import lm_logits, mixed_train_step, per_row_lm_loss, tiny_gpt_with_lora
 from tests.helpers import assert_close_at_scale
 
 VOCAB, SEQ = 64, 8
@@ -30,20 +30,6 @@ def _slot_weights(model, slot: int) -> list[torch.Tensor]:
     return [
         p[slot].detach().clone() for layer in multi_lora_layers(model) for p in (layer.lora_A, layer.lora_B)
     ]
-
-
-def _train_step(model, opt, batches: dict[int, torch.Tensor]):
-    """One step on a mixed batch: rows of each slot, loss normalised per adapter, summed."""
-    ids = torch.cat(list(batches.values()))
-    slots = torch.cat([torch.full((b.shape[0], SEQ), s) for s, b in batches.items()])
-    row_loss = per_row_lm_loss(lm_logits(model, ids, slots), ids)
-    loss, start = 0.0, 0
-    for b in batches.values():
-        loss = loss + row_loss[start : start + b.shape[0]].mean()
-        start += b.shape[0]
-    opt.zero_grad()
-    loss.backward()
-    return opt.step(batches.keys())
 
 
 def _make_b_nonzero(model, slot: int, seed: int) -> None:
@@ -107,9 +93,9 @@ def test_cotrained_adapter_equals_adapter_trained_alone():
     _setup(alone, [target], opt_a)
     clipped = set()
     for step in range(5):
-        stats = _train_step(together, opt_t, {s: _data(s, step) for s in range(4)})
+        stats = mixed_train_step(together, opt_t, {s: _data(s, step) for s in range(4)})
         clipped |= {s for s, st in stats.items() if st.grad_norm > ADAPTERS[s][2].clip_grad > 0}
-        _train_step(alone, opt_a, {target: _data(target, step)})
+        mixed_train_step(alone, opt_a, {target: _data(target, step)})
     assert {0, 2} <= clipped  # clipping was active on some adapters, the target included
     for got, want in zip(_slot_weights(together, target), _slot_weights(alone, target), strict=True):
         # fp32: only BLAS rounding differs. On a GPU the frozen base GEMMs see 4x more rows when
@@ -127,7 +113,7 @@ def test_cleared_and_reused_slot_equals_a_fresh_slot():
     opt_u = SlotAdamW(used)
     _setup(used, [0, 1], opt_u)
     for step in range(3):
-        _train_step(used, opt_u, {0: _data(0, step), 1: _data(1, step)})
+        mixed_train_step(used, opt_u, {0: _data(0, step), 1: _data(1, step)})
     clear_slot(used, 1, optimizer=opt_u)
     init_slot(used, 1, rank=2, alpha=4.0, seed=7)
     opt_u.configure_slot(1, ADAPTERS[0][2])
@@ -152,7 +138,7 @@ def test_cleared_and_reused_slot_equals_a_fresh_slot():
         assert layer_u.slot_rank[1] == layer_f.slot_rank[1] == 2
         assert layer_u.lora_scale[1] == layer_f.lora_scale[1]
     for step in range(2):  # and it trains exactly like the fresh one
-        _train_step(used, opt_u, {1: _data(5, step)})
-        _train_step(fresh, opt_f, {1: _data(5, step)})
+        mixed_train_step(used, opt_u, {1: _data(5, step)})
+        mixed_train_step(fresh, opt_f, {1: _data(5, step)})
     for a, b in zip(_slot_weights(used, 1), _slot_weights(fresh, 1), strict=True):
         assert_close_at_scale(a, b, 1e-6, "weights")  # fp32 BLAS rounding only; a leak moves them ~1e-2

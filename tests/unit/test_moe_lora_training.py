@@ -11,7 +11,7 @@ from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora import clear_slot, init_slot, load_slot_state, multi_lora_layers, slot_state
 from miles_multilora.lora.expert_layer import MultiLoRAExpertLinear
 from miles_multilora.optim import SlotAdamW
-from miles_multilora.testing.lora import lm_logits, per_row_lm_loss
+from miles_multilora.testing.lora import lm_logits, mixed_train_step, per_row_lm_loss
 from tests.helpers import assert_close_at_scale
 from tests.moe_helpers import randomize_b, tiny_moe_gpt
 
@@ -38,19 +38,6 @@ def _slot_tensors(model, slot: int, grads: bool = False) -> list[torch.Tensor]:
             else:
                 out.append(p[slot].detach().clone())
     return out
-
-
-def _train_step(model, opt, batches: dict[int, torch.Tensor]):
-    ids = torch.cat(list(batches.values()))
-    slots = torch.cat([torch.full((b.shape[0], SEQ), s) for s, b in batches.items()])
-    row_loss = per_row_lm_loss(lm_logits(model, ids, slots), ids)
-    loss, start = 0.0, 0
-    for b in batches.values():
-        loss = loss + row_loss[start : start + b.shape[0]].mean()
-        start += b.shape[0]
-    opt.zero_grad()
-    loss.backward()
-    return opt.step(batches.keys())
 
 
 def _setup(model, slots, opt):
@@ -110,8 +97,8 @@ def test_cotrained_adapter_equals_adapter_trained_alone(order):
     opt_a = SlotAdamW(alone)
     _setup(alone, [target], opt_a)
     for step in range(4):
-        _train_step(together, opt_t, {s: _data(s, step) for s in range(3)})
-        _train_step(alone, opt_a, {target: _data(target, step)})
+        mixed_train_step(together, opt_t, {s: _data(s, step) for s in range(3)})
+        mixed_train_step(alone, opt_a, {target: _data(target, step)})
     for got, want in zip(_slot_tensors(together, target), _slot_tensors(alone, target), strict=True):
         # fp32 rounding only: co-trained, each expert's GEMMs run other row counts (down to one row,
         # a GEMV), which round differently, and Adam's first steps scale ulp-level differences of tiny
@@ -127,7 +114,7 @@ def test_cleared_and_reused_slot_equals_a_fresh_slot():
     opt_u = SlotAdamW(used)
     _setup(used, [0, 1], opt_u)
     for step in range(3):
-        _train_step(used, opt_u, {0: _data(0, step), 1: _data(1, step)})
+        mixed_train_step(used, opt_u, {0: _data(0, step), 1: _data(1, step)})
     clear_slot(used, 1, optimizer=opt_u)
     init_slot(used, 1, rank=2, alpha=4.0, seed=7)
     opt_u.configure_slot(1, ADAPTERS[0][2])
@@ -146,8 +133,8 @@ def test_cleared_and_reused_slot_equals_a_fresh_slot():
         for name in su[part]:
             assert torch.equal(su[part][name], sf[part][name]) and not su[part][name].any()
     for step in range(2):
-        _train_step(used, opt_u, {1: _data(5, step)})
-        _train_step(fresh, opt_f, {1: _data(5, step)})
+        mixed_train_step(used, opt_u, {1: _data(5, step)})
+        mixed_train_step(fresh, opt_f, {1: _data(5, step)})
     for a, b in zip(_slot_tensors(used, 1), _slot_tensors(fresh, 1), strict=True):
         assert_close_at_scale(a, b, 1e-6, "weights")
 
