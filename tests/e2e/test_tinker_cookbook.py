@@ -1,0 +1,360 @@
+"""tinker-cookbook 0.6.1's own training loops, unmodified, against a real ``tinker-serve``.
+
+The supervised trainer (``tinker_cookbook.supervised.train.main``, with its held-out eval, which
+scores with ``SamplingClient.compute_logprobs``) and the RL trainer (``tinker_cookbook.rl.train.main``
+on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to) run a few steps each,
+with data built in-process or in tmp files through the cookbook's dataset builders.
+
+The served model is a tiny random Llama checkpoint written in tmp with the demo model's tokenizer
+(SmolLM2's, converted by provision.sh), and it is served under its directory's path, so the
+cookbook's ``get_tokenizer(model_name)`` loads that same tokenizer offline. The renderer is
+``role_colon``, which works with any tokenizer. Nothing here reaches the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("tinker_cookbook")
+
+import chz  # noqa: E402 - after the skips: both come with tinker-cookbook
+from tinker_cookbook import checkpoint_utils, renderers  # noqa: E402
+from tinker_cookbook.rl import train as rl_train  # noqa: E402
+from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder  # noqa: E402
+from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder  # noqa: E402
+from tinker_cookbook.supervised import train as sl_train  # noqa: E402
+from tinker_cookbook.supervised.data import FromConversationFileBuilder  # noqa: E402
+from tinker_cookbook.supervised.nll_evaluator import SamplerNLLEvaluator  # noqa: E402
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig  # noqa: E402
+from tinker_cookbook.tokenizer_utils import get_tokenizer  # noqa: E402
+from tinker_cookbook.utils import cost_estimation  # noqa: E402
+
+KEY = "tml-cookbook-test-key"
+RENDERER = "role_colon"
+CONVERSATIONS = [
+    ("What is the capital of France?", "Paris is the capital of France."),
+    ("Name a primary colour.", "Red is a primary colour."),
+    ("What do bees make?", "Bees make honey."),
+    ("How many legs has a spider?", "A spider has eight legs."),
+    ("What is frozen water called?", "Frozen water is called ice."),
+    ("Which planet is red?", "Mars is the red planet."),
+    ("What do cows drink?", "Cows drink water."),
+    ("What is two plus two?", "Two plus two is four."),
+    ("Where do fish live?", "Fish live in water."),
+    ("What colour is the sky?", "The sky is blue."),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (hidden 128, 2 layers) with the demo model's tokenizer and vocabulary."""
+    from transformers import AutoTokenizer
+
+    from miles_multilora.models.demo_model import prepare_demo_model
+    from tests.helpers import tiny_hf_model
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_demo_model(os.environ.get("MILES_MULTILORA_CACHE")))
+    out = tmp_path_factory.mktemp("cookbook-model")
+    tiny_hf_model(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, max_position_embeddings=512, seed=0
+    ).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from miles_multilora.config.run import config_from_container
+    from miles_multilora.models import compat
+    from miles_multilora.tinker.serve import start
+
+    root = tmp_path_factory.mktemp("cookbook-serve")
+    key = root / "key"
+    key.write_text(KEY + "\n")
+    key.chmod(0o600)
+    cfg = config_from_container({
+        "model": {"source": "hf", "hf_path": str(model_dir)},
+        "lora": {"num_slots": 2, "max_rank": 8},
+        "trainer": {"output_dir": str(root / "out"), "micro_batch_size": 32},
+        "tinker": {"port": 0, "api_key_file": str(key), "batch_window_s": 0.02},
+        "logging": {"wandb_mode": "disabled"},
+    })  # fmt: skip
+    srv = start(cfg)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        compat.destroy_distributed()
+
+
+@pytest.fixture
+def cookbook_env(server: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """What a user sets to point the cookbook at tinker-serve: the API key in ``TINKER_API_KEY``
+    (the cookbook's ``ServiceClient`` reads it; ``base_url`` goes in each Config). The cookbook's
+    trainers also download a pricing file from Tinker's docs site once per process (a failure only
+    drops the cost estimate); no network here, so it is marked as already tried. The trainers
+    replace the root logger's handlers (console and a file in their log_path): put them back after."""
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    monkeypatch.setattr(cost_estimation, "_pricing_fetched", True)
+    monkeypatch.setattr(cost_estimation, "_pricing_entries", None)
+    assert server.state.base_model == str(model_dir)  # served under its directory's path
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield server
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
+
+
+def _metrics(log_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def _checkpoints(log_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines() if line]
+
+
+def _finite(row: dict[str, Any], key: str) -> float:
+    assert key in row, f"{key} not logged: {sorted(row)}"
+    value = float(row[key])
+    assert math.isfinite(value), (key, value)
+    return value
+
+
+def _logprobs(server: Any, tokens: list[int], model_path: str | None) -> list[float]:
+    """The prompt logprobs of ``tokens`` under saved sampler weights (or the base model)."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    try:
+        if model_path is None:
+            sampler = sc.create_sampling_client(base_model=server.state.base_model).result()
+        else:
+            sampler = sc.create_sampling_client(model_path=model_path).result()
+        logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
+        return [x for x in logprobs if x is not None]  # None: the first token
+    finally:
+        sc.close("success")
+
+
+# the cookbook's checkpoint_utils calls the SDK's deprecated create_rest_client (its warning, not ours)
+@pytest.mark.filterwarnings("ignore:DEPRECATED. ServiceClient.create_rest_client:FutureWarning")
+def test_supervised_trainer_trains_and_evaluates_held_out_data(cookbook_env: Any, tmp_path: Path) -> None:
+    server = cookbook_env
+    model_name = server.state.base_model
+    data = tmp_path / "conversations.jsonl"
+    with data.open("w") as f:
+        for q, a in CONVERSATIONS:
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                )
+            )
+            f.write("\n")
+    log_path = tmp_path / "sl"
+    config = sl_train.Config(
+        log_path=str(log_path),
+        model_name=model_name,
+        recipe_name="test_sl",
+        renderer_name=RENDERER,
+        dataset_builder=FromConversationFileBuilder(
+            file_path=str(data),
+            test_size=2,
+            common_config=ChatDatasetBuilderCommonConfig(
+                model_name_for_tokenizer=model_name, renderer_name=RENDERER, max_length=64, batch_size=4
+            ),
+        ),
+        learning_rate=5e-3,
+        lr_schedule="constant",
+        lora_rank=8,
+        base_url=server.url,
+        eval_every=1,
+        save_every=0,
+    )
+    asyncio.run(sl_train.main(config))
+
+    rows = _metrics(log_path)
+    assert [r["step"] for r in rows] == [0, 1], rows  # 8 training conversations, batches of 4
+    train_nll = [_finite(r, "train_mean_nll") for r in rows]
+    test_nll = [_finite(r, "test/nll") for r in rows]  # held-out eval: compute_logprobs on a sampler
+    _finite(rows[-1], "train_mean_bpb")
+    # step 1's forward/backward and eval ran on the weights step 0's optim_step made
+    assert train_nll[1] < train_nll[0] - 0.05, train_nll
+    assert test_nll[1] != pytest.approx(test_nll[0], abs=1e-4), test_nll
+
+    # the final checkpoint (state and sampler weights) was saved; its weights are not the base's
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final" and final["state_path"].startswith("tinker://"), final
+    tokens = get_tokenizer(model_name).encode("User: What do bees make?\n\nAssistant: Bees make honey.\n\n")
+    trained = _logprobs(server, tokens, final["sampler_path"])
+    base = _logprobs(server, tokens, None)
+    assert sum(trained) > sum(base) + 1.0, (sum(trained), sum(base))
+
+    # a new run from that checkpoint (load_checkpoint_path: create_training_client_from_state, after
+    # the cookbook checks the checkpoint's renderer in its run's user_metadata through the REST API)
+    # starts from the trained weights: its first held-out eval is the final sampler's, not the base's
+    resumed_path = tmp_path / "sl-from-checkpoint"
+    asyncio.run(
+        sl_train.main(
+            chz.replace(
+                config, log_path=str(resumed_path), load_checkpoint_path=final["state_path"], max_steps=1
+            )
+        )
+    )
+    resumed = _metrics(resumed_path)
+    assert [r["step"] for r in resumed] == [0], resumed
+    # what the cookbook read there (a failure of that read is only its warning): its own metadata
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
+    run = rest.get_training_run_by_tinker_path(final["state_path"]).result()
+    assert (run.user_metadata or {}).get(checkpoint_utils.RENDERER_NAME_METADATA_KEY) == RENDERER, run
+    _, test_set = config.dataset_builder()
+    assert test_set is not None
+    sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    try:
+        sampler = sc.create_sampling_client(model_path=final["sampler_path"]).result()
+        expected = asyncio.run(SamplerNLLEvaluator.from_dataset(test_set)(sampler))["test/nll"]
+    finally:
+        sc.close("success")
+    assert _finite(resumed[0], "test/nll") == pytest.approx(expected, abs=1e-4), (resumed[0], expected)
+    assert abs(expected - test_nll[0]) > 0.05, (expected, test_nll)
+
+
+class _EvenLengthEnv(ProblemEnv):
+    """Rewards a response of an even number of characters: about half of a random tiny model's
+    samples are, so a group's rewards differ and its advantages are not all zero."""
+
+    def get_question(self) -> str:
+        return "Write a word."
+
+    def check_answer(self, sample_str: str) -> bool:
+        return len(sample_str) % 2 == 0
+
+    def check_format(self, sample_str: str) -> bool:
+        return True
+
+    def get_reference_answer(self) -> str:
+        return "any text of an even length"
+
+
+class _EvenLengthDataset(RLDataset):
+    def __init__(self, renderer: renderers.Renderer, batch_size: int, group_size: int, n_batches: int):
+        self.renderer = renderer
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.n_batches = n_batches
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        return [
+            ProblemGroupBuilder(env_thunk=partial(_EvenLengthEnv, self.renderer), num_envs=self.group_size)
+            for _ in range(self.batch_size)
+        ]
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+
+@chz.chz
+class _EvenLengthDatasetBuilder(RLDatasetBuilder):
+    model_name_for_tokenizer: str
+    batch_size: int
+    group_size: int
+    n_batches: int
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        renderer = renderers.get_renderer(RENDERER, get_tokenizer(self.model_name_for_tokenizer))
+        return _EvenLengthDataset(renderer, self.batch_size, self.group_size, self.n_batches), None
+
+
+def test_rl_trainer_with_stable_reinforce_changes_the_model(cookbook_env: Any, tmp_path: Path) -> None:
+    server = cookbook_env
+    model_name = server.state.base_model
+    log_path = tmp_path / "rl"
+    config = rl_train.Config(
+        log_path=str(log_path),
+        model_name=model_name,
+        recipe_name="test_rl",
+        renderer_name=RENDERER,
+        dataset_builder=_EvenLengthDatasetBuilder(
+            model_name_for_tokenizer=model_name, batch_size=4, group_size=4, n_batches=2
+        ),
+        learning_rate=5e-2,
+        max_tokens=5,
+        lora_rank=8,
+        loss_fn="stable_reinforce",  # the math RL recipe's default (recipes/math_rl/train.py)
+        base_url=server.url,
+        eval_every=0,
+        save_every=0,
+        num_groups_to_log=0,
+        rollout_json_export=False,
+    )
+    asyncio.run(rl_train.main(config))
+
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]  # the last row: timings only
+    assert [r["step"] for r in rows] == [0, 1], rows
+    for row in rows:
+        assert -0.1 <= _finite(row, "env/all/reward/total") <= 0.9, row  # format -0.1, answer +1
+        _finite(row, "optim/entropy")
+        assert abs(_finite(row, "optim/kl_sample_train_v2")) < 1e-3, row  # sampler and trainer agree
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final", final
+
+    # the trained sampler weights score a text differently from the base model
+    tokens = get_tokenizer(model_name).encode("User: Write a word.\n\nAssistant: tree\n\n")
+    trained = _logprobs(server, tokens, final["sampler_path"])
+    base = _logprobs(server, tokens, None)
+    assert max(abs(a - b) for a, b in zip(trained, base, strict=True)) > 1e-3, (trained, base)
+
+
+@pytest.mark.parametrize("max_steps_off_policy", [None, 1], ids=["sync", "async"])
+def test_math_rl_recipe_runs_as_is_on_its_default_loss(
+    cookbook_env: Any, tmp_path: Path, max_steps_off_policy: int | None
+) -> None:
+    """The math RL recipe's own entry point (``recipes/math_rl/train.py``'s ``cli_main``) on its
+    arithmetic environment, which makes its problems in-process, with the recipe's defaults but for
+    the model, the renderer, the server and a small batch: its loss is ``stable_reinforce``. Async:
+    the recipe's off-policy mode, where rollouts of the previous step's sampler overlap training."""
+    from tinker_cookbook.recipes.math_rl import train as math_rl
+
+    server = cookbook_env
+    log_path = tmp_path / "math_rl"
+    cli = math_rl.CLIConfig(
+        model_name=server.state.base_model,
+        renderer_name=RENDERER,
+        lora_rank=8,
+        env="arithmetic",
+        group_size=2,
+        groups_per_batch=2,
+        max_steps=2,
+        eval_every=0,
+        save_every=0,
+        log_path=str(log_path),
+        base_url=server.url,
+        behavior_if_log_dir_exists="raise",
+        max_steps_off_policy=max_steps_off_policy,
+    )
+    assert cli.loss_fn == "stable_reinforce"
+    asyncio.run(math_rl.cli_main(cli))
+
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    for row in rows:
+        _finite(row, "env/all/reward/total")
+        _finite(row, "optim/entropy")
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final" and final["sampler_path"].startswith("tinker://"), final
