@@ -1,6 +1,7 @@
 """The SDK's REST surface (``RestClient``, the ``tinker`` CLI): training runs, checkpoints, weights
 info, sessions, ``copy_weights``, ``save_weights_external`` and its signed download URLs; the
-SDK calls not served (session search, trace export, projects) answer a 400 naming them.
+SDK calls not served (session search, trace export, projects, audit log and billing) answer a 400
+naming them.
 
 Everything answers the caller's tenant only: another tenant's run, checkpoint or session is a 404
 exactly like a missing one (:class:`~miles_multilora.tinker.registry.Unknown`). A published
@@ -313,6 +314,15 @@ def register(app: FastAPI, state: ServerState) -> None:
     )
     app.put(f"{API}/sessions/{{session_id}}/project")(
         not_served("assign_session_project", f"this server has one project per API key, {PROJECT!r}")
+    )
+    # the organization-admin calls (RestClient's deprecated ones and AdminClient's): no billing here
+    app.get(f"{API}/audit")(not_served("get_audit_log", "it keeps no audit log"))
+    app.get(f"{API}/billing/usage/events")(not_served("get_billing_usage", "it does no billing"))
+    app.get(f"{API}/billing/usage/checkpoints/current")(
+        not_served(
+            "get_current_checkpoint_storage_usage",
+            "RestClient.list_user_checkpoints lists each checkpoint with its size_bytes",
+        )
     )
 
     # ---------------------------------------------------------------- external weights (PEFT)
