@@ -144,7 +144,9 @@ def test_a_method_not_served_raises_the_error_the_table_states(clients: dict[str
 
 # ---------------------------------------------------------------------------- served, by the SDK's client side
 def _logprobs(tc: Any) -> torch.Tensor:
-    return torch.tensor(tc.forward([sft(TEXT)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
+    return torch.tensor(
+        tc.forward([sft(TEXT)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    )
 
 
 def test_forward_backward_custom_trains_as_the_builtin_loss_it_amounts_to(clients: dict[str, Any]) -> None:
