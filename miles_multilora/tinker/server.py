@@ -77,6 +77,8 @@ def create_app(
     )
     s = state.settings
     registry, futures, queue, backend = state.registry, state.futures, state.queue, state.backend
+    # the checkpoint's model_type (llama, qwen3_moe, mixtral, ...); the tiny model is a llama-style GPT
+    arch = getattr(getattr(backend.rank, "hf_config", None), "model_type", None) or "llama"
 
     @app.exception_handler(HTTPProblem)
     async def _on_problem(request: Request, exc: HTTPProblem) -> JSONResponse:
@@ -212,7 +214,7 @@ def create_app(
         if owned.model_id not in backend.models:  # created, not yet in its slot
             raise Unknown("model_id", f"unknown model {owned.model_id!r}")
         entry = backend.model(owned.model_id)
-        data = {"arch": "llama", "model_name": state.base_model, "tokenizer_id": state.tokenizer_id}
+        data = {"arch": arch, "model_name": state.base_model, "tokenizer_id": state.tokenizer_id}
         return {"type": "get_info", "model_id": owned.model_id, "model_data": data, "is_lora": True,
                 "lora_rank": entry.rank, "model_name": state.base_model}  # fmt: skip
 
