@@ -30,6 +30,10 @@ pytest.importorskip("tinker_cookbook")
 
 import chz  # noqa: E402 - after the skips: both come with tinker-cookbook
 from tinker_cookbook import checkpoint_utils, renderers  # noqa: E402
+from tinker_cookbook.preference import train_dpo  # noqa: E402
+from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons  # noqa: E402
+from tinker_cookbook.preference.preference_datasets import ComparisonDatasetBuilder  # noqa: E402
+from tinker_cookbook.preference.types import Comparison, LabeledComparison  # noqa: E402
 from tinker_cookbook.rl import train as rl_train  # noqa: E402
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder  # noqa: E402
 from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder  # noqa: E402
@@ -141,14 +145,18 @@ def _finite(row: dict[str, Any], key: str) -> float:
 
 def _logprobs(server: Any, tokens: list[int], model_path: str | None) -> list[float]:
     """The prompt logprobs of ``tokens`` under saved sampler weights (or the base model)."""
+    return _logprobs_of_each(server, [tokens], model_path)[0]
+
+
+def _logprobs_of_each(server: Any, sequences: list[list[int]], model_path: str | None) -> list[list[float]]:
     sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
     try:
         if model_path is None:
             sampler = sc.create_sampling_client(base_model=server.state.base_model).result()
         else:
             sampler = sc.create_sampling_client(model_path=model_path).result()
-        logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
-        return [x for x in logprobs if x is not None]  # None: the first token
+        futures = [sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)) for tokens in sequences]
+        return [[x for x in f.result() if x is not None] for f in futures]  # None: the first token
     finally:
         sc.close("success")
 
@@ -358,3 +366,105 @@ def test_math_rl_recipe_runs_as_is_on_its_default_loss(
         _finite(row, "optim/entropy")
     final = _checkpoints(log_path)[-1]
     assert final["name"] == "final" and final["sampler_path"].startswith("tinker://"), final
+
+
+@chz.chz
+class _PairsFromFile(ComparisonDatasetBuilder):
+    """Preference pairs from a local JSONL file of ``{"prompt", "chosen", "rejected"}`` rows."""
+
+    file_path: str
+
+    def get_train_and_test_datasets(self) -> tuple[Any, None]:
+        import datasets
+
+        rows = [json.loads(line) for line in Path(self.file_path).read_text().splitlines() if line]
+        return datasets.Dataset.from_list(rows), None
+
+    def example_to_labeled_comparison(self, example: dict) -> LabeledComparison | None:
+        comparison = Comparison(
+            prompt_conversation=[{"role": "user", "content": example["prompt"]}],
+            completion_A=[{"role": "assistant", "content": example["chosen"]}],
+            completion_B=[{"role": "assistant", "content": example["rejected"]}],
+        )
+        return LabeledComparison(comparison=comparison, label="A")
+
+
+def _preference_margins(
+    server: Any, pairs: list[tuple[str, str, str]], model_path: str | None
+) -> list[float]:
+    """Each pair's log p(chosen) - log p(rejected), summed over the response tokens that the DPO
+    datums weigh, under saved sampler weights (or the base model)."""
+    renderer = renderers.get_renderer(RENDERER, get_tokenizer(server.state.base_model))
+    examples = [
+        renderer.build_supervised_example([
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": response},
+        ])
+        for prompt, chosen, rejected in pairs
+        for response in (chosen, rejected)
+    ]  # fmt: skip
+    logprobs = _logprobs_of_each(server, [m.to_ints() for m, _ in examples], model_path)
+    sums = [
+        sum(lp * w for lp, w in zip(lps, weights.tolist()[1:], strict=True))  # weights[0]: no logprob
+        for lps, (_, weights) in zip(logprobs, examples, strict=True)
+    ]
+    return [chosen - rejected for chosen, rejected in zip(sums[::2], sums[1::2], strict=True)]
+
+
+def test_dpo_trainer_raises_the_preference_margin(cookbook_env: Any, tmp_path: Path) -> None:
+    """``tinker_cookbook.preference.train_dpo.main`` on local pairs: its reference is the initial
+    weights' sampler (``save_weights_and_get_sampling_client``, scored by ``compute_logprobs``) and
+    its loss runs through ``forward_backward_custom`` (a forward, the DPO loss on the client, then
+    a weighted cross-entropy backward)."""
+    server = cookbook_env
+    model_name = server.state.base_model
+    # chosen: the answer; rejected: the same unhelpful reply to every question
+    pairs = [(q, a, "I do not know.") for q, a in CONVERSATIONS[:8]]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in pairs)
+    )
+    log_path = tmp_path / "dpo"
+    config = train_dpo.Config(
+        log_path=str(log_path),
+        model_name=model_name,
+        recipe_name="test_dpo",
+        renderer_name=RENDERER,
+        dataset_builder=DPODatasetBuilderFromComparisons(
+            comparison_builder=_PairsFromFile(file_path=str(data)),
+            common_config=ChatDatasetBuilderCommonConfig(
+                model_name_for_tokenizer=model_name, renderer_name=RENDERER, max_length=64, batch_size=4
+            ),
+        ),
+        learning_rate=1e-2,
+        lr_schedule="constant",
+        num_epochs=2,
+        dpo_beta=0.1,
+        lora_rank=8,
+        base_url=server.url,
+        save_every=0,
+        eval_every=0,
+        infrequent_eval_every=0,
+    )
+    train_dpo.main(config)
+
+    rows = [r for r in _metrics(log_path) if "dpo_loss" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3], rows  # 8 pairs, batches of 4, two epochs
+    for row in rows:
+        assert row["num_pairs"] == 4, row
+        for key in ("dpo_loss", "accuracy", "margin", "chosen_reward", "rejected_reward"):
+            _finite(row, key)
+    # step 0: the policy is the reference (its sampler scores as the trainer's forward does), so
+    # every log ratio is 0 and the loss is log 2; then the loss falls and the margin grows
+    assert rows[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-3), rows[0]
+    assert rows[0]["margin"] == pytest.approx(0.0, abs=1e-3), rows[0]
+    for row in rows[1:]:
+        assert row["dpo_loss"] < math.log(2) - 0.05 and row["margin"] > 0.1, row
+    assert rows[-1]["dpo_loss"] < rows[1]["dpo_loss"], rows
+
+    # the final sampler weights prefer every chosen response more than the base model does
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final" and final["sampler_path"].startswith("tinker://"), final
+    trained = _preference_margins(server, pairs, final["sampler_path"])
+    base = _preference_margins(server, pairs, None)
+    assert all(t > b + 1.0 for t, b in zip(trained, base, strict=True)), (trained, base)
