@@ -260,16 +260,35 @@ class _EvenLengthEnv(ProblemEnv):
         return "any text of an even length"
 
 
+class _NoRewardEnv(_EvenLengthEnv):
+    """Every response earns 0 (no answer reward, no format term), so every group-centred advantage
+    is 0: only a KL penalty can give the policy gradient anything to follow."""
+
+    def __init__(self, renderer: renderers.Renderer):
+        super().__init__(renderer, format_coef=0.0)
+
+    def check_answer(self, sample_str: str) -> bool:
+        return False
+
+
 class _EvenLengthDataset(RLDataset):
-    def __init__(self, renderer: renderers.Renderer, batch_size: int, group_size: int, n_batches: int):
+    def __init__(
+        self,
+        renderer: renderers.Renderer,
+        batch_size: int,
+        group_size: int,
+        n_batches: int,
+        env: type[ProblemEnv] = _EvenLengthEnv,
+    ):
         self.renderer = renderer
+        self.env = env
         self.batch_size = batch_size
         self.group_size = group_size
         self.n_batches = n_batches
 
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
         return [
-            ProblemGroupBuilder(env_thunk=partial(_EvenLengthEnv, self.renderer), num_envs=self.group_size)
+            ProblemGroupBuilder(env_thunk=partial(self.env, self.renderer), num_envs=self.group_size)
             for _ in range(self.batch_size)
         ]
 
@@ -283,10 +302,12 @@ class _EvenLengthDatasetBuilder(RLDatasetBuilder):
     batch_size: int
     group_size: int
     n_batches: int
+    no_reward: bool = False  # _NoRewardEnv instead of _EvenLengthEnv
 
     async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
         renderer = renderers.get_renderer(RENDERER, get_tokenizer(self.model_name_for_tokenizer))
-        return _EvenLengthDataset(renderer, self.batch_size, self.group_size, self.n_batches), None
+        env = _NoRewardEnv if self.no_reward else _EvenLengthEnv
+        return _EvenLengthDataset(renderer, self.batch_size, self.group_size, self.n_batches, env), None
 
 
 def test_rl_trainer_with_stable_reinforce_changes_the_model(cookbook_env: Any, tmp_path: Path) -> None:
@@ -323,6 +344,78 @@ def test_rl_trainer_with_stable_reinforce_changes_the_model(cookbook_env: Any, t
     assert final["name"] == "final", final
 
     # the trained sampler weights score a text differently from the base model
+    tokens = get_tokenizer(model_name).encode("User: Write a word.\n\nAssistant: tree\n\n")
+    trained = _logprobs(server, tokens, final["sampler_path"])
+    base = _logprobs(server, tokens, None)
+    assert max(abs(a - b) for a, b in zip(trained, base, strict=True)) > 1e-3, (trained, base)
+
+
+def _trained_sampler_weights(server: Any, text: str, name: str) -> str:
+    """Sampler weights of a LoRA fitted to ``text`` for a few steps (the SDK directly), saved
+    under ``name``; its session is then closed, and named weights outlive it."""
+    tokens = get_tokenizer(server.state.base_model).encode(text)
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    try:
+        tc = sc.create_lora_training_client(base_model=server.state.base_model, rank=8)
+        for _ in range(4):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(tinker.AdamParams(learning_rate=1e-1)).result()
+        return tc.save_weights_for_sampler(name).result().path
+    finally:
+        sc.close("success")
+
+
+def test_rl_trainer_applies_a_kl_penalty_against_a_saved_reference(cookbook_env: Any, tmp_path: Path) -> None:
+    """``kl_penalty_coef > 0``: the cookbook scores each batch's samples with a reference sampler
+    (``kl_reference_config``: here the base model with saved LoRA weights, ``model_path``) and adds
+    ``coef * (mean - (log p_sampled - log p_ref))`` to every token's advantage, logging the mean as
+    ``kl_policy_base``. The environment rewards nothing, so all group advantages are 0 and without
+    the penalty the weights could not move (the loss's gradient is 0); the policy starts at the
+    base model, which the reference is not, so the penalty is not 0 from the first step."""
+    server = cookbook_env
+    model_name = server.state.base_model
+    reference = _trained_sampler_weights(server, "User: Write a word.\n\nAssistant: tree\n\n", "kl-reference")
+    log_path = tmp_path / "rl-kl"
+    config = rl_train.Config(
+        log_path=str(log_path),
+        model_name=model_name,
+        recipe_name="test_rl_kl",
+        renderer_name=RENDERER,
+        dataset_builder=_EvenLengthDatasetBuilder(
+            model_name_for_tokenizer=model_name, batch_size=4, group_size=4, n_batches=2, no_reward=True
+        ),
+        learning_rate=5e-2,
+        max_tokens=5,
+        lora_rank=8,
+        kl_penalty_coef=1.0,
+        kl_reference_config=rl_train.KLReferenceConfig(base_model=model_name, load_checkpoint_path=reference),
+        base_url=server.url,
+        eval_every=0,
+        save_every=0,
+        num_groups_to_log=0,
+        rollout_json_export=False,
+    )
+    asyncio.run(rl_train.main(config))
+
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    for row in rows:
+        assert _finite(row, "env/all/reward/total") == 0.0, row
+        assert abs(_finite(row, "optim/kl_sample_train_v2")) < 1e-3, row
+    # E[log p_policy - log p_ref] over the policy's samples. At step 0 the policy is the base model:
+    # with the base as the reference this is 0 (to 1e-8 on fp32); so the reference's saved weights
+    # were loaded and scored the samples
+    kl = [_finite(row, "kl_policy_base") for row in rows]
+    assert abs(kl[0]) > 1e-3, kl
+
+    # the final sampler weights are not the base's: with every reward 0, only the penalty's
+    # advantages can have moved them (a run without it has all-zero advantages and gradients)
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final", final
     tokens = get_tokenizer(model_name).encode("User: Write a word.\n\nAssistant: tree\n\n")
     trained = _logprobs(server, tokens, final["sampler_path"])
     base = _logprobs(server, tokens, None)
