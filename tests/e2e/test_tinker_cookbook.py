@@ -1,9 +1,12 @@
 """tinker-cookbook 0.6.1's own training loops, unmodified, against a real ``tinker-serve``.
 
 The supervised trainer (``tinker_cookbook.supervised.train.main``, with its held-out eval, which
-scores with ``SamplingClient.compute_logprobs``) and the RL trainer (``tinker_cookbook.rl.train.main``
-on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to) run a few steps each,
-with data built in-process or in tmp files through the cookbook's dataset builders.
+scores with ``SamplingClient.compute_logprobs``), the RL trainer (``tinker_cookbook.rl.train.main``
+on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to, and with a KL penalty
+against a reference sampler), the math RL recipe and the DPO trainer
+(``tinker_cookbook.preference.train_dpo.main``, whose loss runs through ``forward_backward_custom``)
+run a few steps each, with data built in-process or in tmp files through the cookbook's dataset
+builders.
 
 The served model is a tiny random Llama checkpoint written in tmp with the demo model's tokenizer
 (SmolLM2's, converted by provision.sh), and it is served under its directory's path, so the
@@ -360,7 +363,7 @@ def _trained_sampler_weights(server: Any, text: str, name: str) -> str:
     )
     sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
     try:
-        tc = sc.create_lora_training_client(base_model=server.state.base_model, rank=8)
+        tc = sc.create_lora_training_client(base_model=server.state.base_model, rank=8).result()
         for _ in range(4):
             tc.forward_backward([datum], "cross_entropy").result()
             tc.optim_step(tinker.AdamParams(learning_rate=1e-1)).result()
@@ -560,4 +563,5 @@ def test_dpo_trainer_raises_the_preference_margin(cookbook_env: Any, tmp_path: P
     assert final["name"] == "final" and final["sampler_path"].startswith("tinker://"), final
     trained = _preference_margins(server, pairs, final["sampler_path"])
     base = _preference_margins(server, pairs, None)
-    assert all(t > b + 1.0 for t, b in zip(trained, base, strict=True)), (trained, base)
+    gains = [t - b for t, b in zip(trained, base, strict=True)]
+    assert min(gains) > 0.5 and sum(gains) / len(gains) > 2.0, (trained, base)
