@@ -1,9 +1,12 @@
 """tinker-cookbook 0.6.1's own training loops, unmodified, against a real ``tinker-serve``.
 
 The supervised trainer (``tinker_cookbook.supervised.train.main``, with its held-out eval, which
-scores with ``SamplingClient.compute_logprobs``) and the RL trainer (``tinker_cookbook.rl.train.main``
-on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to) run a few steps each,
-with data built in-process or in tmp files through the cookbook's dataset builders.
+scores with ``SamplingClient.compute_logprobs``), the RL trainer (``tinker_cookbook.rl.train.main``
+on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to, and with a KL penalty
+against a reference sampler), the math RL recipe and the DPO trainer
+(``tinker_cookbook.preference.train_dpo.main``, whose loss runs through ``forward_backward_custom``)
+run a few steps each, with data built in-process or in tmp files through the cookbook's dataset
+builders.
 
 The served model is a tiny random Llama checkpoint written in tmp with the demo model's tokenizer
 (SmolLM2's, converted by provision.sh), and it is served under its directory's path, so the
@@ -30,6 +33,10 @@ pytest.importorskip("tinker_cookbook")
 
 import chz  # noqa: E402 - after the skips: both come with tinker-cookbook
 from tinker_cookbook import checkpoint_utils, renderers  # noqa: E402
+from tinker_cookbook.preference import train_dpo  # noqa: E402
+from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons  # noqa: E402
+from tinker_cookbook.preference.preference_datasets import ComparisonDatasetBuilder  # noqa: E402
+from tinker_cookbook.preference.types import Comparison, LabeledComparison  # noqa: E402
 from tinker_cookbook.rl import train as rl_train  # noqa: E402
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder  # noqa: E402
 from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder  # noqa: E402
@@ -141,14 +148,18 @@ def _finite(row: dict[str, Any], key: str) -> float:
 
 def _logprobs(server: Any, tokens: list[int], model_path: str | None) -> list[float]:
     """The prompt logprobs of ``tokens`` under saved sampler weights (or the base model)."""
+    return _logprobs_of_each(server, [tokens], model_path)[0]
+
+
+def _logprobs_of_each(server: Any, sequences: list[list[int]], model_path: str | None) -> list[list[float]]:
     sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
     try:
         if model_path is None:
             sampler = sc.create_sampling_client(base_model=server.state.base_model).result()
         else:
             sampler = sc.create_sampling_client(model_path=model_path).result()
-        logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
-        return [x for x in logprobs if x is not None]  # None: the first token
+        futures = [sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)) for tokens in sequences]
+        return [[x for x in f.result() if x is not None] for f in futures]  # None: the first token
     finally:
         sc.close("success")
 
@@ -252,16 +263,35 @@ class _EvenLengthEnv(ProblemEnv):
         return "any text of an even length"
 
 
+class _NoRewardEnv(_EvenLengthEnv):
+    """Every response earns 0 (no answer reward, no format term), so every group-centred advantage
+    is 0: only a KL penalty can give the policy gradient anything to follow."""
+
+    def __init__(self, renderer: renderers.Renderer):
+        super().__init__(renderer, format_coef=0.0)
+
+    def check_answer(self, sample_str: str) -> bool:
+        return False
+
+
 class _EvenLengthDataset(RLDataset):
-    def __init__(self, renderer: renderers.Renderer, batch_size: int, group_size: int, n_batches: int):
+    def __init__(
+        self,
+        renderer: renderers.Renderer,
+        batch_size: int,
+        group_size: int,
+        n_batches: int,
+        env: type[ProblemEnv] = _EvenLengthEnv,
+    ):
         self.renderer = renderer
+        self.env = env
         self.batch_size = batch_size
         self.group_size = group_size
         self.n_batches = n_batches
 
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
         return [
-            ProblemGroupBuilder(env_thunk=partial(_EvenLengthEnv, self.renderer), num_envs=self.group_size)
+            ProblemGroupBuilder(env_thunk=partial(self.env, self.renderer), num_envs=self.group_size)
             for _ in range(self.batch_size)
         ]
 
@@ -275,10 +305,12 @@ class _EvenLengthDatasetBuilder(RLDatasetBuilder):
     batch_size: int
     group_size: int
     n_batches: int
+    no_reward: bool = False  # _NoRewardEnv instead of _EvenLengthEnv
 
     async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
         renderer = renderers.get_renderer(RENDERER, get_tokenizer(self.model_name_for_tokenizer))
-        return _EvenLengthDataset(renderer, self.batch_size, self.group_size, self.n_batches), None
+        env = _NoRewardEnv if self.no_reward else _EvenLengthEnv
+        return _EvenLengthDataset(renderer, self.batch_size, self.group_size, self.n_batches, env), None
 
 
 def test_rl_trainer_with_stable_reinforce_changes_the_model(cookbook_env: Any, tmp_path: Path) -> None:
@@ -315,6 +347,78 @@ def test_rl_trainer_with_stable_reinforce_changes_the_model(cookbook_env: Any, t
     assert final["name"] == "final", final
 
     # the trained sampler weights score a text differently from the base model
+    tokens = get_tokenizer(model_name).encode("User: Write a word.\n\nAssistant: tree\n\n")
+    trained = _logprobs(server, tokens, final["sampler_path"])
+    base = _logprobs(server, tokens, None)
+    assert max(abs(a - b) for a, b in zip(trained, base, strict=True)) > 1e-3, (trained, base)
+
+
+def _trained_sampler_weights(server: Any, text: str, name: str) -> str:
+    """Sampler weights of a LoRA fitted to ``text`` for a few steps (the SDK directly), saved
+    under ``name``; its session is then closed, and named weights outlive it."""
+    tokens = get_tokenizer(server.state.base_model).encode(text)
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    try:
+        tc = sc.create_lora_training_client(base_model=server.state.base_model, rank=8).result()
+        for _ in range(4):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(tinker.AdamParams(learning_rate=1e-1)).result()
+        return tc.save_weights_for_sampler(name).result().path
+    finally:
+        sc.close("success")
+
+
+def test_rl_trainer_applies_a_kl_penalty_against_a_saved_reference(cookbook_env: Any, tmp_path: Path) -> None:
+    """``kl_penalty_coef > 0``: the cookbook scores each batch's samples with a reference sampler
+    (``kl_reference_config``: here the base model with saved LoRA weights, ``model_path``) and adds
+    ``coef * (mean - (log p_sampled - log p_ref))`` to every token's advantage, logging the mean as
+    ``kl_policy_base``. The environment rewards nothing, so all group advantages are 0 and without
+    the penalty the weights could not move (the loss's gradient is 0); the policy starts at the
+    base model, which the reference is not, so the penalty is not 0 from the first step."""
+    server = cookbook_env
+    model_name = server.state.base_model
+    reference = _trained_sampler_weights(server, "User: Write a word.\n\nAssistant: tree\n\n", "kl-reference")
+    log_path = tmp_path / "rl-kl"
+    config = rl_train.Config(
+        log_path=str(log_path),
+        model_name=model_name,
+        recipe_name="test_rl_kl",
+        renderer_name=RENDERER,
+        dataset_builder=_EvenLengthDatasetBuilder(
+            model_name_for_tokenizer=model_name, batch_size=4, group_size=4, n_batches=2, no_reward=True
+        ),
+        learning_rate=5e-2,
+        max_tokens=5,
+        lora_rank=8,
+        kl_penalty_coef=1.0,
+        kl_reference_config=rl_train.KLReferenceConfig(base_model=model_name, load_checkpoint_path=reference),
+        base_url=server.url,
+        eval_every=0,
+        save_every=0,
+        num_groups_to_log=0,
+        rollout_json_export=False,
+    )
+    asyncio.run(rl_train.main(config))
+
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    for row in rows:
+        assert _finite(row, "env/all/reward/total") == 0.0, row
+        assert abs(_finite(row, "optim/kl_sample_train_v2")) < 1e-3, row
+    # E[log p_policy - log p_ref] over the policy's samples. At step 0 the policy is the base model:
+    # with the base as the reference this is 0 (to 1e-8 on fp32); so the reference's saved weights
+    # were loaded and scored the samples
+    kl = [_finite(row, "kl_policy_base") for row in rows]
+    assert abs(kl[0]) > 1e-3, kl
+
+    # the final sampler weights are not the base's: with every reward 0, only the penalty's
+    # advantages can have moved them (a run without it has all-zero advantages and gradients)
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final", final
     tokens = get_tokenizer(model_name).encode("User: Write a word.\n\nAssistant: tree\n\n")
     trained = _logprobs(server, tokens, final["sampler_path"])
     base = _logprobs(server, tokens, None)
@@ -358,3 +462,106 @@ def test_math_rl_recipe_runs_as_is_on_its_default_loss(
         _finite(row, "optim/entropy")
     final = _checkpoints(log_path)[-1]
     assert final["name"] == "final" and final["sampler_path"].startswith("tinker://"), final
+
+
+@chz.chz
+class _PairsFromFile(ComparisonDatasetBuilder):
+    """Preference pairs from a local JSONL file of ``{"prompt", "chosen", "rejected"}`` rows."""
+
+    file_path: str
+
+    def get_train_and_test_datasets(self) -> tuple[Any, None]:
+        import datasets
+
+        rows = [json.loads(line) for line in Path(self.file_path).read_text().splitlines() if line]
+        return datasets.Dataset.from_list(rows), None
+
+    def example_to_labeled_comparison(self, example: dict) -> LabeledComparison | None:
+        comparison = Comparison(
+            prompt_conversation=[{"role": "user", "content": example["prompt"]}],
+            completion_A=[{"role": "assistant", "content": example["chosen"]}],
+            completion_B=[{"role": "assistant", "content": example["rejected"]}],
+        )
+        return LabeledComparison(comparison=comparison, label="A")
+
+
+def _preference_margins(
+    server: Any, pairs: list[tuple[str, str, str]], model_path: str | None
+) -> list[float]:
+    """Each pair's log p(chosen) - log p(rejected), summed over the response tokens that the DPO
+    datums weigh, under saved sampler weights (or the base model)."""
+    renderer = renderers.get_renderer(RENDERER, get_tokenizer(server.state.base_model))
+    examples = [
+        renderer.build_supervised_example([
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": response},
+        ])
+        for prompt, chosen, rejected in pairs
+        for response in (chosen, rejected)
+    ]  # fmt: skip
+    logprobs = _logprobs_of_each(server, [m.to_ints() for m, _ in examples], model_path)
+    sums = [
+        sum(lp * w for lp, w in zip(lps, weights.tolist()[1:], strict=True))  # weights[0]: no logprob
+        for lps, (_, weights) in zip(logprobs, examples, strict=True)
+    ]
+    return [chosen - rejected for chosen, rejected in zip(sums[::2], sums[1::2], strict=True)]
+
+
+def test_dpo_trainer_raises_the_preference_margin(cookbook_env: Any, tmp_path: Path) -> None:
+    """``tinker_cookbook.preference.train_dpo.main`` on local pairs: its reference is the initial
+    weights' sampler (``save_weights_and_get_sampling_client``, scored by ``compute_logprobs``) and
+    its loss runs through ``forward_backward_custom`` (a forward, the DPO loss on the client, then
+    a weighted cross-entropy backward)."""
+    server = cookbook_env
+    model_name = server.state.base_model
+    # chosen: the answer; rejected: the same unhelpful reply to every question
+    pairs = [(q, a, "I do not know.") for q, a in CONVERSATIONS[:8]]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in pairs)
+    )
+    log_path = tmp_path / "dpo"
+    config = train_dpo.Config(
+        log_path=str(log_path),
+        model_name=model_name,
+        recipe_name="test_dpo",
+        renderer_name=RENDERER,
+        dataset_builder=DPODatasetBuilderFromComparisons(
+            comparison_builder=_PairsFromFile(file_path=str(data)),
+            common_config=ChatDatasetBuilderCommonConfig(
+                model_name_for_tokenizer=model_name, renderer_name=RENDERER, max_length=64, batch_size=4
+            ),
+        ),
+        learning_rate=5e-3,  # 1e-2 overshot at epoch 2 in some runs (the LoRA's init is random)
+        lr_schedule="constant",
+        num_epochs=2,
+        dpo_beta=0.1,
+        lora_rank=8,
+        base_url=server.url,
+        save_every=0,
+        eval_every=0,
+        infrequent_eval_every=0,
+    )
+    train_dpo.main(config)
+
+    rows = [r for r in _metrics(log_path) if "dpo_loss" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3], rows  # 8 pairs, batches of 4, two epochs
+    for row in rows:
+        assert row["num_pairs"] == 4, row
+        for key in ("dpo_loss", "accuracy", "margin", "chosen_reward", "rejected_reward"):
+            _finite(row, key)
+    # step 0: the policy is the reference (its sampler scores as the trainer's forward does), so
+    # every log ratio is 0 and the loss is log 2; then the loss falls and the margin grows
+    assert rows[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-3), rows[0]
+    assert rows[0]["margin"] == pytest.approx(0.0, abs=1e-3), rows[0]
+    for row in rows[1:]:
+        assert row["dpo_loss"] < math.log(2) - 0.05 and row["margin"] > 0.1, row
+    assert rows[-1]["dpo_loss"] < rows[1]["dpo_loss"], rows
+
+    # the final sampler weights prefer the chosen responses more than the base model does
+    final = _checkpoints(log_path)[-1]
+    assert final["name"] == "final" and final["sampler_path"].startswith("tinker://"), final
+    trained = _preference_margins(server, pairs, final["sampler_path"])
+    base = _preference_margins(server, pairs, None)
+    gains = [t - b for t, b in zip(trained, base, strict=True)]
+    assert sum(gains) / len(gains) > 2.0 and sum(g > 0 for g in gains) >= 6, (trained, base)
