@@ -196,6 +196,9 @@ class TinkerConfig:
     api_key_file: str | None = None
     base_model: str | None = None  # the name clients pass as base_model (default: the model's path/source)
     tokenizer_id: str | None = None  # what get_info reports for get_tokenizer() (a HF id or local dir)
+    # a model or sample request sent without a seed takes the next seed of a generator seeded with
+    # this, so a server replaying the same requests gives the same results (tests, debugging); None: random
+    reproducible_seed: int | None = None
     batch_window_s: float = 0.02  # forward/backward requests of different clients within it run as one batch
     state_dir: str | None = None  # saved states, <state_dir>/<tenant>/...; default <output_dir>/tinker
     # HTTP
@@ -405,6 +408,11 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
                 "max_user_metadata_bytes"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
     _check(tk.offload_host_gb >= 0, "tinker.offload_host_gb", "must be >= 0 (0: parked models go to disk)")
+    _check(
+        tk.reproducible_seed is None or 0 <= tk.reproducible_seed < 2**63,
+        "tinker.reproducible_seed",
+        f"must be null (random seeds) or an integer >= 0, got {tk.reproducible_seed!r}",
+    )
     _check(
         tk.unembed_lora in UNEMBED_LORA_POLICIES,
         "tinker.unembed_lora",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from typing import Any, NoReturn
 
 from miles_multilora.config.adapter import SamplingSpec
@@ -185,8 +184,9 @@ def prompt_scoring(body: dict[str, Any], max_topk: int) -> PromptScoring | None:
     return PromptScoring(logprobs, topk, last_n)
 
 
-def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int]:
-    """``(num_samples, spec, seed)`` of a sample request (``max_tokens`` defaults to 128)."""
+def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int | None]:
+    """``(num_samples, spec, seed)`` of a sample request (``max_tokens`` defaults to 128; ``seed``
+    None when the request has none)."""
     refuse_unserved(body)
     n = integer(body, "num_samples", 1, low=1, high=1 << 20)
     params = mapping(body, "sampling_params")
@@ -223,4 +223,4 @@ def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int]:
     if spec.top_p == 0.0:
         raise TinkerError(f"{where}top_p", "must be in (0, 1], got 0")
     seed = integer(params, "seed", None, low=0, high=2**62, where=f"{where}seed")
-    return n, spec, (seed if seed is not None else time.time_ns() % 2**31)
+    return n, spec, seed

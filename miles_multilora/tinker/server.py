@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -189,7 +188,7 @@ def create_app(
         rank = params.integer(lora, "rank", 32, where="lora_config.rank")
         seed = params.integer(lora, "seed", None, low=0, high=2**62, where="lora_config.seed")
         if seed is None:  # the SDK's None: a random seed (0 is a seed like any other)
-            seed = secrets.randbelow(2**31)
+            seed = state.unseeded_seed()
         trains = {k: params.flag(lora, f"train_{k}", True, where=f"lora_config.train_{k}") for k in FLAGS}
         targets = backend.lora_targets(trains["attn"], trains["mlp"], trains["unembed"], s.unembed_lora)
         base = params.text(body, "base_model", None)
@@ -366,6 +365,8 @@ def create_app(
                 )  # fmt: skip
         prompt = params.prompt_tokens(body)
         n, spec, seed = params.sampling(body)
+        if seed is None:
+            seed = state.unseeded_seed()
         scoring = params.prompt_scoring(body, s.max_topk_prompt_logprobs)
         seq = params.integer(body, "seq_id", None)
         calls, costs, combine = await run_in_threadpool(

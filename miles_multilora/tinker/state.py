@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import random
 import re
 import shutil
 import threading
@@ -92,6 +93,15 @@ class ServerState:
         )  # fmt: skip
         self.sampler_weights = SamplerWeights(self.catalog, self.backend, s)
         self._last_sweep = 0.0
+        seeds = s.reproducible_seed
+        self._seeds = random.Random(seeds) if seeds is not None else random.SystemRandom()
+        self._seeds_lock = threading.Lock()
+
+    def unseeded_seed(self) -> int:
+        """The seed of a model or sample request sent without one: random, or the next of
+        ``tinker.reproducible_seed``'s generator."""
+        with self._seeds_lock:
+            return self._seeds.randrange(2**31)
 
     def weights_dir(self, tenant: str, run: str, name: str) -> Path:
         return self.catalog.files_of(tenant, run, TRAINING, name)

@@ -94,7 +94,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "model": {"source": "hf", "hf_path": str(model_dir)},
         "lora": {"num_slots": 2, "max_rank": 8},
         "trainer": {"output_dir": str(root / "out"), "micro_batch_size": 32},
-        "tinker": {"port": 0, "api_key_file": str(key), "batch_window_s": 0.02},
+        # the cookbook sends no seeds (models, samples): the same seeds in every run of this file
+        "tinker": {"port": 0, "api_key_file": str(key), "batch_window_s": 0.02, "reproducible_seed": 0},
         "logging": {"wandb_mode": "disabled"},
     })  # fmt: skip
     srv = start(cfg)

@@ -461,3 +461,29 @@ def test_a_sampling_copy_samples_the_saved_weights_and_is_evicted_never_parked(
     backend.load_copy("copy-2", saved, "t-a", max_per_owner=1)  # past the owner's cap: copy-1 goes
     assert set(backend.copies) == {"copy-2"}
     assert [r.output_ids for r in backend.sample("copy-2", TEXT[:4], 3, spec, seed=7)] == before
+
+
+def test_unseeded_models_take_the_reproducible_seeds_stream(backend: TinkerBackend, tmp_path: Path) -> None:
+    """``tinker.reproducible_seed``: models and samples sent without a seed get the same seeds in every
+    server started with it; without it, seeds are random."""
+    import random
+
+    from miles_multilora.config.run import TinkerConfig
+    from miles_multilora.tinker.state import ServerState
+
+    def seeds(settings: TinkerConfig, run: str) -> list[int]:
+        queue = BatchingQueue(backend, window_s=0.0)
+        state = ServerState(backend, queue, base_model="tiny", state_dir=tmp_path / run, settings=settings)
+        try:
+            return [state.unseeded_seed() for _ in range(4)]
+        finally:
+            queue.close()
+
+    first, again = (
+        seeds(TinkerConfig(reproducible_seed=7), "a"),
+        seeds(TinkerConfig(reproducible_seed=7), "b"),
+    )
+    expected = random.Random(7)
+    assert first == again == [expected.randrange(2**31) for _ in range(4)]
+    assert seeds(TinkerConfig(reproducible_seed=8), "c") != first
+    assert len(set(seeds(TinkerConfig(), "d") + seeds(TinkerConfig(), "e"))) == 8  # random
