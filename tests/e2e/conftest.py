@@ -122,3 +122,29 @@ def optimizer_tensors(path: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     out = {f"{part}/{name}": t for part in ("exp_avg", "exp_avg_sq") for name, t in state[part].items()}
     out["step"] = torch.tensor(float(state["step"]))
     return out
+
+
+def tinker_server(root: Path, key: str, model: dict[str, Any], **sections: dict[str, Any]) -> Iterator[Any]:
+    """A ``tinker-serve`` for one module's tests (``yield from`` it in a module-scoped fixture):
+    ``key`` its one API key (in an owner-only key file under ``root``), ``model`` and the other
+    config ``sections`` as given (``trainer.output_dir`` under ``root``, port 0, wandb off). Stopped
+    after the module, its trainer's process group freed for the next one."""
+    from miles_multilora.models import compat
+    from miles_multilora.tinker.serve import start
+
+    key_file = root / "key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    cfg = config_from_container({
+        "model": model,
+        **sections,
+        "trainer": {"output_dir": str(root / "out"), **sections.get("trainer", {})},
+        "tinker": {"port": 0, "api_key_file": str(key_file), **sections.get("tinker", {})},
+        "logging": {"wandb_mode": "disabled"},
+    })  # fmt: skip
+    server = start(cfg)
+    try:
+        yield server
+    finally:
+        server.stop()
+        compat.destroy_distributed()

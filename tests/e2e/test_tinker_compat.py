@@ -22,7 +22,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, sft  # noqa: E402
+from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, serving, sft  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "tinker.md"
 CLASSES = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
@@ -53,15 +53,7 @@ NOT_SERVED = sorted(m for m, row in TABLE.items() if row["status"] == "not serve
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from miles_multilora.models import compat
-
-    s = Served(tmp_path_factory.mktemp("tinker_compat"))
-    s.start()
-    try:
-        yield s
-    finally:
-        s.server.stop()
-        compat.destroy_distributed()
+    yield from serving(tmp_path_factory.mktemp("tinker_compat"))
 
 
 @pytest.fixture(scope="module")

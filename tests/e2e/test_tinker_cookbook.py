@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 
 tinker = pytest.importorskip("tinker")
+from tests.e2e.conftest import tinker_server  # noqa: E402
+
 pytest.importorskip("tinker_cookbook")
 
 import chz  # noqa: E402 - after the skips: both come with tinker-cookbook
@@ -82,28 +84,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from miles_multilora.config.run import config_from_container
-    from miles_multilora.models import compat
-    from miles_multilora.tinker.serve import start
-
-    root = tmp_path_factory.mktemp("cookbook-serve")
-    key = root / "key"
-    key.write_text(KEY + "\n")
-    key.chmod(0o600)
-    cfg = config_from_container({
-        "model": {"source": "hf", "hf_path": str(model_dir)},
-        "lora": {"num_slots": 2, "max_rank": 8},
-        "trainer": {"output_dir": str(root / "out"), "micro_batch_size": 32},
+    yield from tinker_server(
+        tmp_path_factory.mktemp("cookbook-serve"), KEY, {"source": "hf", "hf_path": str(model_dir)},
+        lora={"num_slots": 2, "max_rank": 8}, trainer={"micro_batch_size": 32},
         # the cookbook sends no seeds (models, samples): the same seeds in every run of this file
-        "tinker": {"port": 0, "api_key_file": str(key), "batch_window_s": 0.02, "reproducible_seed": 0},
-        "logging": {"wandb_mode": "disabled"},
-    })  # fmt: skip
-    srv = start(cfg)
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        compat.destroy_distributed()
+        tinker={"batch_window_s": 0.02, "reproducible_seed": 0},
+    )  # fmt: skip
 
 
 @pytest.fixture

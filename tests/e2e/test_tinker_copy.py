@@ -31,7 +31,7 @@ from tinker import types  # noqa: E402
 from miles_multilora.tinker.losses import LOSS_INPUTS  # noqa: E402
 from miles_multilora.tinker.tenants import tenant_id  # noqa: E402
 from miles_multilora.trainer.shard import read_shard  # noqa: E402
-from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, sft, tensor  # noqa: E402
+from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, serving, sft, tensor  # noqa: E402
 
 PROJECT = "default"
 MAX_CHECKPOINTS = 12
@@ -39,15 +39,7 @@ MAX_CHECKPOINTS = 12
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from miles_multilora.models import compat
-
-    s = Served(tmp_path_factory.mktemp("tinker_copy"))
-    s.start(max_checkpoints=MAX_CHECKPOINTS)
-    try:
-        yield s
-    finally:
-        s.server.stop()
-        compat.destroy_distributed()
+    yield from serving(tmp_path_factory.mktemp("tinker_copy"), max_checkpoints=MAX_CHECKPOINTS)
 
 
 @pytest.fixture(scope="module")

@@ -25,22 +25,14 @@ import requests
 from safetensors.torch import load as load_safetensors
 
 tinker = pytest.importorskip("tinker")
-from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, sft, wait_for  # noqa: E402
+from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, serving, sft, wait_for  # noqa: E402
 
 REST = {"min_checkpoint_ttl_s": 1, "checkpoint_sweep_interval_s": 0.2}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from miles_multilora.models import compat
-
-    s = Served(tmp_path_factory.mktemp("tinker_rest"))
-    s.start(**REST)
-    try:
-        yield s
-    finally:
-        s.server.stop()
-        compat.destroy_distributed()
+    yield from serving(tmp_path_factory.mktemp("tinker_rest"), **REST)
 
 
 @pytest.fixture(scope="module")

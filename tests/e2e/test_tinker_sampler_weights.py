@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 tinker = pytest.importorskip("tinker")
-from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, client, post, sft, wait_for  # noqa: E402
+from tests.e2e.test_tinker_tenants import KEY_A, KEY_B, TEXT, Served, client, post, serving, sft, wait_for  # noqa: E402
 
 SETTINGS = {"min_checkpoint_ttl_s": 1, "checkpoint_sweep_interval_s": 0.2}
 PROMPT = TEXT[:4]
@@ -23,15 +23,7 @@ PROMPT = TEXT[:4]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from miles_multilora.models import compat
-
-    s = Served(tmp_path_factory.mktemp("tinker_sampler_weights"))
-    s.start(**SETTINGS)
-    try:
-        yield s
-    finally:
-        s.server.stop()
-        compat.destroy_distributed()
+    yield from serving(tmp_path_factory.mktemp("tinker_sampler_weights"), **SETTINGS)
 
 
 def tokens(sampler: Any) -> list[list[int]]:

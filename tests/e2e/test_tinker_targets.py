@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 tinker = pytest.importorskip("tinker")
+from tests.e2e.conftest import tinker_server  # noqa: E402
 
 KEY = "tml-targets"
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3, 27, 64]
@@ -24,28 +25,11 @@ TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3, 27, 64]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from miles_multilora.config.run import config_from_container
-    from miles_multilora.models import compat
-    from miles_multilora.tinker.serve import start
-
-    root = tmp_path_factory.mktemp("tinker_targets")
-    key = root / "key"
-    key.write_text(KEY + "\n")
-    key.chmod(0o600)
-    cfg = config_from_container({
-        "model": {"source": "tiny"},
-        "lora": {"num_slots": 2, "max_rank": 8},
-        "trainer": {"output_dir": str(root / "out"), "micro_batch_size": 32},
-        "tinker": {"port": 0, "api_key_file": str(key), "base_model": "tiny", "batch_window_s": 0.01,
-                   "max_models": 4},
-        "logging": {"wandb_mode": "disabled"},
-    })  # fmt: skip
-    srv = start(cfg)
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        compat.destroy_distributed()
+    yield from tinker_server(
+        tmp_path_factory.mktemp("tinker_targets"), KEY, {"source": "tiny"},
+        lora={"num_slots": 2, "max_rank": 8}, trainer={"micro_batch_size": 32},
+        tinker={"base_model": "tiny", "batch_window_s": 0.01, "max_models": 4},
+    )  # fmt: skip
 
 
 def _datum(tokens: list[int]) -> Any:

@@ -81,17 +81,23 @@ class Served:
         return self.server.state
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def serving(root: Path, **settings: Any) -> Iterator[Served]:
+    """A module's server (``yield from`` it in a module-scoped fixture): started with ``settings``,
+    stopped after the module's tests, and the trainer's process group freed for the next module."""
     from miles_multilora.models import compat
 
-    s = Served(tmp_path_factory.mktemp("tinker_tenants"))
-    s.start()
+    s = Served(root)
+    s.start(**settings)
     try:
         yield s
     finally:
         s.server.stop()
         compat.destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from serving(tmp_path_factory.mktemp("tinker_tenants"))
 
 
 # ---------------------------------------------------------------------------- helpers
