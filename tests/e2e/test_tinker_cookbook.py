@@ -330,10 +330,14 @@ def test_rl_trainer_with_stable_reinforce_changes_the_model(cookbook_env: Any, t
         assert -0.1 <= _finite(row, "env/all/reward/total") <= 0.9, row  # format -0.1, answer +1
         _finite(row, "optim/entropy")
         assert abs(_finite(row, "optim/kl_sample_train_v2")) < 1e-3, row  # sampler and trainer agree
+    _assert_final_weights_moved(server, log_path, model_name)
+
+
+def _assert_final_weights_moved(server: Any, log_path: Path, model_name: str) -> None:
+    """The run's final checkpoint exists, and its sampler weights score a text differently from
+    the base model."""
     final = _checkpoints(log_path)[-1]
     assert final["name"] == "final", final
-
-    # the trained sampler weights score a text differently from the base model
     tokens = get_tokenizer(model_name).encode("User: Write a word.\n\nAssistant: tree\n\n")
     trained = _logprobs(server, tokens, final["sampler_path"])
     base = _logprobs(server, tokens, None)
@@ -404,12 +408,7 @@ def test_rl_trainer_applies_a_kl_penalty_against_a_saved_reference(cookbook_env:
 
     # the final sampler weights are not the base's: with every reward 0, only the penalty's
     # advantages can have moved them (a run without it has all-zero advantages and gradients)
-    final = _checkpoints(log_path)[-1]
-    assert final["name"] == "final", final
-    tokens = get_tokenizer(model_name).encode("User: Write a word.\n\nAssistant: tree\n\n")
-    trained = _logprobs(server, tokens, final["sampler_path"])
-    base = _logprobs(server, tokens, None)
-    assert max(abs(a - b) for a, b in zip(trained, base, strict=True)) > 1e-3, (trained, base)
+    _assert_final_weights_moved(server, log_path, model_name)
 
 
 @pytest.mark.parametrize("max_steps_off_policy", [None, 1], ids=["sync", "async"])
