@@ -229,14 +229,8 @@ class Catalog:
         """Refuse a new checkpoint past ``max_checkpoints`` (replacing one of the same name is fine)."""
         run = self.run(tenant, run_id)
         with self._lock:
-            if f"{kind}/{name}" in run.checkpoints:
-                return
-            held = sum(len(r.checkpoints) for r in self._runs.values() if r.tenant == tenant)
-        if held >= self.max_checkpoints:
-            raise TinkerError(
-                "path", f"this API key holds {held} checkpoints, the most tinker.max_checkpoints allows; "
-                "delete some (RestClient.delete_checkpoint, `tinker checkpoint delete`) first",
-            )  # fmt: skip
+            if f"{kind}/{name}" not in run.checkpoints:
+                self._check_count(tenant, "path")
 
     def copy(
         self, tenant: str, run_id: str, source: tuple[RunRecord, CheckpointRecord], *, ttl_s: int | None,
@@ -251,7 +245,7 @@ class Catalog:
         with self._lock:
             if key is not None and (done := self._copied(tenant, key)) is not None:
                 return done
-            self._check_count(tenant)
+            self._check_count(tenant, "source_path")
         target = self.files_of(tenant, run_id, src.kind, src.name)
         staging = target.parent / f".{src.name}.partial"
         shutil.rmtree(staging, ignore_errors=True)
@@ -270,7 +264,7 @@ class Catalog:
             with self._lock:
                 if key is not None and (done := self._copied(tenant, key)) is not None:
                     return done  # a retry that ran alongside finished first
-                self._check_count(tenant)
+                self._check_count(tenant, "source_path")
                 staging.replace(target)
                 self._runs[run_id] = run
                 self._by_model[run_id] = run_id
@@ -287,12 +281,13 @@ class Catalog:
                 return run, next(iter(run.checkpoints.values()))
         return None
 
-    def _check_count(self, tenant: str) -> None:
-        """Refuse one more checkpoint of the tenant past ``max_checkpoints`` (lock held)."""
+    def _check_count(self, tenant: str, field: str) -> None:
+        """Refuse one more checkpoint of the tenant past ``max_checkpoints``, naming the request's
+        ``field`` (lock held)."""
         held = sum(len(r.checkpoints) for r in self._runs.values() if r.tenant == tenant)
         if held >= self.max_checkpoints:
             raise TinkerError(
-                "source_path", f"this API key holds {held} checkpoints, the most tinker.max_checkpoints "
+                field, f"this API key holds {held} checkpoints, the most tinker.max_checkpoints "
                 "allows; delete some (RestClient.delete_checkpoint, `tinker checkpoint delete`) first",
             )  # fmt: skip
 
