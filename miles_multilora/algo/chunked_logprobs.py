@@ -1,9 +1,9 @@
 """Token logprobs through the LM head without materialising fp32 ``[tokens, vocab]`` logits.
 
 ``log_softmax(h @ W^T / T)[target]`` for selected hidden rows, computed in chunks of rows: each
-chunk's logits exist only inside the chunk (forward and, recomputed, backward), so peak memory is
-``chunk x vocab`` instead of ``tokens x vocab`` (3.7 GB in fp32 for 16 sequences of 400 tokens at
-a 152k vocabulary). Each rank reduces its vocab shard ``W`` to three numbers per row (max, sum of
+chunk's logits exist only inside the chunk, so peak memory is ``chunk x vocab`` instead of ``tokens
+x vocab`` (3.7 GB in fp32 for 16 sequences of 400 tokens at a 152k vocabulary); with a gradient to
+take, the forward takes each row's input gradient from the same logits, so they are computed once. Each rank reduces its vocab shard ``W`` to three numbers per row (max, sum of
 exponentials, target logit); under tensor parallelism those are combined across ranks, and the
 input gradient is all-reduced (what Megatron's column-parallel output layer does around its GEMM).
 On a CUDA device the per-chunk reductions are the fused Triton kernels of :mod:`logprob_kernels`
@@ -44,22 +44,23 @@ def _all_reduce(t: Tensor, op: dist.ReduceOp, group: object | None, size: int) -
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, vocab_size, chunk, fused):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, temperature, vocab_size, chunk, fused, eager_grad):  # type: ignore[override]
         group, size, rank = _tp_group()
         local = weight.shape[0]
         start = rank * local
         valid = max(0, min(local, vocab_size - start))  # this shard's real (unpadded) vocab columns
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        lse_all = torch.empty_like(out)
+        # d logprob / d hidden of each row, taken here from the logits at hand (see chunked_token_logprobs)
+        row_grad = torch.empty_like(hidden) if eager_grad else None
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(lo + chunk, hidden.shape[0])
             local_t = targets[lo:hi] - start
             if fused:
-                m, s, picked = logprob_kernels.row_stats(
-                    hidden[lo:hi] @ weight.t(), local_t, temperature[lo:hi], valid
-                )
+                z = hidden[lo:hi] @ weight.t()
+                m, s, picked = logprob_kernels.row_stats(z, local_t, temperature[lo:hi], valid)
             else:
-                m, s, picked = _row_stats(hidden[lo:hi], weight, temperature[lo:hi], local_t, valid)
+                z = _logits(hidden[lo:hi], weight, temperature[lo:hi], valid)
+                m, s, picked = _row_stats(z, local_t, local)
             if size > 1:  # combine the shards: global max, rescaled sums, the one shard's target logit
                 m_all = _all_reduce(m.clone(), dist.ReduceOp.MAX, group, size)
                 s = _all_reduce(s * torch.exp(m - m_all), dist.ReduceOp.SUM, group, size)
@@ -68,40 +69,26 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 m = m_all
             lse = m + torch.log(s)
             out[lo:hi] = picked - lse
-            lse_all[lo:hi] = lse
-        ctx.save_for_backward(hidden, weight, targets, temperature, lse_all)
-        ctx.vocab_size, ctx.chunk, ctx.fused = vocab_size, chunk, fused
+            if row_grad is not None:
+                if fused:  # in place on the logits
+                    ones = torch.ones_like(lse)
+                    dz = logprob_kernels.softmax_grad_(z, local_t, temperature[lo:hi], lse, ones, valid)
+                else:
+                    dz = _logit_grad(z, temperature[lo:hi], local_t, lse)
+                row_grad[lo:hi] = dz.to(hidden.dtype) @ weight  # this shard's part (summed in backward)
+        ctx.save_for_backward(row_grad)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        hidden, weight, targets, temperature, lse_all = ctx.saved_tensors
-        group, size, rank = _tp_group()
-        local = weight.shape[0]
-        start = rank * local
-        valid = max(0, min(local, ctx.vocab_size - start))
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None, None
-        grad_hidden = torch.empty_like(hidden)
-        for lo in range(0, hidden.shape[0], ctx.chunk):
-            hi = min(lo + ctx.chunk, hidden.shape[0])
-            local_t = targets[lo:hi] - start
-            if ctx.fused:
-                dz = logprob_kernels.softmax_grad_(
-                    hidden[lo:hi] @ weight.t(),
-                    local_t,
-                    temperature[lo:hi],
-                    lse_all[lo:hi],
-                    grad_out[lo:hi],
-                    valid,
-                )
-            else:
-                dz = _logit_grad(
-                    hidden[lo:hi], weight, temperature[lo:hi], local_t, valid, lse_all[lo:hi], grad_out[lo:hi]
-                )
-            grad_hidden[lo:hi] = dz.to(hidden.dtype) @ weight
+        (row_grad,) = ctx.saved_tensors
+        if row_grad is None:
+            raise RuntimeError("chunked logprobs computed without a gradient (under no_grad) got a backward")
+        group, size, _ = _tp_group()
+        grad_hidden = torch.empty_like(row_grad)
+        torch.mul(row_grad, grad_out.unsqueeze(1), out=grad_hidden)  # in fp32, rounded once
         _all_reduce(grad_hidden, dist.ReduceOp.SUM, group, size)
-        return grad_hidden, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None
 
 
 def _logits(hidden: Tensor, weight: Tensor, temperature: Tensor, valid: int) -> Tensor:
@@ -110,34 +97,23 @@ def _logits(hidden: Tensor, weight: Tensor, temperature: Tensor, valid: int) -> 
     return z.masked_fill(torch.arange(weight.shape[0], device=z.device) >= valid, float("-inf"))
 
 
-def _row_stats(
-    hidden: Tensor, weight: Tensor, temperature: Tensor, local_t: Tensor, valid: int
-) -> tuple[Tensor, ...]:
-    """PyTorch twin of :func:`logprob_kernels.row_stats` (max, sum of exp, target logit or 0)."""
-    z = _logits(hidden, weight, temperature, valid)
+def _row_stats(z: Tensor, local_t: Tensor, local: int) -> tuple[Tensor, ...]:
+    """PyTorch twin of :func:`logprob_kernels.row_stats` on :func:`_logits` ``z`` (max, sum of
+    exp, target logit or 0)."""
     m = z.max(-1).values.clamp(min=-1.0e30)  # a shard of padding only: s = 0, not nan (as the kernel)
     s = torch.exp(z - m.unsqueeze(-1)).sum(-1)
-    mine = (local_t >= 0) & (local_t < weight.shape[0])
-    picked = z.gather(-1, local_t.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
+    mine = (local_t >= 0) & (local_t < local)
+    picked = z.gather(-1, local_t.clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
     return m, s, torch.where(mine, picked, 0.0)
 
 
-def _logit_grad(
-    hidden: Tensor,
-    weight: Tensor,
-    temperature: Tensor,
-    local_t: Tensor,
-    valid: int,
-    lse: Tensor,
-    grad: Tensor,
-) -> Tensor:
-    """PyTorch twin of :func:`logprob_kernels.softmax_grad_`: ``(onehot - p) * g / T``, fp32."""
-    z = _logits(hidden, weight, temperature, valid)
-    g = grad.float()
-    dz = torch.exp(z - lse.unsqueeze(-1)) * (-g).unsqueeze(-1)  # d lp / d z = onehot - p
-    local = weight.shape[0]
-    mine = (local_t >= 0) & (local_t < local)
-    dz.scatter_add_(-1, local_t.clamp(0, local - 1).unsqueeze(-1), torch.where(mine, g, 0.0).unsqueeze(-1))
+def _logit_grad(z: Tensor, temperature: Tensor, local_t: Tensor, lse: Tensor) -> Tensor:
+    """PyTorch twin of :func:`logprob_kernels.softmax_grad_` with a unit gradient, on :func:`_logits`
+    ``z``: ``(onehot - p) / T``, fp32."""
+    dz = -torch.exp(z - lse.unsqueeze(-1))  # d lp / d z = onehot - p
+    local = z.shape[-1]
+    mine = ((local_t >= 0) & (local_t < local)).to(dz.dtype)
+    dz.scatter_add_(-1, local_t.clamp(0, local - 1).unsqueeze(-1), mine.unsqueeze(-1))
     return dz / temperature.unsqueeze(-1)
 
 
@@ -153,13 +129,20 @@ def chunked_token_logprobs(
     """``log_softmax(hidden @ weight^T / T)[target]`` per row: ``hidden`` ``[N, H]``, ``weight`` this
     rank's ``[V_local, H]`` LM-head shard (frozen: no gradient is returned for it), ``targets`` ``[N]``
     global ids, ``temperature`` ``[N]`` (greedy rows already mapped to 1). Differentiable in ``hidden``.
-    ``fused``: the Triton kernels of :mod:`logprob_kernels` (default: on a CUDA device)."""
+    ``fused``: the Triton kernels of :mod:`logprob_kernels` (default: on a CUDA device).
+
+    With a gradient to take, the forward also takes ``d logprob / d hidden`` of every row while its
+    chunk's logits are at hand (``(onehot - p) / T`` times the LM head: one more GEMM per chunk), and
+    the backward only scales those rows by the incoming gradient: the logits are computed once, not
+    again in the backward. What is kept for the backward is one ``[N, H]`` tensor, as before
+    (``hidden`` itself was kept then)."""
     if weight.requires_grad:
         raise ValueError("chunked logprobs need a frozen LM head (no gradient is computed for its weight)")
     if fused is None:
         fused = FUSED and logprob_kernels.HAVE_TRITON and hidden.is_cuda
+    eager_grad = hidden.requires_grad and torch.is_grad_enabled()
     return _ChunkedLogprobs.apply(
-        hidden, weight, targets.long(), temperature.float(), vocab_size, chunk, bool(fused)
+        hidden, weight, targets.long(), temperature.float(), vocab_size, chunk, bool(fused), eager_grad
     )
 
 

@@ -132,10 +132,11 @@ def test_fused_kernels_in_bf16_equal_the_pytorch_path_on_the_same_logits():
 
 
 def test_a_shard_of_padding_only_reduces_to_zero_mass_without_nan():
-    from miles_multilora.algo.chunked_logprobs import _row_stats
+    from miles_multilora.algo.chunked_logprobs import _logits, _row_stats
 
     h, w, targets, temps = _inputs()
-    m, s, picked = _row_stats(h.detach(), w, temps, targets - 40, valid=0)  # every target elsewhere
+    z = _logits(h.detach(), w, temps, valid=0)
+    m, s, picked = _row_stats(z, targets - 40, w.shape[0])  # every target elsewhere
     assert torch.isfinite(m).all() and (s == 0).all() and (picked == 0).all()
     if HAVE_TRITON and INTERPRET:
         from miles_multilora.algo.logprob_kernels import row_stats
