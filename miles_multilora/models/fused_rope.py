@@ -22,31 +22,36 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_kernel(
         x_ptr, freqs_ptr, out_ptr, stride_s, stride_b, stride_h, stride_f, BATCH,
-        HEADS: tl.constexpr, HALF: tl.constexpr, TRANSPOSE: tl.constexpr,
+        HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr, TRANSPOSE: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)  # s * BATCH + b
-        h = tl.program_id(1)
+        """One token (``row = s * BATCH + b``), every head: the angles' cos and sin are taken once
+        per token and shared by its heads."""
+        row = tl.program_id(0)
         s = row // BATCH
         b = row % BATCH
         lo = tl.arange(0, HALF)
         hi = lo + HALF
+        heads = tl.arange(0, HEADS_P2)[:, None]
+        mask = heads < HEADS
         dtype = out_ptr.dtype.element_ty  # cos and sin rounded to the activation dtype, as Megatron does
         f_lo = tl.load(freqs_ptr + s * stride_f + lo).to(tl.float32)
         f_hi = tl.load(freqs_ptr + s * stride_f + hi).to(tl.float32)
-        c_lo, c_hi = tl.cos(f_lo).to(dtype).to(tl.float32), tl.cos(f_hi).to(dtype).to(tl.float32)
-        s_lo, s_hi = tl.sin(f_lo).to(dtype).to(tl.float32), tl.sin(f_hi).to(dtype).to(tl.float32)
-        src = x_ptr + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b + h * stride_h
-        x_lo = tl.load(src + lo).to(tl.float32)
-        x_hi = tl.load(src + hi).to(tl.float32)
+        c_lo = tl.cos(f_lo).to(dtype).to(tl.float32)[None, :]
+        c_hi = tl.cos(f_hi).to(dtype).to(tl.float32)[None, :]
+        s_lo = tl.sin(f_lo).to(dtype).to(tl.float32)[None, :]
+        s_hi = tl.sin(f_hi).to(dtype).to(tl.float32)[None, :]
+        src = x_ptr + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b + heads * stride_h
+        x_lo = tl.load(src + lo[None, :], mask=mask).to(tl.float32)
+        x_hi = tl.load(src + hi[None, :], mask=mask).to(tl.float32)
         if TRANSPOSE:  # the backward: the transposed rotation
             y_lo = x_lo * c_lo + x_hi * s_hi
             y_hi = x_hi * c_hi - x_lo * s_lo
         else:
             y_lo = x_lo * c_lo - x_hi * s_lo
             y_hi = x_hi * c_hi + x_lo * s_hi
-        dst = out_ptr + (row.to(tl.int64) * HEADS + h) * (2 * HALF)
-        tl.store(dst + lo, y_lo.to(dtype))
-        tl.store(dst + hi, y_hi.to(dtype))
+        dst = out_ptr + (row.to(tl.int64) * HEADS + heads) * (2 * HALF)
+        tl.store(dst + lo[None, :], y_lo.to(dtype), mask=mask)
+        tl.store(dst + hi[None, :], y_hi.to(dtype), mask=mask)
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -55,9 +60,9 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor, transpose: bool) -> torch.Tens
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(seq, batch, heads, dim, dtype=x.dtype, device=x.device)
-    _rope_kernel[(seq * batch, heads)](
+    _rope_kernel[(seq * batch,)](
         x, freqs, out, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0), batch,
-        HEADS=heads, HALF=dim // 2, TRANSPOSE=transpose,
+        HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), HALF=dim // 2, TRANSPOSE=transpose,
     )  # fmt: skip
     return out
 
