@@ -10,8 +10,9 @@ calls each, each client waiting for its result before the next, all at once.
 - ``--mode sample``: each client's sampler (its model after one step) asks for ``--samples``
   samples of ``--new-tokens`` tokens of its own prompt of ``--tokens`` tokens; each round runs
   with the server's sample batching on (``tinker.batch_sampling``: the clients' sample calls share
-  one engine call) and off (one engine call per sample call, as before), side by side. Prints
-  samples/s for both and their ratio.
+  one engine call) and off (one engine call per sample call, as before), side by side, and the
+  same calls in-process (one ``sample_many`` on the server's queue thread, no HTTP or SDK): the
+  engine's own rate for that batch. Prints samples/s for all three and the ratios.
 
 Rounds are interleaved (1, 2, 8, 1, 2, 8, ...); medians.
 
@@ -36,7 +37,9 @@ import numpy as np
 import tinker
 import torch
 
+from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.config.run import config_from_container
+from miles_multilora.tinker.backend import SampleRequest
 from miles_multilora.tinker.serve import start
 
 
@@ -101,16 +104,39 @@ def sample_round(samplers: list, prompts: list[list[int]], args: argparse.Namesp
     return at_once([functools.partial(sample, i) for i in range(len(samplers))])
 
 
+def in_process_round(
+    server: Any, model_ids: list[str], prompts: list[list[int]], args: argparse.Namespace
+) -> float:
+    """The same sample calls as :func:`sample_round` (one call per model, ``args.requests`` times) as
+    one ``sample_many`` each time on the server's queue thread, no HTTP: the engine's own rate."""
+    backend, queue = server.state.backend, server.state.queue
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=args.new_tokens)
+    start_t = time.perf_counter()
+    for r in range(args.requests):
+        requests = [
+            SampleRequest(m, prompts[i], args.samples, spec, seed=1000 * i + r)
+            for i, m in enumerate(model_ids)
+        ]
+        outcomes = queue.submit(backend.sample_many, requests).result()
+        assert all(len(o) == args.samples for o in outcomes), outcomes
+    return time.perf_counter() - start_t
+
+
 def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.Namespace) -> None:
     queue = server.state.queue
+    model_ids = [c.model_id for c in clients]
+    unknown = [m for m in model_ids if m not in server.state.backend.models]
+    assert not unknown, f"SDK model ids not held by the backend: {unknown}"
     samplers = [c.save_weights_and_get_sampling_client().result() for c in clients]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, args.vocab, args.tokens).tolist() for _ in samplers]
     sample_round(samplers[:1], prompts, args)  # warm-up
     times: dict[tuple[int, bool], list[float]] = {(n, b): [] for n in counts for b in (True, False)}
     calls: dict[tuple[int, bool], list[int]] = {key: [] for key in times}
+    engine: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.rounds):
         for n in counts:
+            engine[n].append(in_process_round(server, model_ids[:n], prompts, args))
             for batching in (True, False):
                 queue.batch_sampling = batching  # read by the worker at each batch it makes
                 before = len(queue.sample_batches)
@@ -123,14 +149,16 @@ def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.N
           f"{args.rounds} interleaved rounds")  # fmt: skip
     header = (
         f"{'clients':>7} {'batched samples/s':>17} {'calls/engine call':>17} "
-        f"{'one at a time samples/s':>23} {'batched / one at a time':>23}"
+        f"{'one at a time samples/s':>23} {'batched / one at a time':>23} {'in-process samples/s':>20} "
+        f"{'batched / in-process':>20}"
     )
     print(header + "\n" + "-" * len(header))
     for n in counts:
         rates = {b: n * args.requests * args.samples / statistics.median(times[n, b]) for b in (True, False)}
+        direct = n * args.requests * args.samples / statistics.median(engine[n])
         print(
             f"{n:>7} {rates[True]:>17.1f} {statistics.mean(calls[n, True]):>17.2f} {rates[False]:>23.1f} "
-            f"{rates[True] / rates[False]:>22.2f}x"
+            f"{rates[True] / rates[False]:>22.2f}x {direct:>20.1f} {rates[True] / direct:>19.1%}"
         )
 
 

@@ -121,6 +121,11 @@ def profile(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, flo
     print(f"\nprofile of one train phase: {seconds:.2f} s wall, {device_us / 1e6:.2f} s of device kernels")
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(events.table(sort_by=sort, row_limit=40, max_name_column_width=70))
+    if torch.cuda.is_available():  # which PyTorch ops launch the kernels (element-wise ones above all)
+        ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.device_time_total)
+        print(f"\n{'aten op (device time incl. children)':<40} {'calls':>7} {'device s':>9}")
+        for e in ops[:30]:
+            print(f"{e.key:<40} {e.count:>7} {e.device_time_total / 1e6:>9.3f}")
 
 
 def main() -> None:
