@@ -377,10 +377,39 @@ class MultiLoRALinear(nn.Module):
         # A view (e.g. returned as-is by a custom Function) must not be modified in place.
         return out.reshape(tokens, out.shape[-1]).index_add(0, index, delta).view(out.shape)
 
+    def _one_op_applies(self, x: torch.Tensor, plan: RoutingPlan | RowRouting | None, extra: tuple) -> bool:
+        """Whether the base GEMM and the LoRA run as one op (:func:`routed_ops.linear_with_lora`):
+        token routing on the Triton path, one TP rank, the base called with ``x`` alone."""
+        return (
+            isinstance(plan, RoutingPlan)
+            and plan.num_routed > 0
+            and not any(extra)
+            and self.tp_size == 1
+            and self._use_triton(x)
+            and x.numel() // x.shape[-1] == plan.num_tokens
+        )
+
+    def _with_bias(self, out: torch.Tensor):
+        """What the base layer returns for its GEMM output ``out``: the bias added, or (Megatron's
+        ``skip_bias_add``) returned beside it."""
+        bias = self.base.bias
+        if self.kind == PLAIN:
+            return out if bias is None else out + bias
+        if bias is None or self.base.skip_bias_add:
+            return out, bias
+        return out + bias, None
+
     def forward(self, x: torch.Tensor, *args, **kwargs):
         plan = self.routing
         if isinstance(plan, RowRouting) and plan.side_stream is not None and self._use_triton(x):
             return self._forward_rows_overlapped(x, plan, args, kwargs)
+        if self._one_op_applies(x, plan, (*args, *kwargs.values())):
+            assert isinstance(plan, RoutingPlan)
+            out = routed_ops.linear_with_lora(
+                x, self.base.weight, self.lora_A, self.lora_B, self.lora_scale, plan,
+                plan.token_order(self.batch_first),
+            )  # fmt: skip
+            return self._with_bias(out)
         if self.kind == PLAIN:
             return self._add_lora(x, self.base(x))
         out, bias = self.base(x, *args, **kwargs)

@@ -163,6 +163,67 @@ class _ScatterExpandAdd(torch.autograd.Function):
         return grad_out, grad_h, grad_b, None, None
 
 
+class _LinearWithLoRA(torch.autograd.Function):
+    """``x @ W^T`` of a frozen ``W`` plus every routed row's LoRA term, as one op: the forward's base
+    GEMM output is fresh, so the expand adds into it in place; the backward's base GEMM writes ``dx``,
+    and the LoRA's part of ``dx`` is added into it by the expand (no second ``dx`` and no sum)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, a, b, scale, plan: RoutingPlan, rows):  # type: ignore[override]
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        out = x2d @ weight.t()
+        h = _shrink(x2d, rows, a, (a.stride(0), a.stride(1), a.stride(2)), a.shape[1], plan, scale)
+        _expand(out, h, rows, b, (b.stride(0), b.stride(1), b.stride(2)), plan, accumulate=True)
+        ctx.save_for_backward(x2d, weight, a, b, scale, rows, h)
+        ctx.plan, ctx.x_shape = plan, x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x2d, weight, a, b, scale, rows, h = ctx.saved_tensors
+        plan: RoutingPlan = ctx.plan
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        if g2d.stride(-1) != 1:
+            g2d = g2d.contiguous()
+        grad_x = grad_a = grad_b = None
+        if ctx.needs_input_grad[3]:
+            grad_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)  # every slot is written
+            _weight_grad(h, g2d, rows, grad_b, (grad_b.stride(0), grad_b.stride(2), grad_b.stride(1)), plan)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            grad_h = _shrink(g2d, rows, b, (b.stride(0), b.stride(2), b.stride(1)), b.shape[2], plan)
+            row_scale = scale.index_select(0, plan.sorted_slots).unsqueeze(1)
+            grad_z = (grad_h.float() * row_scale).to(x2d.dtype).contiguous()
+            if ctx.needs_input_grad[0]:
+                grad_x = g2d @ weight
+                _expand(
+                    grad_x, grad_z, rows, a, (a.stride(0), a.stride(2), a.stride(1)), plan, accumulate=True
+                )
+                grad_x = grad_x.view(ctx.x_shape)
+            if ctx.needs_input_grad[2]:
+                grad_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)  # every slot is written
+                _weight_grad(
+                    grad_z, x2d, rows, grad_a, (grad_a.stride(0), grad_a.stride(1), grad_a.stride(2)), plan
+                )
+        return grad_x, None, grad_a, grad_b, None, None, None
+
+
+def linear_with_lora(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    plan: RoutingPlan,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """``x @ weight^T`` (a frozen weight ``[M, K]``, no bias) with ``h[i] @ b[s_i]^T`` added at
+    ``rows[i]``, ``h`` as :func:`gather_shrink` makes it: :func:`gather_shrink` and
+    :func:`scatter_expand_add_` around the base GEMM, as one op (one layer, one TP rank)."""
+    return _LinearWithLoRA.apply(x, weight, a, b, scale, plan, rows)
+
+
 def gather_shrink(
     x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, plan: RoutingPlan, rows: torch.Tensor
 ) -> torch.Tensor:
