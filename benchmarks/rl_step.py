@@ -103,6 +103,7 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
             "model": {
                 "source": "tiny",
                 "dtype": args.dtype,
+                "base_precision": getattr(args, "base_precision", "dtype"),
                 "dp": dp,
                 "tp": tp,
                 "tiny": {
@@ -375,6 +376,7 @@ def add_workload_args(
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--base-precision", default="dtype", help="model.base_precision: dtype | fp8")
     parser.add_argument(
         "--kv-cache-fraction",
         type=float,

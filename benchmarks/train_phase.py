@@ -8,7 +8,8 @@ GRPO loss and ``optim_step``, exactly as in :func:`miles_multilora.rl.train.trai
 ``KERNELS:TOKENS:ROWS`` (``fused``: the fused attention, RoPE, SwiGLU and LM-head reductions;
 ``megatron``: Megatron's attention, RoPE and MLP and PyTorch LM-head reductions, the path before them;
 a ``+stacked`` suffix: the base weights are views of the embedded engine's stacked buffers, as after
-a generation on a GPU, ``lora/stacked_shrink.py``;
+a generation on a GPU, ``lora/stacked_shrink.py``; ``fused+fp8``: ``fused`` with the base GEMMs on FP8
+copies of the base weights, ``model.base_precision=fp8``;
 ``trainer.max_tokens_per_micro_batch``, 0 = none; ``trainer.micro_batch_size``) runs once per round, rounds interleaved; medians. The first
 setting is the control row of the ratios. Every round draws new lengths (as every RL step does), so
 per-shape costs (kernel selection, compilation) show up as they would in a run. Peak memory is the train phase's own (``torch.cuda``'s
@@ -17,6 +18,10 @@ peak during the round, the weights and optimizer state included).
     python benchmarks/train_phase.py --cpu
     python benchmarks/train_phase.py --settings megatron:16384:64,fused:16384:64,fused:32768:128
     python benchmarks/train_phase.py --settings fused:32768:128 --profile 0
+    python benchmarks/train_phase.py --preset realistic --settings fused:16384:64,fused+fp8:16384:64 --drift 16
+
+``--drift N``: the mean and largest difference of the first round's first ``N`` rows' logprobs
+between the FP8 and the bf16 base (the same LoRA slots).
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ import rl_step  # noqa: E402  (the shared model shape and workload flags)
 from miles_multilora.algo import chunked_logprobs  # noqa: E402
 from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
 from miles_multilora.lora import stacked_shrink  # noqa: E402
-from miles_multilora.lora.inject import multi_lora_layers  # noqa: E402
+from miles_multilora.lora.inject import multi_lora_layers, use_fp8_base  # noqa: E402
 from miles_multilora.models import provider  # noqa: E402
 from miles_multilora.rl.train import rl_loss, step_normalizers  # noqa: E402
+from miles_multilora.rollout import compute_logprobs  # noqa: E402
 from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
 from miles_multilora.trainer.rank import TrainerRank  # noqa: E402
 
-KERNELS = ("fused", "megatron", "fused+stacked", "megatron+stacked")
+KERNELS = ("fused", "megatron", "fused+stacked", "megatron+stacked", "fused+fp8")
 
 
 def parse_settings(text: str) -> list[tuple[str, int, int]]:
@@ -97,8 +103,11 @@ def train_once(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, 
 
 def apply_setting(rank: TrainerRank, setting: tuple[str, int, int]) -> None:
     kernels, tokens, micro_rows = setting
+    fp8 = kernels.endswith("+fp8")
+    kernels = kernels.removesuffix("+fp8")
     kernels, stacked = kernels.removesuffix("+stacked"), kernels.endswith("+stacked")
     layers = multi_lora_layers(rank.model)
+    set_fp8(rank, fp8)
     if stacked:  # the base weights as views of the rollout's stacked buffers (lora/stacked_shrink.py)
         stacked_shrink.sync_stacked(layers)
     else:
@@ -107,6 +116,34 @@ def apply_setting(rank: TrainerRank, setting: tuple[str, int, int]) -> None:
     chunked_logprobs.FUSED = kernels == "fused"
     rank.cfg.trainer.max_tokens_per_micro_batch = tokens
     rank.cfg.trainer.micro_batch_size = micro_rows
+
+
+def set_fp8(rank: TrainerRank, enabled: bool) -> None:
+    """The base GEMMs on FP8 copies (made afresh, so the bf16 settings' peak memory holds none)."""
+    if not enabled:
+        for layer in multi_lora_layers(rank.model):
+            layer.set_fp8_base(False)
+    elif multi_lora_layers(rank.model)[0].fp8 is None:
+        use_fp8_base(rank.model)
+
+
+def logprob_drift(rank: TrainerRank, rows: list[ScoredRow], count: int) -> tuple[float, float, int]:
+    """Mean and max |logprob(FP8 base) - logprob(bf16 base)| over the scored tokens of ``count`` rows."""
+    rows = rows[:count]
+    seqs, slots = [r.tokens for r in rows], [r.slot for r in rows]
+    got = {}
+    for fp8 in (False, True):
+        set_fp8(rank, fp8)
+        with torch.no_grad():
+            got[fp8] = compute_logprobs(rank.model, seqs, slots, 1.0, vocab_size=rank.vocab_size)
+    set_fp8(rank, False)
+    diffs = torch.cat(
+        [
+            (a[r.positions] - b[r.positions]).abs().float()
+            for r, a, b in zip(rows, got[False], got[True], strict=True)
+        ]
+    )
+    return diffs.mean().item(), diffs.max().item(), diffs.numel()
 
 
 def profile(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, float]) -> None:
@@ -135,6 +172,7 @@ def main() -> None:
     rl_step.add_workload_args(parser, micro_batch=64, max_tokens=16384, steps=3)
     parser.add_argument("--settings", default="megatron:16384:64,fused:16384:64")
     parser.add_argument("--profile", type=int, default=-1, help="profile one round of this setting index")
+    parser.add_argument("--drift", type=int, default=0, help="rows whose logprobs compare FP8 and bf16 bases")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
     args = rl_step.finish_workload_args(parser.parse_args())
     if args.cpu and "--settings" not in sys.argv:
@@ -183,6 +221,10 @@ def main() -> None:
         peak = f"{peaks[i]:.1f}" if i in peaks else "-"
         print(f"{kernels:>10} {budget or '-':>7} {micro_rows:>5} {seconds:>8.2f} {rate:>9.0f} "
               f"{mfu:>6.1%} {peak:>8} {control / seconds:>7.2f}x")  # fmt: skip
+    if args.drift:
+        mean, worst, count = logprob_drift(rank, rounds[0][0], args.drift)
+        print(f"\nFP8 base vs bf16 base, {count} scored tokens of {args.drift} rows: mean |logprob difference| "
+              f"{mean:.4f}, max {worst:.4f}")  # fmt: skip
     if args.profile >= 0:
         apply_setting(rank, settings[args.profile])
         profile(rank, *step_rows(args, rank, seed=10_000)[:2])

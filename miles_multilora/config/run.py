@@ -46,6 +46,9 @@ class ModelConfig:
     hf_path: str | None = None
     cache_dir: str = "~/.cache/miles_multilora"
     dtype: str = "float32"
+    # the frozen base's GEMMs in the layers with LoRA slots: dtype (model.dtype) | fp8 (e4m3 copies of the
+    # base weights, scaled per channel, and activations scaled per token; trainer and embedded engine alike)
+    base_precision: str = "dtype"
     tp: int = 1
     pp: int = 1
     dp: int | None = None  # data-parallel replicas; None: trainer.world_size / (tp * pp), else 1
@@ -293,6 +296,21 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.source in ("demo", "hf", "tiny"), "model.source", f"must be demo, hf or tiny; got {m.source!r}")
     _check(m.source != "hf" or bool(m.hf_path), "model.hf_path", "set model.hf_path for model.source=hf")
     _check(m.tp >= 1 and m.pp >= 1, "model.tp", "tp and pp must be >= 1")
+    _check(
+        m.base_precision in ("dtype", "fp8"),
+        "model.base_precision",
+        f"must be dtype (model.dtype) or fp8, got {m.base_precision!r}",
+    )
+    _check(
+        m.base_precision != "fp8" or m.tp == 1,
+        "model.base_precision",
+        f"fp8 needs model.tp=1 (tensor-parallel FP8 GEMMs are not built), got model.tp={m.tp}",
+    )
+    _check(
+        m.base_precision != "fp8" or m.tiny.num_experts == 0 or m.source != "tiny",
+        "model.base_precision",
+        "fp8 is for dense models (expert layers have no FP8 path); set model.tiny.num_experts=0 or base_precision=dtype",
+    )
     _check(
         m.max_context is None or m.max_context >= 2,
         "model.max_context",

@@ -106,6 +106,13 @@ class MultiLoRAExpertLinear(MultiLoRALinear):
         self.routing = None  # the model's token routing (set_token_slots / a decode step's rows)
         self.stacked_weight = None
 
+    def set_fp8_base(self, enabled: bool) -> None:
+        if enabled:
+            raise ConfigError(
+                "model.base_precision",
+                f"{self.key}: expert layers have no FP8 path; fp8 is for dense models (use base_precision=dtype)",
+            )
+
     def current_stack(self) -> None:
         return None
 

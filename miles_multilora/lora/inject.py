@@ -116,6 +116,21 @@ def multi_lora_layers(model: nn.Module) -> list[MultiLoRALinear]:
     return layers
 
 
+def use_fp8_base(model: nn.Module) -> int:
+    """``model.base_precision=fp8``: every MultiLoRA layer's base GEMMs run on FP8 copies of its
+    frozen weight (:mod:`~miles_multilora.lora.fp8_base`); returns the copies' bytes."""
+    layers = multi_lora_layers(model)
+    device = layers[0].base.weight.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(
+            "model.base_precision", f"fp8 needs a GPU with FP8 tensor cores (Ada or Hopper); {name} has none"
+        )
+    for layer in layers:
+        layer.set_fp8_base(True)
+    return sum(layer.fp8.nbytes for layer in layers if layer.fp8 is not None)
+
+
 def set_token_slots(model: nn.Module, slot_ids: torch.Tensor | None) -> RoutingPlan | None:
     """Route the next forward's tokens: ``slot_ids`` ``[batch, seq]``; ``None`` clears the routing."""
     layers = multi_lora_layers(model)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from miles_multilora.errors import ConfigError
-from miles_multilora.lora import routed_ops, seq_kernels
+from miles_multilora.lora import fp8_base, routed_ops, seq_kernels
 from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.kernels import add_rows_, gather_rows, segmented_matmul
 from miles_multilora.lora.routing import RoutingPlan
@@ -58,6 +58,8 @@ class MultiLoRALinear(nn.Module):
     """
 
     stacks_shrink = True  # lora.stacked_shrink may put the slots' A rows under the base weight
+    # FP8 copies of the base weight (model.base_precision=fp8): every base GEMM runs on them
+    fp8: fp8_base.Fp8Weight | None = None
 
     def __init__(
         self,
@@ -269,9 +271,28 @@ class MultiLoRALinear(nn.Module):
     def _base_forward(
         self, x: torch.Tensor, args: tuple, kwargs: dict
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.fp8 is not None:
+            if args or kwargs:
+                raise ConfigError(
+                    "model.base_precision",
+                    f"{self.key}: an FP8 base takes the input alone, got more arguments",
+                )
+            out = self._with_bias(fp8_base.fp8_linear(x, self.fp8))
+            return (out, None) if self.kind == PLAIN else out
         if self.kind == PLAIN:
             return self.base(x), None
         return self.base(x, *args, **kwargs)
+
+    def set_fp8_base(self, enabled: bool) -> None:
+        """Run every base GEMM on FP8 copies of the (frozen) base weight, or again on the weight."""
+        if not enabled:
+            self.fp8 = None
+            return
+        if self.tp_size > 1:
+            raise ConfigError(
+                "model.base_precision", "fp8 needs model.tp=1 (tensor-parallel FP8 GEMMs are not built)"
+            )
+        self.fp8 = fp8_base.quantize_weight(self.base.weight)
 
     def _beside_base(self, x: torch.Tensor, plan: RowRouting, args: tuple, kwargs: dict, lora_work):
         """``(out, bias, lora_work())``: the LoRA work on the plan's side stream while the base GEMM
@@ -316,7 +337,7 @@ class MultiLoRALinear(nn.Module):
         """
         plan = self.routing
         rows = isinstance(plan, RowRouting) and self.tp_size == 1 and self._use_triton(x)
-        stacked = self.current_stack() if rows and plan.stacked_shrink else None
+        stacked = self.current_stack() if rows and plan.stacked_shrink and self.fp8 is None else None
         if stacked is not None:
             self._row_input(x, plan)  # the row count must match the routing
             out, h = self._stacked_forward(x, stacked)
@@ -407,13 +428,12 @@ class MultiLoRALinear(nn.Module):
             assert isinstance(plan, RoutingPlan)
             out = routed_ops.linear_with_lora(
                 x, self.base.weight, self.lora_A, self.lora_B, self.lora_scale, plan,
-                plan.token_order(self.batch_first),
+                plan.token_order(self.batch_first), self.fp8,
             )  # fmt: skip
             return self._with_bias(out)
-        if self.kind == PLAIN:
-            return self._add_lora(x, self.base(x))
-        out, bias = self.base(x, *args, **kwargs)
-        return self._add_lora(x, out), bias
+        out, bias = self._base_forward(x, args, kwargs)
+        out = self._add_lora(x, out)
+        return out if self.kind == PLAIN else (out, bias)
 
     def extra_repr(self) -> str:
         return (

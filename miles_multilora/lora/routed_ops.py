@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from miles_multilora.lora import fp8_base
 from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.routing import RoutingPlan
 
@@ -169,15 +170,15 @@ class _LinearWithLoRA(torch.autograd.Function):
     and the LoRA's part of ``dx`` is added into it by the expand (no second ``dx`` and no sum)."""
 
     @staticmethod
-    def forward(ctx, x, weight, a, b, scale, plan: RoutingPlan, rows):  # type: ignore[override]
+    def forward(ctx, x, weight, a, b, scale, plan: RoutingPlan, rows, fp8):  # type: ignore[override]
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
-        out = x2d @ weight.t()
+        out = x2d @ weight.t() if fp8 is None else fp8_base.linear(x2d, fp8)
         h = _shrink(x2d, rows, a, (a.stride(0), a.stride(1), a.stride(2)), a.shape[1], plan, scale)
         _expand(out, h, rows, b, (b.stride(0), b.stride(1), b.stride(2)), plan, accumulate=True)
         ctx.save_for_backward(x2d, weight, a, b, scale, rows, h)
-        ctx.plan, ctx.x_shape = plan, x.shape
+        ctx.plan, ctx.x_shape, ctx.fp8 = plan, x.shape, fp8
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -196,7 +197,7 @@ class _LinearWithLoRA(torch.autograd.Function):
             row_scale = scale.index_select(0, plan.sorted_slots).unsqueeze(1)
             grad_z = (grad_h.float() * row_scale).to(x2d.dtype).contiguous()
             if ctx.needs_input_grad[0]:
-                grad_x = g2d @ weight
+                grad_x = g2d @ weight if ctx.fp8 is None else fp8_base.input_grad(g2d, ctx.fp8)
                 _expand(
                     grad_x, grad_z, rows, a, (a.stride(0), a.stride(2), a.stride(1)), plan, accumulate=True
                 )
@@ -206,7 +207,7 @@ class _LinearWithLoRA(torch.autograd.Function):
                 _weight_grad(
                     grad_z, x2d, rows, grad_a, (grad_a.stride(0), grad_a.stride(1), grad_a.stride(2)), plan
                 )
-        return grad_x, None, grad_a, grad_b, None, None, None
+        return grad_x, None, grad_a, grad_b, None, None, None, None
 
 
 def linear_with_lora(
@@ -217,11 +218,13 @@ def linear_with_lora(
     scale: torch.Tensor,
     plan: RoutingPlan,
     rows: torch.Tensor,
+    fp8: fp8_base.Fp8Weight | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T`` (a frozen weight ``[M, K]``, no bias) with ``h[i] @ b[s_i]^T`` added at
     ``rows[i]``, ``h`` as :func:`gather_shrink` makes it: :func:`gather_shrink` and
-    :func:`scatter_expand_add_` around the base GEMM, as one op (one layer, one TP rank)."""
-    return _LinearWithLoRA.apply(x, weight, a, b, scale, plan, rows)
+    :func:`scatter_expand_add_` around the base GEMM, as one op (one layer, one TP rank). With
+    ``fp8`` (the weight's FP8 copies) both base GEMMs run on them."""
+    return _LinearWithLoRA.apply(x, weight, a, b, scale, plan, rows, fp8)
 
 
 def gather_shrink(

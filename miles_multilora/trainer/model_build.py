@@ -16,6 +16,7 @@ import torch
 
 from miles_multilora.config.run import RunConfig
 from miles_multilora.lora import apply_multi_lora
+from miles_multilora.lora.inject import use_fp8_base
 from miles_multilora.models import provider
 from miles_multilora.models.paths import capped_context, resolve_model_path
 from miles_multilora.rollout import RolloutEngine
@@ -76,6 +77,8 @@ def build_model(cfg: RunConfig) -> BuiltModel:
         shared_expert_a=cfg.lora.shared_expert_a,
         expert_routing=cfg.lora.expert_routing,
     )
+    if cfg.model.base_precision == "fp8":
+        use_fp8_base(model)
     pad = getattr(tokenizer, "pad_token_id", None)
     return BuiltModel(
         model, vocab_size, max_seq_len, hf_config, tokenizer, int(pad if pad is not None else 0), memory
