@@ -49,8 +49,8 @@ if HAVE_TRITON:
         for start in range(0, n_cols, BLOCK):
             cols = start + offs
             amax = tl.maximum(amax, tl.abs(tl.load(src + cols, mask=cols < n_cols, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0), 1e-12) / MAX
-        inv = 1.0 / scale
+        scale = tl.fdiv(tl.maximum(tl.max(amax, 0), 1e-12), MAX, ieee_rounding=True)  # as PyTorch divides
+        inv = tl.fdiv(1.0, scale, ieee_rounding=True)
         tl.store(scale_ptr + row, scale)
         for start in range(0, n_cols, BLOCK):
             cols = start + offs

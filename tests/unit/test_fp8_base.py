@@ -44,16 +44,16 @@ def test_rows_are_quantized_to_their_own_scale_within_e4m3_rounding():
 
 @pytest.mark.gpu  # Triton's interpreter rounds to e4m3 wrongly below a power of two (124.3 -> 64)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_triton_row_quantization_equals_the_pytorch_one(dtype):
-    x = _rows().to(dtype)
-    want_q, want_scale = fp8_base.quantize_rows(x)
-    got_q, got_scale = fp8_base.quantize_rows(x.cuda())
-    assert torch.equal(got_scale.cpu(), want_scale)
-    assert torch.equal(got_q.cpu().float(), want_q.float())
-    wide = torch.randn(5, 20000, dtype=dtype)  # rows wider than one block: two passes
-    assert torch.equal(
-        fp8_base.quantize_rows(wide.cuda())[0].cpu().float(), fp8_base.quantize_rows(wide)[0].float()
-    )
+def test_the_triton_row_quantization_matches_the_pytorch_one(dtype):
+    # PyTorch's CPU kernel divides by a scalar as a product with its reciprocal: scales may differ in
+    # the last bit, and a value on a rounding boundary may then round to the neighbouring e4m3 value
+    for x in (_rows().to(dtype), torch.randn(5, 20000, dtype=dtype)):  # and rows wider than one block
+        want_q, want_scale = fp8_base.quantize_rows(x)
+        got_q, got_scale = (t.cpu() for t in fp8_base.quantize_rows(x.cuda()))
+        torch.testing.assert_close(got_scale, want_scale, rtol=3e-7, atol=0)
+        got, want = got_q.float(), want_q.float()
+        assert (got == want).float().mean() >= 0.99
+        assert ((got - want).abs() <= want.abs() * E4M3_STEP + 2.0**-9).all()
 
 
 def test_fp8_gemms_are_close_to_the_weight_and_differentiable():
