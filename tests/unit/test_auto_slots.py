@@ -193,10 +193,15 @@ def test_auto_sizes_a_gpu_rank_whose_warm_up_peak_fits_the_budget(tmp_path: Path
     lora = {"num_slots": "auto", "max_rank": 64, "auto_min_slots": 2, "auto_memory_fraction": fraction}
     cfg = tiny_run_config(tmp_path / "a", [], lora=lora, **sections)
     rank = TrainerRank(cfg)
-    assert rank.slot_sizing is not None and 18 <= rank.num_slots <= 26, rank.slot_sizing.summary()
+    # The rank's own measurement counts what this process already holds (the probe's leftovers, a
+    # larger CUDA context), so its count is not the ~22 of the estimate above: it must be well above
+    # the probe's 2, and its warm-up peak within the budget, not far short of it.
+    sizing = rank.slot_sizing
+    assert sizing is not None and 8 <= rank.num_slots <= 26, sizing.summary() if sizing else None
     assert cfg.lora.num_slots == rank.num_slots == multi_lora_layers(rank.model)[0].num_slots
     meter = CudaMeter()
     warm_up(rank, meter)
     free, total = torch.cuda.mem_get_info()
     used = total - free - torch.cuda.memory_reserved() + meter.peak
     assert used <= fraction * total + per, (used, fraction * total)
+    assert used + 8 * sizing.per_slot > sizing.budget, (used, sizing.summary())  # not half the budget idle
