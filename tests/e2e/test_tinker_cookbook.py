@@ -3,9 +3,9 @@
 The supervised trainer (``tinker_cookbook.supervised.train.main``, with its held-out eval, which
 scores with ``SamplingClient.compute_logprobs``), the RL trainer (``tinker_cookbook.rl.train.main``
 on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to, and with a KL penalty
-against a reference sampler), the math RL recipe and the DPO trainer
-(``tinker_cookbook.preference.train_dpo.main``, whose loss runs through ``forward_backward_custom``)
-run a few steps each, with data built in-process or in tmp files through the cookbook's dataset
+against a reference sampler), the math RL recipe, the DPO trainer
+(``tinker_cookbook.preference.train_dpo.main``, whose loss runs through ``forward_backward_custom``),
+the on-policy distillation trainer and the multiplayer ``guess_number`` recipe run a few steps each, with data built in-process or in tmp files through the cookbook's dataset
 builders.
 
 The served model is a tiny random Llama checkpoint written in tmp with the demo model's tokenizer
@@ -409,6 +409,89 @@ def test_rl_trainer_applies_a_kl_penalty_against_a_saved_reference(cookbook_env:
     # the final sampler weights are not the base's: with every reward 0, only the penalty's
     # advantages can have moved them (a run without it has all-zero advantages and gradients)
     _assert_final_weights_moved(server, log_path, model_name)
+
+
+@chz.chz
+class _PromptsBuilder(RLDatasetBuilder):
+    """The cookbook's own prompt-only distillation dataset over this file's questions (its builder
+    loads DeepMath or Tulu3 from the hub)."""
+
+    model_name_for_tokenizer: str
+    groups_per_batch: int
+    group_size: int
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        from tinker_cookbook.distillation.datasets import PromptOnlyDataset
+
+        tokenizer = get_tokenizer(self.model_name_for_tokenizer)
+        renderer = renderers.get_renderer(RENDERER, tokenizer)
+        prompts = [question for question, _ in CONVERSATIONS[:4]]
+        return PromptOnlyDataset(prompts, self.groups_per_batch, self.group_size, renderer, tokenizer), None
+
+
+def _distill(server: Any, log_path: Path, teacher: str | None) -> list[dict[str, Any]]:
+    """Two steps of ``tinker_cookbook.distillation.train_on_policy`` from a fresh student; the
+    metric rows of the steps."""
+    from tinker_cookbook.distillation import train_on_policy
+    from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, TeacherConfig
+
+    model_name = server.state.base_model
+    dataset = DistillationDatasetConfig(
+        dataset_builder=_PromptsBuilder(
+            model_name_for_tokenizer=model_name, groups_per_batch=2, group_size=2
+        ),
+        teacher_config=TeacherConfig(base_model=model_name, load_checkpoint_path=teacher),
+        groups_per_batch=2,
+    )
+    config = train_on_policy.Config(
+        learning_rate=5e-2, dataset_configs=[dataset], model_name=model_name, recipe_name="test_distill",
+        renderer_name=RENDERER, max_tokens=5, lora_rank=8, log_path=str(log_path), base_url=server.url,
+        eval_every=0, save_every=0,
+    )  # fmt: skip
+    asyncio.run(train_on_policy.main(config))
+    rows = [r for r in _metrics(log_path) if "teacher_kl" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    return rows
+
+
+def test_on_policy_distillation_scores_the_students_samples_with_the_teacher(
+    cookbook_env: Any, tmp_path: Path
+) -> None:
+    """The on-policy distillation trainer: the student samples, the teacher's sampler scores those
+    samples (``compute_logprobs``), and the reverse KL ``log p_student - log p_teacher`` of each
+    token is its advantage. A fresh student is the base model: with the base as its teacher the KL
+    of the first step is 0 (the sampler's logprobs equal the teacher's scoring of the same tokens),
+    with a trained teacher it is not, and the student's weights move."""
+    server = cookbook_env
+    same = _distill(server, tmp_path / "base-teacher", teacher=None)
+    assert abs(_finite(same[0], "teacher_kl")) < 1e-4, same[0]
+    teacher = _trained_sampler_weights(server, "User: What do bees make?\n\nAssistant: Honey.\n\n", "teacher")
+    log_path = tmp_path / "trained-teacher"
+    rows = _distill(server, log_path, teacher=teacher)
+    assert abs(_finite(rows[0], "teacher_kl")) > 1e-3, rows[0]
+    _assert_final_weights_moved(server, log_path, server.state.base_model)
+
+
+def test_guess_number_recipe_plays_multi_turn_episodes(cookbook_env: Any, tmp_path: Path) -> None:
+    """The multiplayer recipe ``guess_number`` as its ``build_config`` makes it (only the model,
+    renderer, sizes, rank and server named): multi-turn episodes, each turn a new sample on a prompt that
+    grows with the game's replies, trained by the RL trainer."""
+    from tinker_cookbook.recipes.multiplayer_rl.guess_number import train as guess_number
+
+    server = cookbook_env
+    log_path = tmp_path / "guess-number"
+    cli = guess_number.CLIConfig(
+        model_name=server.state.base_model, renderer_name=RENDERER, group_size=2, batch_size=2,
+        learning_rate=5e-2, max_tokens=6, eval_every=0, save_every=0, log_path=str(log_path), max_steps=2,
+    )  # fmt: skip
+    # the recipe leaves the LoRA rank at the trainer's default 32; this server's slots hold rank 8
+    config = chz.replace(guess_number.build_config(cli), base_url=server.url, lora_rank=8)
+    asyncio.run(rl_train.main(config))
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    for row in rows:
+        assert _finite(row, "env/all/turns_per_episode") >= 1, row
+        assert abs(_finite(row, "optim/kl_sample_train_v2")) < 1e-3, row  # sampler and trainer agree
 
 
 @pytest.mark.parametrize("max_steps_off_policy", [None, 1], ids=["sync", "async"])
