@@ -32,7 +32,7 @@ from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.lora.targets import ATTN, MLP, UNEMBED
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
-from miles_multilora.tinker.losses import LOSS_INPUTS, check_input, check_loss, tinker_loss
+from miles_multilora.tinker.losses import LOSS_INPUTS, TOPK_LOSSES, check_input, check_loss, tinker_loss
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, TrainerRank
@@ -86,6 +86,28 @@ def _token_ids(values: Values, where: str, vocab_size: int) -> None:
         raise TinkerError(where, f"token ids must be in 0..{vocab_size - 1}")
 
 
+def _topk_width(loss: str, d: Datum, where: str) -> int:
+    """K when the datum's targets are ``[N, K]`` (top-k distillation: ``cross_entropy`` only, its
+    ``weights`` of the same shape), else 0; a clear error for any other shape."""
+    shapes = {key: np.shape(d.inputs[key]) for key in LOSS_INPUTS[loss] if key in d.inputs}
+    target = shapes.get("target_tokens", ())
+    if len(target) != 2:
+        return 0
+    if loss not in TOPK_LOSSES:
+        raise TinkerError(
+            f"{where}.target_tokens",
+            f"is [N, K] (top-k distillation), which only {', '.join(sorted(TOPK_LOSSES))} takes; {loss} needs [N]",
+        )
+    for key, shape in shapes.items():
+        if shape != target:
+            raise TinkerError(
+                f"{where}.{key}", f"must have target_tokens' shape {list(target)}, got {list(shape)}"
+            )
+    if target[1] < 1:
+        raise TinkerError(f"{where}.target_tokens", "is [N, 0]: give at least one target per position")
+    return int(target[1])
+
+
 def _finite(values: Values, where: str) -> None:
     try:
         array = np.asarray(values, dtype=np.float64)
@@ -108,7 +130,7 @@ class ForwardBackwardRequest:
 
 @dataclass
 class ForwardBackwardOutput:
-    logprobs: list[list[float]]  # one per datum, aligned with its target_tokens
+    logprobs: list[list[float]] | list[list[list[float]]]  # per datum, shaped as its target_tokens
     metrics: dict[str, float]  # Tinker's "name:reduction" keys
 
 
@@ -386,6 +408,7 @@ class TinkerBackend:
             if not 1 <= n <= limit:
                 raise TinkerError(f"data[{i}].model_input", f"needs 1..{limit} tokens, got {n}")
             _token_ids(d.tokens, f"data[{i}].model_input", vocab)
+            topk = _topk_width(request.loss_fn, d, f"data[{i}].loss_fn_inputs")
             for key in LOSS_INPUTS[request.loss_fn]:
                 where = f"data[{i}].loss_fn_inputs.{key}"
                 values = d.inputs.get(key)
@@ -393,6 +416,8 @@ class TinkerBackend:
                     raise TinkerError(f"data[{i}].loss_fn_inputs", f"{request.loss_fn} needs {key!r}")
                 if len(values) != n:
                     raise TinkerError(where, f"has {len(values)} values for {n} input tokens")
+                if topk:  # [N, K]: checked as its N * K values
+                    values = np.asarray(values).reshape(-1)
                 if key == "target_tokens":
                     _token_ids(values, where, vocab)
                 else:
@@ -414,17 +439,26 @@ class TinkerBackend:
                     outputs[i] = out
             return [outputs[i] for i in range(len(requests))]
         rows: list[ScoredRow] = []
+        widths: list[int] = []  # K of each row's [N, K] targets (0: one target per position)
         losses: dict[int, tuple[str, dict[str, float]]] = {}
         for tag, request in enumerate(requests):
             losses[tag] = (request.loss_fn, check_loss(request.loss_fn, request.loss_fn_config))
             slot = self._slot_of(request.model_id, keep=set(needed))
             keys = [k for k in LOSS_INPUTS[request.loss_fn] if k != "target_tokens"]
             for d in request.data:
-                values = {k: _floats(d.inputs[k]) for k in keys}
+                targets = np.asarray(d.inputs["target_tokens"]).astype(np.int64)
+                k = targets.shape[1] if targets.ndim == 2 else 0
+                # [N, K] targets: position p scored K times, once per target (top-k distillation)
+                positions = (
+                    np.repeat(np.arange(len(d.tokens)), k).tolist() if k else list(range(len(d.tokens)))
+                )
+                values = {key: _floats(np.asarray(d.inputs[key]).reshape(-1)) for key in keys}
                 rows.append(
-                    ScoredRow(slot, _ints(d.tokens), list(range(len(d.tokens))),
-                              _ints(np.asarray(d.inputs["target_tokens"]).astype(np.int64)), values=values, tag=tag)
-                )  # fmt: skip
+                    ScoredRow(
+                        slot, _ints(d.tokens), positions, _ints(targets.reshape(-1)), values=values, tag=tag
+                    )
+                )
+                widths.append(k)
         loss = tinker_loss(losses)
         logprobs: list[list[float]] = [[] for _ in rows]
         metrics: dict[int, dict[str, float]] = {}
@@ -435,7 +469,8 @@ class TinkerBackend:
             result = self.rank.forward_backward([rows[i] for i in picked], loss, backward=backward)
             metrics.update(result.per_slot)
             for i, lp in zip(picked, result.logprobs, strict=True):
-                logprobs[i] = lp
+                k = widths[i]
+                logprobs[i] = [lp[j : j + k] for j in range(0, len(lp), k)] if k else lp
         outputs = []
         for tag, _ in enumerate(requests):
             m = metrics.get(tag, {})

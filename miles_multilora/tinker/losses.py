@@ -39,6 +39,9 @@ LOSS_INPUTS = {
     "gspo": (*_RL, "sequence_ratio_mask"),
     "stable_reinforce": _RL,
 }
+# losses whose target_tokens (and their other inputs) may be [N, K]: K targets per position, each
+# scored and weighted (top-k distillation: the loss sums weights * logprob over all N * K)
+TOPK_LOSSES = ("cross_entropy",)
 CONFIG_DEFAULTS = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},

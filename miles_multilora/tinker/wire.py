@@ -39,11 +39,12 @@ def _tensor(t: pb.Tensor, where: str) -> np.ndarray:
         name = pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else str(t.dtype)
         raise TinkerError(where, f"unsupported dtype {name}")
     values = _array(t.dense, _DTYPES[t.dtype], where)
-    if len(t.shape) != 1 or int(t.shape[0]) != len(values):
+    shape = [int(s) for s in t.shape]
+    if len(shape) not in (1, 2) or int(np.prod(shape)) != len(values):
         raise TinkerError(
-            where, f"must be 1-D with its shape set; got shape {list(t.shape)} for {len(values)} values"
+            where, f"must be 1-D (or [N, K]) with its shape set; got shape {shape} for {len(values)} values"
         )
-    return values
+    return values.reshape(shape)  # which inputs may be [N, K] is the loss's to say (backend.check)
 
 
 def decode_forward_backward(body: bytes) -> tuple[ForwardBackwardRequest, int | None]:
@@ -80,15 +81,25 @@ def decode_forward_backward(body: bytes) -> tuple[ForwardBackwardRequest, int | 
 
 
 def encode_forward_backward(out: ForwardBackwardOutput) -> bytes:
-    """One ``ArrayRecord`` with each datum's ``logprobs`` (float32) and the metrics."""
+    """Each datum's ``logprobs`` (float32; ``[N]``, or ``[N, K]`` for ``[N, K]`` targets) and the
+    metrics: one ``ArrayRecord`` per run of datums whose logprobs share a trailing shape."""
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-    record = msg.loss_fn_outputs.add()
-    record.num_datums = len(out.logprobs)
-    field = record.fields["logprobs"]
-    field.dtype = pb.DTYPE_FLOAT32
-    blobs = [np.asarray(lp, "<f4").tobytes() for lp in out.logprobs]
-    field.data = b"".join(blobs)
-    field.offsets = np.cumsum([0, *(len(b) for b in blobs)]).astype("<i8").tobytes()
+    arrays = [np.asarray(lp, "<f4") for lp in out.logprobs]
+    start = 0
+    while start < len(arrays) or not msg.loss_fn_outputs:
+        end = start
+        while end < len(arrays) and arrays[end].shape[1:] == arrays[start].shape[1:]:
+            end += 1
+        record = msg.loss_fn_outputs.add()
+        record.num_datums = end - start
+        field = record.fields["logprobs"]
+        field.dtype = pb.DTYPE_FLOAT32
+        if end > start:
+            field.trailing_shape.extend(arrays[start].shape[1:])
+        blobs = [a.tobytes() for a in arrays[start:end]]
+        field.data = b"".join(blobs)
+        field.offsets = np.cumsum([0, *(len(b) for b in blobs)]).astype("<i8").tobytes()
+        start = end
     for k, v in out.metrics.items():
         msg.metrics[k] = float(v)
     return msg.SerializeToString()

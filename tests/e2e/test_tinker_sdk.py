@@ -23,6 +23,7 @@ import torch
 
 tinker = pytest.importorskip("tinker")
 from tests.e2e.conftest import tinker_server  # noqa: E402
+from tests.helpers import assert_close_at_scale  # noqa: E402
 
 KEY = "tml-test-key"
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3, 27, 64]
@@ -498,3 +499,61 @@ def test_the_api_key_is_required_and_the_config_refuses_an_open_bind(tmp_path: P
     cfg = config_from_container({"model": {"source": "tiny"}, "tinker": {"api_key_file": str(key)}})
     with pytest.raises(ConfigError, match="start with 'tml-'"):
         start(cfg, rank=object())
+
+
+def test_topk_targets_score_each_of_k_tokens_per_position(server: Any) -> None:
+    """``cross_entropy`` with ``[N, K]`` target_tokens and weights (the cookbook's top-k distillation,
+    SDFT): each position's K tokens are scored and weighted, the logprobs come back ``[N, K]``, and
+    loss and gradients equal K calls with one target column each, summed."""
+    sc = _client(server)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    model_id = tc.model_id
+    tc.forward_backward([_sft_datum([5, 9, 11, 2, 7, 30])], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()  # LoRA terms not zero
+    rng = np.random.default_rng(0)
+    tokens, n, k = [5, 9, 11, 2, 7], 5, 3
+    targets = rng.integers(0, 100, (n, k))
+    weights = rng.random((n, k)).astype(np.float32)
+    weights[0] = 0.0  # a position without weight is still scored
+
+    def datum(t: np.ndarray, w: np.ndarray) -> Any:
+        inputs = {
+            "target_tokens": tinker.TensorData.from_numpy(t),
+            "weights": tinker.TensorData.from_numpy(w),
+        }
+        return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+
+    both = [datum(targets, weights), datum(targets[:, 0], weights[:, 0])]  # mixed shapes in one call
+    out = tc.forward_backward(both, "cross_entropy").result()
+    topk_grads = _slot_grads(server, model_id)
+    tc.optim_step(tinker.AdamParams(learning_rate=0.0)).result()  # clears the gradients, keeps the weights
+    lp = out.loss_fn_outputs[0]["logprobs"]
+    assert lp.shape == [n, k] and out.loss_fn_outputs[1]["logprobs"].shape == [n]
+    lp = np.asarray(lp.data).reshape(n, k)
+    columns = [datum(targets[:, j].copy(), weights[:, j].copy()) for j in range(k)]
+    single = tc.forward_backward(columns + [both[1]], "cross_entropy").result()
+    for j in range(k):
+        np.testing.assert_allclose(
+            lp[:, j], np.asarray(single.loss_fn_outputs[j]["logprobs"].data), rtol=1e-5
+        )
+    assert out.metrics["loss:sum"] == pytest.approx(single.metrics["loss:sum"], rel=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(
+        -float((weights * lp).sum()) - float((weights[:, 0] * lp[:, 0]).sum()), rel=1e-5
+    )
+    for a, b in zip(topk_grads, _slot_grads(server, model_id), strict=True):
+        assert_close_at_scale(a, b, 1e-5, "LoRA gradient")  # fp32: the same terms summed in another order
+    tc.optim_step(tinker.AdamParams(learning_rate=0.0)).result()
+
+    with pytest.raises(
+        tinker.BadRequestError, match=r"\[N, K\] \(top-k distillation\), which only cross_entropy"
+    ):
+        rl = {"target_tokens": tinker.TensorData.from_numpy(targets),
+              "logprobs": tinker.TensorData.from_numpy(np.zeros((n, k), np.float32)),
+              "advantages": tinker.TensorData.from_numpy(np.ones((n, k), np.float32))}  # fmt: skip
+        tc.forward_backward([tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens), loss_fn_inputs=rl)],
+                            "importance_sampling").result()  # fmt: skip
+    with pytest.raises(
+        tinker.BadRequestError, match=r"weights: must have target_tokens' shape \[5, 3\], got \[5, 2\]"
+    ):
+        tc.forward_backward([datum(targets, weights[:, :2].copy())], "cross_entropy").result()
+    _close(sc, server)
