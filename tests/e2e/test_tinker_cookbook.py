@@ -5,7 +5,8 @@ scores with ``SamplingClient.compute_logprobs``), the RL trainer (``tinker_cookb
 on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to, and with a KL penalty
 against a reference sampler), the math RL recipe, the DPO trainer
 (``tinker_cookbook.preference.train_dpo.main``, whose loss runs through ``forward_backward_custom``),
-the on-policy distillation trainer and the multiplayer ``guess_number`` recipe run a few steps each, with data built in-process or in tmp files through the cookbook's dataset
+the on-policy distillation and SDFT trainers and the multiplayer ``guess_number`` recipe run a few
+steps each, with data built in-process or in tmp files through the cookbook's dataset
 builders.
 
 The served model is a tiny random Llama checkpoint written in tmp with the demo model's tokenizer
@@ -470,6 +471,33 @@ def test_on_policy_distillation_scores_the_students_samples_with_the_teacher(
     rows = _distill(server, log_path, teacher=teacher)
     assert abs(_finite(rows[0], "teacher_kl")) > 1e-3, rows[0]
     _assert_final_weights_moved(server, log_path, server.state.base_model)
+
+
+def test_sdft_trains_the_student_on_the_teachers_topk_targets(cookbook_env: Any, tmp_path: Path) -> None:
+    """Self-distillation fine-tuning (``tinker_cookbook.distillation.sdft.main`` with the recipe's own
+    ``SDFTDataset`` over local questions and answers; its builders download SciKnowEval or ToolAlpaca):
+    the student samples, the teacher (the same model, the golden answer in its prompt) returns its
+    top-k prompt logprobs at the student's tokens, and the student trains on ``cross_entropy`` with
+    ``[N, K]`` targets and weights."""
+    from tinker_cookbook.distillation import sdft
+    from tinker_cookbook.recipes.sdft.datasets import SDFTDataset
+
+    server = cookbook_env
+    model_name = server.state.base_model
+    log_path = tmp_path / "sdft"
+    renderer = renderers.get_renderer(RENDERER, get_tokenizer(model_name))
+    questions, answers = (list(x) for x in zip(*CONVERSATIONS[:4], strict=True))
+    config = sdft.Config(
+        model_name=model_name, recipe_name="test_sdft", renderer_name=RENDERER, lora_rank=8,
+        base_url=server.url, learning_rate=5e-2, max_tokens=5, topk=5, log_path=str(log_path),
+        eval_every=0, save_every=0, max_steps=2,
+    )  # fmt: skip
+    asyncio.run(sdft.main(config, SDFTDataset(questions, answers, 2, 1, renderer)))
+    rows = [r for r in _metrics(log_path) if "sdft/topk" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    for row in rows:
+        assert row["sdft/topk"] == 5 and _finite(row, "sdft/mean_teacher_entropy") > 0, row
+    _assert_final_weights_moved(server, log_path, model_name)
 
 
 def test_guess_number_recipe_plays_multi_turn_episodes(cookbook_env: Any, tmp_path: Path) -> None:
