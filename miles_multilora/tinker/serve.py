@@ -1,4 +1,5 @@
-"""Start the Tinker server: one in-process trainer rank, its batching queue, the HTTP app (served by
+"""Start the Tinker server: its trainer rank in this process (rank 0; with ``model.dp`` > 1 the others
+follow in processes of their own, :mod:`miles_multilora.tinker.dp`), its batching queue, the HTTP app (served by
 :mod:`miles_multilora.http_serving`, like the controller's API) and a housekeeping thread that
 expires silent sessions and releases old results."""
 
@@ -48,26 +49,65 @@ class TinkerServer:
             self._housekeeping.join(timeout=10)
         self.state.queue.close()
         backend = self.state.backend
+        if not getattr(backend, "healthy", True):  # a follower rank died: the unloads run on rank 0 alone
+            backend.stop()
         for model_id in list(backend.models):  # nothing outlives the server but saved states
             backend.unload_model(model_id)
         for copy in list(backend.copies):  # sampling copies: their weights are on disk
             backend.drop_copy(copy)
+        if hasattr(backend, "stop"):  # the follower ranks of a multi-rank server
+            backend.stop()
+
+
+def make_backend(rank: Any, offload_dir: Path | None = None) -> TinkerBackend:
+    """The backend of one trainer rank, sized by its config's ``tinker`` section."""
+    t = rank.cfg.tinker
+    return TinkerBackend(
+        rank, max_models=t.max_models, offload_host_bytes=int(t.offload_host_gb * (1 << 30)),
+        offload_dir=offload_dir,
+    )  # fmt: skip
+
+
+def _ranks(cfg: RunConfig) -> tuple[Any, Any]:
+    """Rank 0's trainer rank and backend; with ``trainer.world_size`` > 1 the other ranks start as
+    follower processes and the backend is mirrored to them (:mod:`miles_multilora.tinker.dp`)."""
+    import os
+
+    import torch.distributed as dist
+
+    from miles_multilora.models.compat import free_port
+    from miles_multilora.tinker import dp
+    from miles_multilora.trainer.rank import TrainerRank
+
+    world = cfg.trainer.world_size or 1
+    if world == 1:
+        rank = TrainerRank(cfg)
+        return rank, make_backend(rank)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
+    os.environ.update(env, RANK="0", LOCAL_RANK="0")
+    followers = dp.start_followers(cfg, world, env, make_backend)
+    try:
+        rank = TrainerRank(cfg, 0, world)
+        group = dist.new_group(backend="gloo")
+    except BaseException:
+        for p in followers:
+            p.terminate()
+        raise
+    logger.info("tinker: %d trainer ranks (model.dp=%s, model.tp=%s)", world, cfg.model.dp, cfg.model.tp)
+    return rank, dp.MirroredBackend(make_backend(rank, dp.follower_offload_dir(cfg, 0)), group, followers)
 
 
 def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:
-    """The backend on a trainer rank built from ``cfg`` (or the given one)."""
-    if cfg.trainer.world_size not in (None, 1):
-        raise ConfigError(
-            "trainer.world_size", "tinker-serve runs one trainer rank; use trainer.world_size=1"
-        )
-    if rank is None:
-        from miles_multilora.trainer.rank import TrainerRank
-
-        rank = TrainerRank(cfg)
+    """The backend on the trainer ranks built from ``cfg`` (or on the given single rank)."""
+    if rank is not None:
+        if cfg.trainer.world_size not in (None, 1):
+            raise ConfigError(
+                "trainer.world_size", "a given trainer rank serves alone; use trainer.world_size=1"
+            )
+        backend = make_backend(rank)
+    else:
+        rank, backend = _ranks(cfg)
     t = cfg.tinker
-    backend = TinkerBackend(
-        rank, max_models=t.max_models, offload_host_bytes=int(t.offload_host_gb * (1 << 30))
-    )
     base = t.base_model or (cfg.model.hf_path if cfg.model.source == "hf" else cfg.model.source)
     return ServerState(
         backend,
