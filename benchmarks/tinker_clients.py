@@ -18,6 +18,7 @@ Rounds are interleaved (1, 2, 8, 1, 2, 8, ...); medians.
 
     python benchmarks/tinker_clients.py                  # CPU, tiny model, forward_backward
     python benchmarks/tinker_clients.py --mode sample    # CPU, tiny model, sampling
+    python benchmarks/tinker_clients.py --dp 2 ...       # the server on two trainer ranks (two GPUs)
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.N
                 calls[n, batching].extend(queue.sample_batches[before:])
     queue.batch_sampling = True
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"{device}; {args.samples} samples x {args.new_tokens} new tokens of a {args.tokens}-token prompt per "
+    print(f"{device} x {args.dp} trainer rank(s); {args.samples} samples x {args.new_tokens} new tokens of a {args.tokens}-token prompt per "
           f"call, {args.requests} calls per client per round, window {args.window} s; median of "
           f"{args.rounds} interleaved rounds")  # fmt: skip
     header = (
@@ -182,6 +183,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument(
+        "--dp", type=int, default=1, help="model.dp: the server's trainer ranks (one GPU each)"
+    )
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     root = Path(tempfile.mkdtemp(prefix="tinker_bench_"))
@@ -190,7 +194,7 @@ def main() -> None:
     os.chmod(key, 0o600)
     cuda = torch.cuda.is_available()
     cfg = config_from_container({
-        "model": {"source": "tiny", "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "tiny": {
+        "model": {"source": "tiny", "dp": args.dp, "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "tiny": {
             "num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": args.ffn,
             "num_attention_heads": args.heads, "num_query_groups": args.groups, "vocab_size": args.vocab,
             "max_seq_len": 1 << (args.tokens + args.new_tokens + 1).bit_length()}},
@@ -224,7 +228,7 @@ def main() -> None:
                 times[n].append(run_round(clients[:n], data, args.requests))
                 batches[n].extend(server.state.queue.batches[before:])
         device = torch.cuda.get_device_name() if cuda else "cpu"
-        print(f"{device}; {args.datums} datums x {args.tokens} tokens per request, {args.requests} requests per "
+        print(f"{device} x {args.dp} trainer rank(s); {args.datums} datums x {args.tokens} tokens per request, {args.requests} requests per "
               f"client per round, window {args.window} s; median of {args.rounds} interleaved rounds")  # fmt: skip
         header = (
             f"{'clients':>7} {'round s':>8} {'tokens/s':>9} {'vs 1 client':>11} {'requests per batch':>18}"
