@@ -124,6 +124,22 @@ def optimizer_tensors(path: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def sft_datum(tokens: list[int]) -> Any:
+    """A ``cross_entropy`` datum of the official SDK: ``tokens[:-1]`` in, every next token a target
+    of weight 1."""
+    import numpy as np
+    import tinker
+
+    n = len(tokens) - 1
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], np.int64)),
+            "weights": tinker.TensorData.from_numpy(np.ones(n, np.float32)),
+        },
+    )
+
+
 def tinker_server(root: Path, key: str, model: dict[str, Any], **sections: dict[str, Any]) -> Iterator[Any]:
     """A ``tinker-serve`` for one module's tests (``yield from`` it in a module-scoped fixture):
     ``key`` its one API key (in an owner-only key file under ``root``), ``model`` and the other

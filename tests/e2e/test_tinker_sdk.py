@@ -22,7 +22,7 @@ import requests
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tests.e2e.conftest import tinker_server  # noqa: E402
+from tests.e2e.conftest import sft_datum, tinker_server  # noqa: E402
 from tests.helpers import assert_close_at_scale  # noqa: E402
 
 KEY = "tml-test-key"
@@ -58,17 +58,6 @@ def _tensor(values: list[float], dtype: Any) -> Any:
     return tinker.TensorData.from_numpy(np.asarray(values, dtype=dtype))
 
 
-def _sft_datum(tokens: list[int]) -> Any:
-    n = len(tokens) - 1
-    return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": _tensor(tokens[1:], np.int64),
-            "weights": _tensor([1.0] * n, np.float32),
-        },
-    )
-
-
 def _reward(tokens: list[int]) -> float:
     return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
 
@@ -88,7 +77,7 @@ def test_two_clients_train_at_once_and_sample_their_own_adapters(server: Any) ->
     errors: list[BaseException] = []
 
     def supervised() -> None:
-        data = [_sft_datum(TEXT), _sft_datum(TEXT[5:])]
+        data = [sft_datum(TEXT), sft_datum(TEXT[5:])]
         for _ in range(10):
             out = sft.forward_backward(data, "cross_entropy").result()
             losses.append(out.metrics["loss:sum"] / out.metrics["num_tokens:sum"])
@@ -142,7 +131,7 @@ def test_two_clients_train_at_once_and_sample_their_own_adapters(server: Any) ->
         prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=tinker.SamplingParams(max_tokens=6, seed=5)
     ).result().sequences[0]  # fmt: skip
     tokens = PROMPT + list(seq.tokens)
-    datum = _sft_datum(tokens)
+    datum = sft_datum(tokens)
     own = sft.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     other = rl.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     assert own[len(PROMPT) - 1 :] == pytest.approx(list(seq.logprobs), abs=1e-4)
@@ -158,7 +147,7 @@ def test_three_clients_sampling_at_once_share_an_engine_call_and_get_what_they_g
     samplers = []
     for i, sc in enumerate(services[:2]):
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=10 + i).result()
-        tc.forward_backward([_sft_datum(TEXT[i:])], "cross_entropy").result()
+        tc.forward_backward([sft_datum(TEXT[i:])], "cross_entropy").result()
         tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
         samplers.append(tc.save_weights_and_get_sampling_client().result())
     samplers.append(services[2].create_sampling_client(base_model="tiny").result())
@@ -224,12 +213,12 @@ def test_prompt_logprobs_are_the_samplers_weights_forward_logprobs(server: Any) 
     on; a top-k over the limit and what is not served yet are clear errors."""
     sc = _client(server)
     tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
-    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=3e-2)).result()  # B != 0
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = tinker.ModelInput.from_ints(TEXT)
     logprobs = sampler.compute_logprobs(prompt).result()
-    forward = tc.forward([_sft_datum(TEXT)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
+    forward = tc.forward([sft_datum(TEXT)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     assert len(logprobs) == len(TEXT) and logprobs[0] is None
     assert all(np.isfinite(lp) for lp in logprobs[1:])
     assert logprobs[1:] == pytest.approx(forward, abs=1e-4)
@@ -275,7 +264,7 @@ def test_prompt_logprobs_are_the_samplers_weights_forward_logprobs(server: Any) 
         sampler.compute_logprobs(prompt, prompt_logprobs_last_n=len(TEXT)).result()
     with pytest.raises(tinker.BadRequestError, match="top-k logprobs of sampled tokens are not served"):
         sampler.sample(prompt=prompt, num_samples=1, sampling_params=params, topk_sample_logprobs=2).result()
-    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=3e-2)).result()
     again = sampler.compute_logprobs(prompt).result()  # the sampler's version, not the slot's new one
     assert again[1:] == pytest.approx(logprobs[1:], abs=1e-6)
@@ -288,11 +277,11 @@ def test_seed_zero_is_a_seed_and_no_seed_is_random(server: Any) -> None:
         out = []
         for seed in seeds:
             tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=seed).result()
-            tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+            tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
             tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
             out.append(
                 list(
-                    tc.forward([_sft_datum(TEXT)], "cross_entropy")
+                    tc.forward([sft_datum(TEXT)], "cross_entropy")
                     .result()
                     .loss_fn_outputs[0]["logprobs"]
                     .data
@@ -314,7 +303,7 @@ def test_save_load_round_trips_errors_change_nothing_and_finish_frees_slots(serv
     first = _client(server)
     a = first.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     b = first.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
-    data = [_sft_datum(TEXT)]
+    data = [sft_datum(TEXT)]
     a.forward_backward(data, "cross_entropy").result()
     a.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     model_a = a.get_info().model_id
@@ -381,10 +370,10 @@ def test_a_sampler_saved_before_loading_other_weights_keeps_its_own(server: Any)
     not change what an earlier sampler samples: it keeps its saved weights, not the loaded ones."""
     sc = _client(server)
     tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
-    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     path = tc.save_state("one-step").result().path
-    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = tinker.ModelInput.from_ints(TEXT)
@@ -416,7 +405,7 @@ def test_stable_reinforce_gspo_and_dro_from_the_sdk(server: Any) -> None:
         prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=4, sampling_params=params
     ).result().sequences  # fmt: skip
     assert all(s.sequence_id for s in seqs) and len({s.sequence_id for s in seqs}) == 4
-    tc.forward_backward([_sft_datum(TEXT)], "cross_entropy").result()
+    tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=2e-2)).result()
 
     pad = len(PROMPT) - 1
@@ -508,7 +497,7 @@ def test_topk_targets_score_each_of_k_tokens_per_position(server: Any) -> None:
     sc = _client(server)
     tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     model_id = tc.model_id
-    tc.forward_backward([_sft_datum([5, 9, 11, 2, 7, 30])], "cross_entropy").result()
+    tc.forward_backward([sft_datum([5, 9, 11, 2, 7, 30])], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()  # LoRA terms not zero
     rng = np.random.default_rng(0)
     tokens, n, k = [5, 9, 11, 2, 7], 5, 3

@@ -10,14 +10,13 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import requests
 import torch
 from safetensors.torch import load as load_safetensors
 
 tinker = pytest.importorskip("tinker")
-from tests.e2e.conftest import tinker_server  # noqa: E402
+from tests.e2e.conftest import sft_datum, tinker_server  # noqa: E402
 
 KEY = "tml-targets"
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3, 27, 64]
@@ -30,17 +29,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         lora={"num_slots": 2, "max_rank": 8}, trainer={"micro_batch_size": 32},
         tinker={"base_model": "tiny", "batch_window_s": 0.01, "max_models": 4},
     )  # fmt: skip
-
-
-def _datum(tokens: list[int]) -> Any:
-    n = len(tokens) - 1
-    return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], np.int64)),
-            "weights": tinker.TensorData.from_numpy(np.ones(n, np.float32)),
-        },
-    )
 
 
 def _by_family(server: Any, model_id: str) -> dict[str, list[torch.Tensor]]:
@@ -72,14 +60,14 @@ def test_a_model_trains_and_exports_only_its_families(server: Any) -> None:
     model_id = tc.get_info().model_id
     assert server.state.backend.model(model_id).targets == ("attn",)  # train_unembed=True ignored
     for _ in range(2):
-        tc.forward_backward([_datum(TEXT)], "cross_entropy").result()
+        tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
         tc.optim_step(tinker.AdamParams(learning_rate=1e-2, weight_decay=0.1)).result()
     params = _by_family(server, model_id)
     assert all(not t.any() for t in params["mlp"])  # no delta, no grad, no decay: still zero
     assert any(t.any() for t in params["attn"][1::2])  # every B of attention moved off zero
 
     # learning_rate=0 is accepted and moves nothing
-    tc.forward_backward([_datum(TEXT)], "cross_entropy").result()
+    tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=0.0)).result()
     after = _by_family(server, model_id)
     assert all(torch.equal(a, b) for f in params for a, b in zip(params[f], after[f], strict=True))

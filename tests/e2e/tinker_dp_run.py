@@ -12,11 +12,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import tinker
 
 from miles_multilora.config.run import config_from_container
 from miles_multilora.tinker.serve import start
+from tests.e2e.conftest import sft_datum
 
 KEY = "tml-dp-test-key"
 TEXTS = [
@@ -27,27 +27,16 @@ TEXTS = [
 ]
 
 
-def datum(tokens: list[int]) -> tinker.Datum:
-    n = len(tokens) - 1
-    return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], np.int64)),
-            "weights": tinker.TensorData.from_numpy(np.ones(n, np.float32)),
-        },
-    )
-
-
 def kill_a_follower(server: object) -> dict[str, str | bool]:
     """Train once, kill rank 1 (SIGKILL), train again: the error the client gets; then stop."""
     sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
     tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
-    tc.forward_backward([datum(TEXTS[0])], "cross_entropy").result()
+    tc.forward_backward([sft_datum(TEXTS[0])], "cross_entropy").result()
     follower = server.state.backend._followers[0]
     os.kill(follower.pid, signal.SIGKILL)
     follower.join()
     try:
-        tc.forward_backward([datum(TEXTS[0])], "cross_entropy").result()
+        tc.forward_backward([sft_datum(TEXTS[0])], "cross_entropy").result()
         error = ""
     except tinker.RequestFailedError as exc:
         error = str(exc)
@@ -77,7 +66,7 @@ def main() -> None:
     try:
         sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
         clients = [sc.create_lora_training_client(base_model="tiny", rank=8, seed=s).result() for s in (1, 2)]
-        data = [datum(t) for t in TEXTS]
+        data = [sft_datum(t) for t in TEXTS]
         for _ in range(2):
             for i, tc in enumerate(clients):
                 out_fb = tc.forward_backward(data[i:] + data[:i], "cross_entropy").result()
