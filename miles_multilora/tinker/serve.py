@@ -83,6 +83,14 @@ def _ranks(cfg: RunConfig) -> tuple[Any, Any]:
     if world == 1:
         rank = TrainerRank(cfg)
         return rank, make_backend(rank)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus and gpus < world:  # (a CPU machine runs the ranks as processes that share its cores)
+        raise ConfigError(
+            "model.dp",
+            f"{world} trainer ranks (model.dp x model.tp) need {world} GPUs of this machine, it has {gpus}",
+        )
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     os.environ.update(env, RANK="0", LOCAL_RANK="0")
     followers = dp.start_followers(cfg, world, env, make_backend)
