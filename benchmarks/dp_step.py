@@ -11,6 +11,7 @@ layout), DP=1 first and last as the control for drift; each runs ``--warmup`` un
     python benchmarks/dp_step.py --cpu --layouts 1x1,2x1       # tiny shape, gloo, 2-core CPU
     python benchmarks/dp_step.py --layouts 1x1,2x1,1x1         # 2 GPUs: the 2 B shape of rl_step.py
     python benchmarks/dp_step.py --layouts 1x1,2x1,2x2,1x1     # 4 GPUs: DP=2 x TP=2 too
+    python benchmarks/dp_step.py --layouts 1x1,4x1,1x1 --preset realistic --staleness 1   # continuous rollout
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def _rank_main(
     specs = [[rl_step.spec(f"a{i}", args.prompts * dp, args) for i in range(args.adapters)]]
     rows = rl_step.schedule(worker, specs, args.steps, args.warmup)
     rows[-1]["rank_trained"] = worker.last_rank_train_tokens
+    rows[-1]["max_rows"] = worker.cfg.rollout.max_batch_size
     rows[-1]["peak_gb"] = (
         torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
     )
@@ -91,7 +93,13 @@ def main() -> None:
     parser.add_argument(
         "--watchdog", type=float, default=0, help="seconds before a rank dumps its stacks and exits"
     )
+    parser.add_argument(
+        "--staleness", default=None,
+        help="rollout.max_staleness for every layout (0 or unset: synchronous steps; 1: continuous rollout)",
+    )  # fmt: skip
     args = rl_step.finish_workload_args(parser.parse_args())
+    if args.staleness is not None and not args.staleness.isdigit():
+        raise SystemExit(f"--staleness takes one number of versions (0: synchronous), got {args.staleness!r}")
     if args.cpu:
         args.max_tokens = 0
     layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
@@ -103,12 +111,17 @@ def main() -> None:
         )
     device = torch.cuda.get_device_name() if gpus and not args.cpu else "cpu"
     print(f"{device} x {gpus}; {args.adapters} adapters x {args.prompts} prompts x {args.samples} samples per DP "
-          f"rank, prompt {args.prompt_len}, <= {args.new_tokens} new tokens; {args.steps} timed steps per layout")  # fmt: skip
+          f"rank, prompt {args.prompt_len}, <= {args.new_tokens} new tokens; {args.steps} timed steps per layout; "
+          f"max_staleness {args.staleness or 0} (occupancy: rank 0's engine)")  # fmt: skip
     results: list[tuple[str, dict[str, Any]]] = []
     for dp, tp in layouts:
         rows = run_layout(dp, tp, args)
         step = statistics.median(r["step_s"] for r in rows)
+        gens = [r["generation"] for r in rows if r.get("generation")]  # rank 0's engine
+        decode_rows = sum(g["decode_steps"] for g in gens) * rows[-1]["max_rows"]
         agg = {
+            "occupancy": sum(g["row_steps"] for g in gens) / decode_rows if decode_rows else float("nan"),
+            "trained_tok_s": sum(r["trained"] for r in rows) / sum(r["step_s"] for r in rows),
             "step_s": step,
             "gen_s": statistics.median(r["rollout_s"] for r in rows),
             "train_s": statistics.median(r["train_s"] for r in rows),
@@ -126,7 +139,7 @@ def main() -> None:
             base.setdefault(a["tp"], []).append(a["tokens"] / a["step_s"])
     header = (
         f"{'layout':>14} {'step s':>7} {'rollout s':>9} {'train s':>8} {'tokens/step':>11} {'tokens/s':>9} "
-        f"{'vs DP=1':>8} {'rank 0 share':>12} {'peak GB':>8}"
+        f"{'vs DP=1':>8} {'rank 0 share':>12} {'peak GB':>8} {'occupancy':>9} {'trained tok/s':>13}"
     )
     print("\n" + header)
     print("-" * len(header))
@@ -136,7 +149,8 @@ def main() -> None:
         ratio = f"{rate / statistics.median(ref):.2f}x" if ref else "-"
         print(
             f"{name:>14} {a['step_s']:>7.2f} {a['gen_s']:>9.2f} {a['train_s']:>8.2f} {a['tokens']:>11.0f} "
-            f"{rate:>9.0f} {ratio:>8} {a['rank_share']:>12.0%} {a['peak_gb']:>8.1f}"
+            f"{rate:>9.0f} {ratio:>8} {a['rank_share']:>12.0%} {a['peak_gb']:>8.1f} {a['occupancy']:>9.1%} "
+            f"{a['trained_tok_s']:>13.0f}"
         )
 
 
