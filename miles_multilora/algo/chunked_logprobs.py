@@ -3,8 +3,9 @@
 ``log_softmax(h @ W^T / T)[target]`` for selected hidden rows, computed in chunks of rows: each
 chunk's logits exist only inside the chunk, so peak memory is ``chunk x vocab`` instead of ``tokens
 x vocab`` (3.7 GB in fp32 for 16 sequences of 400 tokens at a 152k vocabulary); with a gradient to
-take, the forward takes each row's input gradient from the same logits, so they are computed once. Each rank reduces its vocab shard ``W`` to three numbers per row (max, sum of
-exponentials, target logit); under tensor parallelism those are combined across ranks, and the
+take, the forward takes each row's input gradient from the same logits, so they are computed once.
+Each rank reduces its vocab shard ``W`` to three numbers per row (max, sum of exponentials, target
+logit); under tensor parallelism those are combined across ranks, and the
 input gradient is all-reduced (what Megatron's column-parallel output layer does around its GEMM).
 On a CUDA device the per-chunk reductions are the fused Triton kernels of :mod:`logprob_kernels`
 (one pass over the logits each way), elsewhere PyTorch ops. The numbers equal
@@ -134,8 +135,7 @@ def chunked_token_logprobs(
     With a gradient to take, the forward also takes ``d logprob / d hidden`` of every row while its
     chunk's logits are at hand (``(onehot - p) / T`` times the LM head: one more GEMM per chunk), and
     the backward only scales those rows by the incoming gradient: the logits are computed once, not
-    again in the backward. What is kept for the backward is one ``[N, H]`` tensor, as before
-    (``hidden`` itself was kept then)."""
+    again in the backward. What is kept for the backward is that one ``[N, H]`` tensor."""
     if weight.requires_grad:
         raise ValueError("chunked logprobs need a frozen LM head (no gradient is computed for its weight)")
     if fused is None:

@@ -110,7 +110,7 @@ def follow(backend: Any, group: Any) -> None:
             logger.debug("tinker follower: %s raised %s", name, exc)
 
 
-def follower_offload_dir(cfg: RunConfig, rank: int) -> Path:
+def rank_offload_dir(cfg: RunConfig, rank: int) -> Path:
     """Where rank ``rank`` parks slots past host memory (each rank its own copies)."""
     return Path(cfg.trainer.output_dir) / "offload" / f"rank{rank}"
 
@@ -124,7 +124,7 @@ def _follower_main(
     trainer = TrainerRank(cfg, rank, world)
     group = dist.new_group(backend="gloo")
     try:
-        follow(make_backend(trainer, follower_offload_dir(cfg, rank)), group)
+        follow(make_backend(trainer, rank_offload_dir(cfg, rank)), group)
     finally:
         os._exit(0)  # no process-group teardown: the server's process may already be gone
 

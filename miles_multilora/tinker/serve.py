@@ -1,21 +1,26 @@
-"""Start the Tinker server: its trainer rank in this process (rank 0; with ``model.dp`` > 1 the others
-follow in processes of their own, :mod:`miles_multilora.tinker.dp`), its batching queue, the HTTP app (served by
-:mod:`miles_multilora.http_serving`, like the controller's API) and a housekeeping thread that
-expires silent sessions and releases old results."""
+"""Start the Tinker server: its trainer rank in this process (rank 0; with ``model.dp`` > 1 the
+others follow in processes of their own, :mod:`miles_multilora.tinker.dp`), its batching queue, the
+HTTP app (served by :mod:`miles_multilora.http_serving`, like the controller's API) and a
+housekeeping thread that expires silent sessions and releases old results."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from starlette.types import Scope
 
 from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import LOOPBACK_HOSTS, BackgroundServer
+from miles_multilora.models.compat import free_port
+from miles_multilora.tinker import dp
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.tinker.server import create_app
@@ -71,20 +76,12 @@ def make_backend(rank: Any, offload_dir: Path | None = None) -> TinkerBackend:
 def _ranks(cfg: RunConfig) -> tuple[Any, Any]:
     """Rank 0's trainer rank and backend; with ``trainer.world_size`` > 1 the other ranks start as
     follower processes and the backend is mirrored to them (:mod:`miles_multilora.tinker.dp`)."""
-    import os
-
-    import torch.distributed as dist
-
-    from miles_multilora.models.compat import free_port
-    from miles_multilora.tinker import dp
-    from miles_multilora.trainer.rank import TrainerRank
+    from miles_multilora.trainer.rank import TrainerRank  # builds the model: imported when a server starts
 
     world = cfg.trainer.world_size or 1
     if world == 1:
         rank = TrainerRank(cfg)
         return rank, make_backend(rank)
-    import torch
-
     gpus = torch.cuda.device_count()
     if gpus and gpus < world:  # (a CPU machine runs the ranks as processes that share its cores)
         raise ConfigError(
@@ -102,7 +99,7 @@ def _ranks(cfg: RunConfig) -> tuple[Any, Any]:
             p.terminate()
         raise
     logger.info("tinker: %d trainer ranks (model.dp=%s, model.tp=%s)", world, cfg.model.dp, cfg.model.tp)
-    return rank, dp.MirroredBackend(make_backend(rank, dp.follower_offload_dir(cfg, 0)), group, followers)
+    return rank, dp.MirroredBackend(make_backend(rank, dp.rank_offload_dir(cfg, 0)), group, followers)
 
 
 def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:

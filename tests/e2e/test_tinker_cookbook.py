@@ -301,32 +301,31 @@ class _EvenLengthDatasetBuilder(RLDatasetBuilder):
         return _EvenLengthDataset(renderer, self.batch_size, self.group_size, self.n_batches, env), None
 
 
+def _run_rl_trainer(
+    server: Any, log_path: Path, recipe: str, no_reward: bool = False, **config: Any
+) -> list[dict[str, Any]]:
+    """Two steps of the cookbook's RL trainer on :class:`_EvenLengthDataset` (4 groups of 4, 5 new
+    tokens, rank 8) with ``config`` on top; the metric rows of the steps."""
+    model_name = server.state.base_model
+    dataset = _EvenLengthDatasetBuilder(
+        model_name_for_tokenizer=model_name, batch_size=4, group_size=4, n_batches=2, no_reward=no_reward
+    )
+    asyncio.run(rl_train.main(rl_train.Config(
+        log_path=str(log_path), model_name=model_name, recipe_name=recipe, renderer_name=RENDERER,
+        dataset_builder=dataset, learning_rate=5e-2, max_tokens=5, lora_rank=8, base_url=server.url,
+        eval_every=0, save_every=0, num_groups_to_log=0, rollout_json_export=False, **config,
+    )))  # fmt: skip
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]  # the last row: timings only
+    assert [r["step"] for r in rows] == [0, 1], rows
+    return rows
+
+
 def test_rl_trainer_with_stable_reinforce_changes_the_model(cookbook_env: Any, tmp_path: Path) -> None:
     server = cookbook_env
     model_name = server.state.base_model
     log_path = tmp_path / "rl"
-    config = rl_train.Config(
-        log_path=str(log_path),
-        model_name=model_name,
-        recipe_name="test_rl",
-        renderer_name=RENDERER,
-        dataset_builder=_EvenLengthDatasetBuilder(
-            model_name_for_tokenizer=model_name, batch_size=4, group_size=4, n_batches=2
-        ),
-        learning_rate=5e-2,
-        max_tokens=5,
-        lora_rank=8,
-        loss_fn="stable_reinforce",  # the math RL recipe's default (recipes/math_rl/train.py)
-        base_url=server.url,
-        eval_every=0,
-        save_every=0,
-        num_groups_to_log=0,
-        rollout_json_export=False,
-    )
-    asyncio.run(rl_train.main(config))
-
-    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]  # the last row: timings only
-    assert [r["step"] for r in rows] == [0, 1], rows
+    # stable_reinforce: the math RL recipe's default (recipes/math_rl/train.py)
+    rows = _run_rl_trainer(server, log_path, "test_rl", loss_fn="stable_reinforce")
     for row in rows:
         assert -0.1 <= _finite(row, "env/all/reward/total") <= 0.9, row  # format -0.1, answer +1
         _finite(row, "optim/entropy")
@@ -375,29 +374,10 @@ def test_rl_trainer_applies_a_kl_penalty_against_a_saved_reference(cookbook_env:
     model_name = server.state.base_model
     reference = _trained_sampler_weights(server, "User: Write a word.\n\nAssistant: tree\n\n", "kl-reference")
     log_path = tmp_path / "rl-kl"
-    config = rl_train.Config(
-        log_path=str(log_path),
-        model_name=model_name,
-        recipe_name="test_rl_kl",
-        renderer_name=RENDERER,
-        dataset_builder=_EvenLengthDatasetBuilder(
-            model_name_for_tokenizer=model_name, batch_size=4, group_size=4, n_batches=2, no_reward=True
-        ),
-        learning_rate=5e-2,
-        max_tokens=5,
-        lora_rank=8,
-        kl_penalty_coef=1.0,
+    rows = _run_rl_trainer(
+        server, log_path, "test_rl_kl", no_reward=True, kl_penalty_coef=1.0,
         kl_reference_config=rl_train.KLReferenceConfig(base_model=model_name, load_checkpoint_path=reference),
-        base_url=server.url,
-        eval_every=0,
-        save_every=0,
-        num_groups_to_log=0,
-        rollout_json_export=False,
-    )
-    asyncio.run(rl_train.main(config))
-
-    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]
-    assert [r["step"] for r in rows] == [0, 1], rows
+    )  # fmt: skip
     for row in rows:
         assert _finite(row, "env/all/reward/total") == 0.0, row
         assert abs(_finite(row, "optim/kl_sample_train_v2")) < 1e-3, row
