@@ -56,6 +56,17 @@ class Datum:
     tokens: Sequence[int] | np.ndarray
     inputs: dict[str, Values]
 
+    @property
+    def targets_per_token(self) -> int:
+        """K of ``[N, K]`` target_tokens (top-k distillation), else 1."""
+        shape = np.shape(self.inputs.get("target_tokens", ()))
+        return int(shape[1]) if len(shape) == 2 else 1
+
+    @property
+    def scored_tokens(self) -> int:
+        """Token positions the forward scores (K per input token for ``[N, K]`` targets): its cost."""
+        return len(self.tokens) * self.targets_per_token
+
 
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
     return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]

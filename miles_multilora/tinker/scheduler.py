@@ -114,13 +114,13 @@ class _Item:
 def split_forward_backward(
     request: ForwardBackwardRequest, batch_tokens: int
 ) -> list[ForwardBackwardRequest]:
-    """``request`` as pieces of whole datums, each of at most ``batch_tokens`` input tokens (a
-    datum longer than that is a piece of its own)."""
+    """``request`` as pieces of whole datums, each of at most ``batch_tokens`` scored tokens (input
+    tokens, K each with ``[N, K]`` targets; a datum over that is a piece of its own)."""
     pieces: list[ForwardBackwardRequest] = []
     current: list = []
     tokens = 0
     for d in request.data:
-        n = len(d.tokens)
+        n = d.scored_tokens
         if current and tokens + n > batch_tokens:
             pieces.append(dataclasses.replace(request, data=current))
             current, tokens = [], 0
@@ -185,7 +185,7 @@ class BatchingQueue:
         pieces = split_forward_backward(request, self.batch_tokens)
         job = _Job(len(pieces), merge_outputs)
         items = [
-            _Item(job, i, lane, sum(len(d.tokens) for d in p.data), piece=p) for i, p in enumerate(pieces)
+            _Item(job, i, lane, sum(d.scored_tokens for d in p.data), piece=p) for i, p in enumerate(pieces)
         ]
         self._put(lane, items)
         return job.future

@@ -236,11 +236,18 @@ def create_app(
         raw = await read_body(request, required="a protobuf ForwardBackwardRequest")
         fb, seq = await run_in_threadpool(decode_forward_backward, raw)
         owned = registry.model(tenant, fb.model_id)
-        tokens = sum(len(d.tokens) for d in fb.data)
+        widest = max((d.targets_per_token for d in fb.data), default=1)
+        if widest > s.max_topk_prompt_logprobs:
+            raise TinkerError(
+                "data", f"[N, K] target_tokens with K={widest}; the cap is {s.max_topk_prompt_logprobs} "
+                "(tinker.max_topk_prompt_logprobs): send fewer targets per position",
+            )  # fmt: skip
+        tokens = sum(d.scored_tokens for d in fb.data)
         if tokens > s.max_forward_backward_tokens:
             raise TinkerError(
-                "data", f"{tokens} input tokens in one request; the cap is {s.max_forward_backward_tokens} "
-                "(tinker.max_forward_backward_tokens): send fewer or shorter datums per call",
+                "data", f"{tokens} scored tokens in one request (input tokens, K each with [N, K] targets); "
+                f"the cap is {s.max_forward_backward_tokens} (tinker.max_forward_backward_tokens): send fewer "
+                "or shorter datums per call",
             )  # fmt: skip
         await run_in_threadpool(backend.check, fb)
         key = (

@@ -541,6 +541,11 @@ def test_topk_targets_score_each_of_k_tokens_per_position(server: Any) -> None:
               "advantages": tinker.TensorData.from_numpy(np.ones((n, k), np.float32))}  # fmt: skip
         tc.forward_backward([tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens), loss_fn_inputs=rl)],
                             "importance_sampling").result()  # fmt: skip
+    wide = np.zeros((n, 21), np.int64)  # over tinker.max_topk_prompt_logprobs (20): K multiplies the work
+    with pytest.raises(
+        tinker.BadRequestError, match=r"K=21; the cap is 20 \(tinker.max_topk_prompt_logprobs\)"
+    ):
+        tc.forward_backward([datum(wide, np.ones((n, 21), np.float32))], "cross_entropy").result()
     with pytest.raises(
         tinker.BadRequestError, match=r"weights: must have target_tokens' shape \[5, 3\], got \[5, 2\]"
     ):

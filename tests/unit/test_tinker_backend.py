@@ -487,3 +487,19 @@ def test_unseeded_models_take_the_reproducible_seeds_stream(backend: TinkerBacke
     assert first == again == [expected.randrange(2**31) for _ in range(4)]
     assert seeds(TinkerConfig(reproducible_seed=8), "c") != first
     assert len(set(seeds(TinkerConfig(), "d") + seeds(TinkerConfig(), "e"))) == 8  # random
+
+
+def test_topk_targets_count_k_times_toward_batches_and_charges() -> None:
+    """A datum of [N, K] targets costs N * K scored tokens: the queue splits and charges by that,
+    so K cannot slip a tenant's work past tinker.batch_tokens or its fair share."""
+    import numpy as np
+
+    from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest
+    from miles_multilora.tinker.scheduler import split_forward_backward
+
+    flat = Datum(list(range(10)), {"target_tokens": np.zeros(10, np.int64), "weights": np.ones(10)})
+    topk = Datum(list(range(10)), {"target_tokens": np.zeros((10, 4), np.int64), "weights": np.ones((10, 4))})
+    assert (flat.targets_per_token, flat.scored_tokens) == (1, 10)
+    assert (topk.targets_per_token, topk.scored_tokens) == (4, 40)
+    request = ForwardBackwardRequest("m", [topk, topk, flat], "cross_entropy", {})
+    assert [len(p.data) for p in split_forward_backward(request, 50)] == [1, 2]  # 40 | 40 + 10
