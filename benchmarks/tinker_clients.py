@@ -6,7 +6,8 @@ calls each, each client waiting for its result before the next, all at once.
 
 - ``--mode forward_backward``: calls of ``--datums`` datums of ``--tokens`` tokens each
   (cross_entropy); the server batches the clients' requests that arrive within ``--window``
-  seconds. Prints tokens/s over all clients and the ratio to one client.
+  seconds (up to ``--batch-tokens``). Prints tokens/s over all clients, the ratio to one client,
+  and the same calls in the server's batches in-process (no HTTP or SDK): the trainer's own rate.
 - ``--mode sample``: each client's sampler (its model after one step) asks for ``--samples``
   samples of ``--new-tokens`` tokens of its own prompt of ``--tokens`` tokens; each round runs
   with the server's sample batching on (``tinker.batch_sampling``: the clients' sample calls share
@@ -40,7 +41,7 @@ import torch
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.config.run import config_from_container
-from miles_multilora.tinker.backend import SampleRequest
+from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, SampleRequest
 from miles_multilora.tinker.serve import start
 
 
@@ -123,6 +124,23 @@ def in_process_round(
     return time.perf_counter() - start_t
 
 
+def in_process_fb_round(server: Any, model_ids: list[str], data: list, requests: int) -> float:
+    """The same forward_backward calls as :func:`run_round` (``requests`` per model) in the batches
+    the server forms (as many whole requests as ``tinker.batch_tokens`` holds), each one
+    ``backend.forward_backward`` on the server's queue thread, no HTTP or SDK: the trainer's own rate."""
+    backend, queue = server.state.backend, server.state.queue
+    own = [
+        Datum(tokens=d.model_input.to_ints(), inputs={k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
+        for d in data
+    ]
+    pending = [ForwardBackwardRequest(m, own) for _ in range(requests) for m in model_ids]
+    per_batch = max(1, queue.batch_tokens // sum(len(d.tokens) for d in own))
+    start_t = time.perf_counter()
+    for i in range(0, len(pending), per_batch):
+        queue.submit(backend.forward_backward, pending[i : i + per_batch]).result()
+    return time.perf_counter() - start_t
+
+
 def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.Namespace) -> None:
     queue = server.state.queue
     model_ids = [c.model_id for c in clients]
@@ -131,7 +149,8 @@ def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.N
     samplers = [c.save_weights_and_get_sampling_client().result() for c in clients]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, args.vocab, args.tokens).tolist() for _ in samplers]
-    sample_round(samplers[:1], prompts, args)  # warm-up
+    sample_round(samplers, prompts, args)  # warm-up: the largest batch's shapes compile and capture
+    in_process_round(server, model_ids, prompts, args)
     times: dict[tuple[int, bool], list[float]] = {(n, b): [] for n in counts for b in (True, False)}
     calls: dict[tuple[int, bool], list[int]] = {key: [] for key in times}
     engine: dict[int, list[float]] = {n: [] for n in counts}
@@ -176,6 +195,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="sample mode: max_tokens per sample")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=float, default=0.02, help="tinker.batch_window_s")
+    parser.add_argument("--batch-tokens", type=int, default=16_384, help="tinker.batch_tokens")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=256)
@@ -200,7 +220,8 @@ def main() -> None:
             "max_seq_len": 1 << (args.tokens + args.new_tokens + 1).bit_length()}},
         "lora": {"num_slots": max(counts), "max_rank": 16},
         "trainer": {"output_dir": str(root / "out"), "micro_batch_size": max(counts) * args.datums},
-        "tinker": {"port": 0, "api_key_file": str(key), "base_model": "bench", "batch_window_s": args.window},
+        "tinker": {"port": 0, "api_key_file": str(key), "base_model": "bench", "batch_window_s": args.window,
+                   "batch_tokens": args.batch_tokens},
         "logging": {"wandb_mode": "disabled"},
     })  # fmt: skip
     server = start(cfg)
@@ -219,11 +240,15 @@ def main() -> None:
             bench_sample(server, clients, counts, args)
             service.close("success")
             return
-        run_round(clients[:1], data, 1)  # warm-up
+        model_ids = [c.model_id for c in clients]
+        run_round(clients, data, 1)  # warm-up: the largest batch's shapes
+        in_process_fb_round(server, model_ids, data, 1)
         times: dict[int, list[float]] = {n: [] for n in counts}
+        engine: dict[int, list[float]] = {n: [] for n in counts}
         batches: dict[int, list[int]] = {n: [] for n in counts}
         for _ in range(args.rounds):
             for n in counts:
+                engine[n].append(in_process_fb_round(server, model_ids[:n], data, args.requests))
                 before = len(server.state.queue.batches)
                 times[n].append(run_round(clients[:n], data, args.requests))
                 batches[n].extend(server.state.queue.batches[before:])
@@ -231,7 +256,8 @@ def main() -> None:
         print(f"{device} x {args.dp} trainer rank(s); {args.datums} datums x {args.tokens} tokens per request, {args.requests} requests per "
               f"client per round, window {args.window} s; median of {args.rounds} interleaved rounds")  # fmt: skip
         header = (
-            f"{'clients':>7} {'round s':>8} {'tokens/s':>9} {'vs 1 client':>11} {'requests per batch':>18}"
+            f"{'clients':>7} {'round s':>8} {'tokens/s':>9} {'vs 1 client':>11} {'requests per batch':>18} "
+            f"{'in-process tokens/s':>19} {'vs in-process':>13}"
         )
         print(header + "\n" + "-" * len(header))
         base = None
@@ -239,8 +265,10 @@ def main() -> None:
             seconds = statistics.median(times[n])
             rate = n * args.requests * args.datums * args.tokens / seconds
             base = base or rate
+            direct = n * args.requests * args.datums * args.tokens / statistics.median(engine[n])
             print(
-                f"{n:>7} {seconds:>8.2f} {rate:>9.0f} {rate / base:>10.2f}x {statistics.mean(batches[n]):>18.1f}"
+                f"{n:>7} {seconds:>8.2f} {rate:>9.0f} {rate / base:>10.2f}x {statistics.mean(batches[n]):>18.1f} "
+                f"{direct:>19.0f} {rate / direct:>12.1%}"
             )
         service.close("success")
     finally:

@@ -310,7 +310,7 @@ class BatchingQueue:
         else:
             cap, same_kind = self.sample_batch_tokens, lambda it: it.sample is not None
         batch, tokens = [first], first.cost
-        if self.window_s > 0 and tokens < cap:
+        if self.window_s > 0 and tokens < cap and not self._batch_waiting(cap - tokens, same_kind):
             time.sleep(self.window_s)  # let other clients' requests join this batch
         with self._cv:
             while len(batch) < self.max_batch:
@@ -321,6 +321,19 @@ class BatchingQueue:
                 batch.append(item)
                 tokens += item.cost
         return batch
+
+    def _batch_waiting(self, room: int, same_kind: Callable[[_Item], bool]) -> bool:
+        """Whether queued work of the batch's kind already fills ``room`` (or the batch's count):
+        the window would only leave the device idle."""
+        with self._cv:
+            waiting = count = 0
+            for queue in self._lanes.values():
+                for item in queue:
+                    if same_kind(item) and not item.job.over:
+                        waiting, count = waiting + item.cost, count + 1
+                        if waiting >= room or count >= self.max_batch - 1:
+                            return True
+        return False
 
     # ------------------------------------------------------------------ running
     def _run(self) -> None:

@@ -321,6 +321,25 @@ def test_loading_weights_alone_makes_a_new_version(backend: TinkerBackend, tmp_p
     assert backend.model("a").version == 1 and backend.rank.optimizer.slot_state_dict(slot)["step"] == 1
 
 
+def test_a_full_batch_waiting_runs_without_the_window(backend: TinkerBackend) -> None:
+    """The batch window lets late requests join; when queued work already fills the batch it would
+    only idle the device, so the batch runs at once (here the window is ten minutes)."""
+    backend.create_model("a", rank=4, seed=1)
+    backend.create_model("b", rank=4, seed=2)
+    queue = BatchingQueue(backend, window_s=600.0, batch_tokens=2 * (len(TEXT) - 1))  # two datums
+    try:
+        with queue._cv:  # both queued before the worker picks the first
+            futures = [
+                queue.submit_forward_backward(ForwardBackwardRequest(m, [sft_datum(TEXT)]), lane=m)
+                for m in ("a", "b")
+            ]
+        for f in futures:
+            f.result(timeout=120)
+    finally:
+        queue.close()
+    assert queue.batches == [2]
+
+
 def test_a_request_split_into_batches_gives_what_it_gives_whole(backend: TinkerBackend) -> None:
     """Pieces of whole datums (here 2 per batch) accumulate the request's gradient in its slot, and
     its future gets every datum's logprobs in order and the summed metrics."""
