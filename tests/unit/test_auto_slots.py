@@ -204,4 +204,6 @@ def test_auto_sizes_a_gpu_rank_whose_warm_up_peak_fits_the_budget(tmp_path: Path
     free, total = torch.cuda.mem_get_info()
     used = total - free - torch.cuda.memory_reserved() + meter.peak
     assert used <= fraction * total + per, (used, fraction * total)
-    assert used + 8 * sizing.per_slot > sizing.budget, (used, sizing.summary())  # not half the budget idle
+    # Not far short: the measurement is conservative (the probe's first step peaks above later
+    # ones; an H200 run used 84% of the budget at 16 slots), but no more than a quarter sits idle.
+    assert used > 0.75 * sizing.budget, (used, sizing.summary())
