@@ -151,34 +151,36 @@ def bench_sample(server: Any, clients: list, counts: list[int], args: argparse.N
     prompts = [rng.integers(0, args.vocab, args.tokens).tolist() for _ in samplers]
     sample_round(samplers, prompts, args)  # warm-up: the largest batch's shapes compile and capture
     in_process_round(server, model_ids, prompts, args)
-    times: dict[tuple[int, bool], list[float]] = {(n, b): [] for n in counts for b in (True, False)}
-    calls: dict[tuple[int, bool], list[int]] = {key: [] for key in times}
+    modes = {"joined": (True, True), "batched": (True, False), "one at a time": (False, False)}
+    times: dict[tuple[int, str], list[float]] = {(n, m): [] for n in counts for m in modes}
+    calls: dict[tuple[int, str], list[int]] = {key: [] for key in times}
     engine: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.rounds):
         for n in counts:
             engine[n].append(in_process_round(server, model_ids[:n], prompts, args))
-            for batching in (True, False):
-                queue.batch_sampling = batching  # read by the worker at each batch it makes
+            for mode, (batching, joining) in modes.items():
+                queue.batch_sampling, queue.join_sampling = batching, joining  # read at each batch
                 before = len(queue.sample_batches)
-                times[n, batching].append(sample_round(samplers[:n], prompts, args))
-                calls[n, batching].extend(queue.sample_batches[before:])
-    queue.batch_sampling = True
+                times[n, mode].append(sample_round(samplers[:n], prompts, args))
+                calls[n, mode].extend(queue.sample_batches[before:])
+    queue.batch_sampling, queue.join_sampling = True, True
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{device} x {args.dp} trainer rank(s); {args.samples} samples x {args.new_tokens} new tokens of a {args.tokens}-token prompt per "
           f"call, {args.requests} calls per client per round, window {args.window} s; median of "
-          f"{args.rounds} interleaved rounds")  # fmt: skip
+          f"{args.rounds} interleaved rounds; samples/s (calls per engine call)")  # fmt: skip
     header = (
-        f"{'clients':>7} {'batched samples/s':>17} {'calls/engine call':>17} "
-        f"{'one at a time samples/s':>23} {'batched / one at a time':>23} {'in-process samples/s':>20} "
-        f"{'batched / in-process':>20}"
+        f"{'clients':>7} {'joined':>15} {'batched, no joins':>18} {'one at a time':>15} "
+        f"{'in-process':>10} {'joined / in-process':>19} {'joined / one at a time':>22}"
     )
     print(header + "\n" + "-" * len(header))
     for n in counts:
-        rates = {b: n * args.requests * args.samples / statistics.median(times[n, b]) for b in (True, False)}
+        rate = {m: n * args.requests * args.samples / statistics.median(times[n, m]) for m in modes}
+        per_call = {m: statistics.mean(calls[n, m]) for m in modes}
         direct = n * args.requests * args.samples / statistics.median(engine[n])
+        cells = [f"{rate[m]:.1f} ({per_call[m]:.1f})" for m in modes]
         print(
-            f"{n:>7} {rates[True]:>17.1f} {statistics.mean(calls[n, True]):>17.2f} {rates[False]:>23.1f} "
-            f"{rates[True] / rates[False]:>22.2f}x {direct:>20.1f} {rates[True] / direct:>19.1%}"
+            f"{n:>7} {cells[0]:>15} {cells[1]:>18} {cells[2]:>15} {direct:>10.1f} "
+            f"{rate['joined'] / direct:>19.1%} {rate['joined'] / rate['one at a time']:>21.2f}x"
         )
 
 

@@ -215,6 +215,7 @@ class TinkerConfig:
     batch_tokens: int = 16_384  # forward/backward tokens run as one batch; larger requests run in pieces
     sample_batch_tokens: int = 65_536  # num_samples x max_tokens in one engine call; larger requests in parts
     batch_sampling: bool = True  # sample parts of different clients share an engine call (off: one at a time)
+    join_sampling: bool = True  # sample parts queued while an engine call decodes join it (free rows)
     max_topk_prompt_logprobs: int = 20  # top-k prompt logprobs of one sample request: k up to this
     max_pending_requests: int = 256  # per tenant: queued and running requests; more get 429 (the SDK retries)
     max_sessions: int = 64  # per tenant: open sessions; more get 429

@@ -25,6 +25,7 @@ import shutil
 from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -184,6 +185,53 @@ class SampleRequest:
 SampleOutcome = list[GenerationResult] | Exception  # a request's samples, or why it was refused
 
 
+class SampleJoiner(Protocol):
+    """Sample requests that may join a running engine call (the server's queue)."""
+
+    def waiting(self) -> bool:
+        """Whether requests are waiting to join (asked at every host check: cheap)."""
+        ...
+
+    def take(self) -> Sequence[SampleRequest]:
+        """The requests that join now (possibly none)."""
+        ...
+
+
+class _Joiner:
+    """The rank's :class:`~miles_multilora.trainer.rank.GroupJoiner` for :meth:`TinkerBackend.sample_many`:
+    each joining request's model gets its slot (never moving a model with rows in flight), and its
+    group is numbered on after the call's others."""
+
+    def __init__(
+        self,
+        backend: TinkerBackend,
+        more: SampleJoiner,
+        outcomes: list[SampleOutcome | None],
+        where: list[int],
+        done: Callable[[int, SampleOutcome], None],
+    ) -> None:
+        self.backend, self.more, self.outcomes, self.where, self.done = backend, more, outcomes, where, done
+
+    def waiting(self) -> bool:
+        return self.more.waiting()
+
+    def join(self) -> list[list[GenerationRequest]]:
+        groups = []
+        for request in self.more.take():
+            i = len(self.outcomes)
+            self.outcomes.append(None)
+            decoding = self.backend._decoding
+            try:
+                groups.append(self.backend._generation_requests(request, decoding))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                self.done(i, exc)
+                continue
+            if request.model_id is not None:
+                decoding.add(request.model_id)
+            self.where.append(i)
+        return groups
+
+
 @dataclass
 class SampleOutput:
     """A sample request's answer: its sequences, and its prompt's scores when asked for."""
@@ -215,6 +263,7 @@ class TinkerBackend:
         self._used: dict[str, int] = {}  # model id -> when an operation last needed it (LRU)
         self._loads: dict[str, int] = {}  # model id -> how many saved states were loaded into it
         self.copies: dict[str, str] = {}  # sampling copy -> the tenant it counts toward (resident only)
+        self._decoding: set[str] = set()  # models with rows in the running engine call: never moved
         self._clock = 0
         self.stats = {"parked": 0, "restored": 0, "spilled": 0, "copies_loaded": 0, "copies_evicted": 0}
 
@@ -315,7 +364,10 @@ class TinkerBackend:
         free = self.rank.free_slots()
         if free:
             return free[0]
-        victims = sorted((m for m in self.resident if m not in keep), key=lambda m: self._used.get(m, 0))
+        victims = sorted(
+            (m for m in self.resident if m not in keep and m not in self._decoding),
+            key=lambda m: self._used.get(m, 0),
+        )
         if not victims:
             raise TinkerError(
                 "model", f"one batch needs more than the {self.rank.num_slots} slots (lora.num_slots)"
@@ -370,7 +422,10 @@ class TinkerBackend:
         if key in self.resident:
             self._touch(key)
             return
-        mine = sorted((k for k, o in self.copies.items() if o == owner), key=lambda k: self._used.get(k, 0))
+        mine = sorted(
+            (k for k, o in self.copies.items() if o == owner and k not in self._decoding),
+            key=lambda k: self._used.get(k, 0),
+        )
         for victim in mine[: max(len(mine) - max_per_owner + 1, 0)]:
             self.drop_copy(victim)
         saved = read_shard(directory, self.rank.layout.tp_rank)  # once; FileNotFoundError: deleted
@@ -513,10 +568,16 @@ class TinkerBackend:
             raise outcome
         return outcome
 
+    def has_room(self) -> bool:
+        """Whether one more model can get a slot during the running engine call: a slot is free, or
+        a resident model without rows in it can be moved out."""
+        return bool(self.rank.free_slots()) or any(m not in self._decoding for m in self.resident)
+
     def sample_many(
         self,
         requests: Sequence[SampleRequest],
         on_done: Callable[[int, SampleOutcome], None] | None = None,
+        more: SampleJoiner | None = None,
     ) -> list[SampleOutcome]:
         """The requests of any models (and of the base model) as one engine call with mixed slots,
         in turns of at most ``lora.num_slots`` models. Each request keeps its own seeds, and a row's
@@ -525,7 +586,11 @@ class TinkerBackend:
         cannot serve) gets its error in its place and changes nothing; the others run. A failure of
         the engine call itself is raised (it concerns every request of the call).
         ``on_done(i, outcome)`` hears each request's outcome as soon as it is known: a refusal at
-        once, samples when the request's last sample ends (the others may still decode)."""
+        once, samples when the request's last sample ends (the others may still decode).
+
+        ``more`` (a streaming engine on one rank): requests that arrive while the last turn decodes
+        join its batch at a host check, numbered on from the last, into free rows; a model with
+        rows in flight is never parked or evicted to make room for them."""
         outcomes: list[SampleOutcome | None] = [None] * len(requests)
 
         def done(i: int, outcome: SampleOutcome) -> None:
@@ -549,8 +614,17 @@ class TinkerBackend:
                     done(i, exc)
                     continue
                 where.append(i)
+            joiner = _Joiner(self, more, outcomes, where, done) if more and k == len(turns) - 1 else None
             if groups:
-                self.rank.sample(groups, on_group=lambda g, results, where=where: done(where[g], results))
+                self._decoding = set(keep)
+                try:
+                    self.rank.sample(
+                        groups,
+                        on_group=lambda g, results, where=where: done(where[g], results),
+                        joiner=joiner,
+                    )
+                finally:
+                    self._decoding = set()
         return outcomes  # type: ignore[return-value] - every request has its outcome
 
     def _generation_requests(self, request: SampleRequest, keep: set[str]) -> list[GenerationRequest]:

@@ -39,7 +39,7 @@ MIRRORED = frozenset({
     "optim_step", "sample", "sample_many", "score_prompt", "save_state", "export_peft", "load_state",
 })  # fmt: skip
 _STOP = "__stop__"
-_CALLBACKS = ("on_done",)  # rank 0's own listeners: a follower's results go nowhere
+_CALLBACKS = ("on_done", "more")  # rank 0's own listeners and joins: a follower's results go nowhere
 
 
 class MirroredBackend:

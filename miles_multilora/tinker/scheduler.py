@@ -9,6 +9,8 @@ is filled with the items of its kind at the heads of the lanes owed the most, as
 forward/backward pieces within ``batch_tokens`` run as one mixed-slot forward/backward, sample
 parts within ``sample_batch_tokens`` as one engine call with mixed slots (each part's model
 resolved first, failing alone; ``batch_sampling=False``: one part per call, as a call), and a call runs alone.
+Sample parts queued while an engine call decodes join it at its host checks (``join_sampling``),
+while its unanswered parts fit ``sample_batch_tokens`` and no other kind of work waits.
 
 "Owed the most" is the least service received, first among tenants, then among the lanes of that
 tenant. Service is counted in forward/backward tokens; a call is charged the time it took, at the
@@ -150,10 +152,12 @@ class BatchingQueue:
         batch_tokens: int = 16_384,
         sample_batch_tokens: int = 65_536,
         batch_sampling: bool = True,
+        join_sampling: bool = True,
     ) -> None:
         self.backend, self.window_s, self.max_batch = backend, window_s, max_batch
         self.batch_tokens, self.sample_batch_tokens = batch_tokens, sample_batch_tokens
         self.batch_sampling = batch_sampling
+        self.join_sampling = join_sampling  # sample parts may join a running engine call
         self._lanes: dict[Lane, deque[_Item]] = {}
         self._tenant_served: dict[Any, float] = {}
         self._lane_served: dict[Lane, float] = {}
@@ -383,41 +387,99 @@ class BatchingQueue:
     def _run_samples(self, batch: list[_Item]) -> None:
         """Sample parts as one engine call: each part's model resolved first (failing it alone), then the
         backend, whose refusal of one request fails that part alone. Each part is answered as soon
-        as its samples end; the parts share the time charged in proportion to their costs."""
-        ok, requests = [], []
+        as its samples end, and parts queued meanwhile join the running call while it has room
+        (:class:`_SampleJoins`); the parts share the time charged in proportion to their costs."""
+        ok: list[_Item] = []
+        requests = []
         for item in batch:
-            assert item.sample is not None
-            if item.job.over:
-                continue
-            request = item.sample.request
-            try:
-                if item.sample.resolve is not None:
-                    request = dataclasses.replace(request, model_id=item.sample.resolve())
-            except Exception as exc:  # noqa: BLE001 - reported to that request's caller
-                item.job.fail(exc)
-                continue
-            ok.append(item)
-            requests.append(request)
+            request = self._resolved(item)
+            if request is not None:
+                ok.append(item)
+                requests.append(request)
         if not ok:
             return
-        self.sample_batches.append(len(ok))
         started, heard = time.perf_counter(), set()
+        joins = _SampleJoins(self, ok, sum(item.cost for item in ok))
+        call = len(self.sample_batches)
+        self.sample_batches.append(len(ok))  # counted again at the end, with the parts that joined
 
         def done(i: int, outcome: SampleOutcome) -> None:  # as soon as part i's samples end
             heard.add(i)
+            joins.in_flight -= ok[i].cost
             if isinstance(outcome, Exception):
                 ok[i].job.fail(outcome)
             else:
                 ok[i].job.part_done(ok[i].index, outcome)
 
         try:
-            self.backend.sample_many(requests, on_done=done)
+            self.backend.sample_many(
+                requests, on_done=done, more=joins if self.join_sampling and self.batch_sampling else None
+            )
         except Exception as exc:  # noqa: BLE001 - the shared engine call failed: its callers waiting hear it
             for i, item in enumerate(ok):
                 if i not in heard:
                     item.job.fail(exc)
+        self.sample_batches[call] = len(ok)
         with self._cv:  # charge what it took, not what it was guessed to take
             if self._rate is not None:
                 total, guessed = (time.perf_counter() - started) * self._rate, sum(item.cost for item in ok)
                 for item in ok:
                     self._charge(item.lane, total * item.cost / max(guessed, 1e-9) - item.cost)
+
+    def _resolved(self, item: _Item) -> SampleRequest | None:
+        """A sample part's request naming the model it samples from now; None when the request is
+        over or the model cannot be resolved (then the part failed alone)."""
+        assert item.sample is not None
+        if item.job.over:
+            return None
+        request = item.sample.request
+        try:
+            if item.sample.resolve is not None:
+                request = dataclasses.replace(request, model_id=item.sample.resolve())
+        except Exception as exc:  # noqa: BLE001 - reported to that request's caller
+            item.job.fail(exc)
+            return None
+        return request
+
+    def _only_samples_next(self) -> bool:
+        """Under ``_cv``: whether the lanes' heads hold sample parts and nothing else (other work
+        waiting ends the joining: the running call drains and that work gets its turn)."""
+        heads = [queue[0] for queue in self._lanes.values() if queue and not queue[0].job.over]
+        return bool(heads) and all(item.sample is not None for item in heads)
+
+
+class _SampleJoins:
+    """The queue's side of one running engine call: sample parts queued meanwhile join it, picked
+    fairly as a batch is filled, while the call's unanswered parts leave room within
+    ``sample_batch_tokens``, a slot can be had, and no other kind of work waits."""
+
+    def __init__(self, queue: BatchingQueue, ok: list[_Item], in_flight: int) -> None:
+        self.queue, self.ok, self.in_flight = queue, ok, in_flight
+
+    def waiting(self) -> bool:
+        q = self.queue
+        if len(self.ok) >= q.max_batch or not q.backend.has_room():
+            return False
+        with q._cv:
+            room = q.sample_batch_tokens - self.in_flight
+            return q._only_samples_next() and any(
+                queue[0].cost <= room for queue in q._lanes.values() if queue and not queue[0].job.over
+            )
+
+    def take(self) -> list[SampleRequest]:
+        q, joined = self.queue, []
+        while len(self.ok) < q.max_batch and q.backend.has_room():
+            with q._cv:
+                if not q._only_samples_next():
+                    break
+                room = q.sample_batch_tokens - self.in_flight
+                item = q._pick(lambda it, room=room: it.sample is not None and it.cost <= room)
+            if item is None:
+                break
+            request = q._resolved(item)  # outside the lock: it may load a sampler's saved weights
+            if request is None:
+                continue
+            self.ok.append(item)
+            self.in_flight += item.cost
+            joined.append(request)
+        return joined

@@ -122,6 +122,7 @@ def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:
             batch_tokens=t.batch_tokens,
             sample_batch_tokens=t.sample_batch_tokens,
             batch_sampling=t.batch_sampling,
+            join_sampling=t.join_sampling,
         ),
         base_model=str(base),
         state_dir=Path(t.state_dir or Path(cfg.trainer.output_dir) / "tinker"),

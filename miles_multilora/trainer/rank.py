@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,18 @@ class OpenSlot:
     version: int = 0
     run: str = ""
     targets: tuple[str, ...] = ()
+
+
+class GroupJoiner(Protocol):
+    """More groups for a running streaming batch (:meth:`TrainerRank.sample`)."""
+
+    def waiting(self) -> bool:
+        """Whether groups are waiting to join (asked at every host check: cheap)."""
+        ...
+
+    def join(self) -> Sequence[Sequence[GenerationRequest]]:
+        """The groups that join now (possibly none)."""
+        ...
 
 
 class TrainerRank:
@@ -193,14 +205,16 @@ class TrainerRank:
         self,
         groups: Sequence[Sequence[GenerationRequest]],
         on_group: Callable[[int, list[GenerationResult]], None] | None = None,
+        joiner: GroupJoiner | None = None,
     ) -> list[list[GenerationResult]]:
         """The results of each group of requests, on every rank. Groups are generated whole, round
         robin over DP ranks (request seeds do not depend on the rank), then gathered.
         ``on_group(i, results)`` hears each group's results: as soon as the group finishes, while
         the others still decode, on one rank with a streaming (embedded) engine; else once all
-        have finished."""
+        have finished. There ``joiner`` may also bring more groups into the running batch (numbered
+        on from the last, heard the same way, in the results); elsewhere it is not asked."""
         if on_group is not None and self.layout.world_size == 1 and self.engine.streams:
-            return self._sample_streaming(groups, on_group)
+            return self._sample_streaming(groups, on_group, joiner)
 
         def generate(part: list[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
             results = self.engine.generate([r for group in part for r in group])
@@ -220,27 +234,43 @@ class TrainerRank:
         self,
         groups: Sequence[Sequence[GenerationRequest]],
         on_group: Callable[[int, list[GenerationResult]], None],
+        joiner: GroupJoiner | None,
     ) -> list[list[GenerationResult]]:
         """:meth:`sample` on the engine's stream: every group decodes in one batch, and each is
-        taken (and heard) at the first host check after its last sample ends."""
-        ids = self.engine.submit([r for group in groups for r in group])
+        taken (and heard) at the first host check after its last sample ends; groups the
+        ``joiner`` brings are submitted at a host check and fill the rows others leave."""
+        out: list[list[GenerationResult]] = []
         pending: dict[int, list[int]] = {}
-        for i, group in enumerate(groups):
-            pending[i], ids = ids[: len(group)], ids[len(group) :]
-        out: list[list[GenerationResult]] = [[] for _ in groups]
+
+        def submit(new: Sequence[Sequence[GenerationRequest]]) -> None:
+            ids = self.engine.submit([r for group in new for r in group])
+            for group in new:
+                pending[len(out)], ids = ids[: len(group)], ids[len(group) :]
+                out.append([])
 
         def finished(state: Any, group: list[int]) -> bool:
             return all(j in state.finished for j in group)
 
+        submit(groups)
+        ask = joiner is not None
         try:
             while pending:
-                state = self.engine.run(lambda st: any(finished(st, g) for g in pending.values()))
+                state = self.engine.run(
+                    lambda st, ask=ask: (
+                        any(finished(st, g) for g in pending.values()) or (ask and joiner.waiting())
+                    )  # type: ignore[union-attr]
+                )
                 done = [i for i, group in pending.items() if finished(state, group)]
-                if not done:
-                    raise RolloutError("the engine's stream stopped with requests unfinished")
                 for i in done:
                     out[i] = self.engine.take(pending.pop(i))
                     on_group(i, out[i])
+                joined = list(joiner.join()) if joiner is not None else []
+                if joined:
+                    submit(joined)
+                elif not done and not ask:
+                    raise RolloutError("the engine's stream stopped with requests unfinished")
+                # a wait that brought nothing is not asked again until the next group ends
+                ask = joiner is not None and bool(done or joined)
         except BaseException:
             self.engine.cancel([j for group in pending.values() for j in group])
             raise

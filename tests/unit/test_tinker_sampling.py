@@ -1,7 +1,7 @@
 """Sampling batched across Tinker clients (tiny model, fp32 CPU): the sample parts of several
 clients run as one engine call with mixed slots; each request gets exactly what it gets alone, a
-part that fails fails alone, and a client with many samples queued delays a small one by at most
-one engine call."""
+part that fails fails alone, a client with many samples queued delays a small one by at most
+one engine call, and parts queued while a call decodes join it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.models import compat
 from miles_multilora.rollout import GenerationResult
+from miles_multilora.tinker import scheduler
 from miles_multilora.tinker.backend import (
     Datum,
     ForwardBackwardRequest,
@@ -125,8 +126,8 @@ def test_a_failing_part_fails_alone(backend: TinkerBackend) -> None:
 
 def test_a_small_clients_sample_waits_for_one_engine_call_of_a_big_ones(backend: TinkerBackend) -> None:
     part = 2 * SPEC.max_new_tokens  # two samples of 24 tokens
-    queue = BatchingQueue(backend, window_s=0.0, sample_batch_tokens=2 * part)  # two parts per call
-    try:
+    queue = BatchingQueue(backend, window_s=0.0, sample_batch_tokens=2 * part, join_sampling=False)
+    try:  # two parts per call (joining a running call: test_parts_queued_during_an_engine_call_join_it)
         big = queue.submit_calls(
             ("t-big", "s"),
             [SamplePart(SampleRequest("a", TEXT[:4], 2, SPEC, seed=2 * i)) for i in range(16)],
@@ -187,3 +188,114 @@ def test_a_short_sample_is_answered_when_it_ends_not_when_its_engine_call_does(
     assert len(results["short"][0].output_ids) == 4
     assert max(len(r.output_ids) for r in results["long"]) > 8  # it decoded on after the short one ended
     _same(results["short"], backend.sample_many([short])[0])
+
+
+def _at_first_host_check(monkeypatch: pytest.MonkeyPatch, queue_more: object) -> None:
+    """Run ``queue_more()`` once, on the worker, at the running engine call's first host check: what
+    it queues is there while that call still decodes, however fast the machine."""
+    real = scheduler._SampleJoins.waiting
+    pending = [queue_more]
+
+    def waiting(self: scheduler._SampleJoins) -> bool:
+        while pending:
+            pending.pop()()  # type: ignore[operator]
+        return real(self)
+
+    monkeypatch.setattr(scheduler._SampleJoins, "waiting", waiting)
+
+
+def test_parts_queued_during_an_engine_call_join_it(
+    backend: TinkerBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows freed in a running call take sample parts queued after it started (one engine call for
+    all), each answered as its samples end, each exactly what it samples alone."""
+    long = SampleRequest("a", TEXT[:4], 2, SamplingSpec(temperature=1.0, max_new_tokens=160), seed=1)
+    late = [SampleRequest("b", TEXT[:5], 2, SPEC, seed=4), SampleRequest(None, TEXT[3:6], 1, SPEC, seed=2)]
+    alone = [backend.sample_many([r])[0] for r in [long, *late]]
+    queue = BatchingQueue(backend, window_s=0.0)
+    futures, finished = [], []
+
+    def queue_late() -> None:
+        for i, r in enumerate(late):
+            futures.append(queue.submit_calls((f"t-late{i}", "s"), [SamplePart(r)]))
+            futures[-1].add_done_callback(lambda _, i=i: finished.append(f"late{i}"))
+
+    _at_first_host_check(monkeypatch, queue_late)
+    try:
+        first = queue.submit_calls(("t-long", "s"), [SamplePart(long)])
+        first.add_done_callback(lambda _: finished.append("long"))
+        _same(first.result(timeout=120), alone[0])
+        for future, expected in zip(futures, alone[1:], strict=True):
+            _same(future.result(timeout=120), expected)
+    finally:
+        queue.close()
+    assert queue.sample_batches == [3]  # one engine call: the late parts joined it
+    assert finished[-1] == "long"  # they were answered while it still decoded
+
+
+def test_joining_stops_when_other_work_waits_and_keeps_the_token_bound(
+    backend: TinkerBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward/backward queued while sample parts keep joining a call ends the joining: the call
+    drains and the forward/backward runs before the rest of the parts; an engine call never holds
+    more than sample_batch_tokens of parts at once."""
+    part = 2 * SPEC.max_new_tokens
+    queue = BatchingQueue(backend, window_s=0.0, sample_batch_tokens=2 * part)
+    datum = Datum(TEXT[:-1], {"target_tokens": TEXT[1:], "weights": [0.0] * (len(TEXT) - 1)})
+    order: list[str] = []
+    train: list = []
+
+    def queue_train() -> None:
+        train.append(queue.submit_forward_backward(ForwardBackwardRequest("c", [datum]), lane=("t-fb", "s")))
+        train[0].add_done_callback(lambda _: order.append("fb"))
+
+    _at_first_host_check(monkeypatch, queue_train)
+    peak = backend.rank.engine.stats
+    peak["peak_rows"] = 0
+    try:
+        big = queue.submit_calls(
+            ("t-big", "s"),
+            [SamplePart(SampleRequest("a", TEXT[:4], 2, SPEC, seed=2 * i)) for i in range(8)],
+            combine=lambda parts: [r for p in parts for r in p],
+            costs=[part] * 8,
+        )
+        big.add_done_callback(lambda _: order.append("big"))
+        assert len(big.result(timeout=120)) == 16
+        train[0].result(timeout=120)
+    finally:
+        queue.close()
+    assert order == ["fb", "big"]
+    assert len(queue.sample_batches) >= 2  # the call that drained, then the rest
+    assert peak["peak_rows"] <= 4  # two parts of two samples at once
+
+
+def test_a_join_never_moves_a_model_whose_rows_decode(
+    backend: TinkerBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every slot has rows in flight: a part of a parked model does not join (it would need one of
+    their slots); it runs in the next call, and the running samples are what they are alone."""
+    running = [SampleRequest(m, TEXT[:4], 2, SPEC, seed=3) for m in "abc"]
+    backend.create_model("d", rank=4, seed=9)  # a fourth model in three slots: one is parked
+    try:
+        alone = [backend.sample_many([r])[0] for r in running]  # a, b, c resident; d parked
+        assert "d" in backend.parked
+        queue = BatchingQueue(backend, window_s=0.0)
+        late: list = []
+        _at_first_host_check(
+            monkeypatch,
+            lambda: late.append(
+                queue.submit_calls(("t-d", "s"), [SamplePart(SampleRequest("d", TEXT[:4], 1, SPEC))])
+            ),
+        )
+        try:
+            gate = _held(queue)
+            futures = [queue.submit_calls((f"t-{i}", "s"), [SamplePart(r)]) for i, r in enumerate(running)]
+            gate.set()
+            for future, expected in zip(futures, alone, strict=True):
+                _same(future.result(timeout=120), expected)
+            assert len(late[0].result(timeout=120)) == 1
+        finally:
+            queue.close()
+        assert queue.sample_batches == [3, 1]
+    finally:
+        backend.unload_model("d")
