@@ -97,7 +97,7 @@ def main() -> None:
         "--staleness", default=None,
         help="rollout.max_staleness for every layout (0 or unset: synchronous steps; 1: continuous rollout)",
     )  # fmt: skip
-    args = rl_step.finish_workload_args(parser.parse_args())
+    args = rl_step.finish_workload_args(parser.parse_args(), parser)
     if args.staleness is not None and not args.staleness.isdigit():
         raise SystemExit(f"--staleness takes one number of versions (0: synchronous), got {args.staleness!r}")
     if args.cpu:

@@ -403,10 +403,15 @@ def staleness_modes(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
     return [(x, int(x.rstrip("s")), not x.endswith("s") and not no_pace) for x in raw.split(",")]
 
 
-def finish_workload_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill in the shape preset (the tiny one and a small workload with ``--cpu``), dtype and context."""
+def finish_workload_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """Fill in the workload preset (a flag given on the command line wins over it: with ``parser``,
+    a value other than the flag's default), the shape preset (the tiny one and a small workload
+    with ``--cpu``), dtype and context."""
     for key, value in PRESETS.get(getattr(args, "preset", None) or "", {}).items():
-        setattr(args, key, value)
+        if parser is None or getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
     preset = CPU_SHAPE if args.cpu else SHAPE
     if args.moe:
         preset = MOE_CPU_SHAPE if args.cpu else MOE_SHAPE
@@ -452,7 +457,7 @@ def main() -> None:
         "--profile-rollout", type=int, default=0, metavar="N",
         help="print a profile of the N-th call of the engine's run (continuous rollout's decode runs)",
     )  # fmt: skip
-    args = finish_workload_args(parser.parse_args())
+    args = finish_workload_args(parser.parse_args(), parser)
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
     use_synthetic_prompts(args.prompt_len)

@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=-1, help="profile one round of this setting index")
     parser.add_argument("--drift", type=int, default=0, help="rows whose logprobs compare FP8 and bf16 bases")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 SXM: 989)")
-    args = rl_step.finish_workload_args(parser.parse_args())
+    args = rl_step.finish_workload_args(parser.parse_args(), parser)
     if args.cpu and "--settings" not in sys.argv:
         args.settings = "megatron:0:8,fused:0:8,fused:2048:32"
     settings = parse_settings(args.settings)
