@@ -21,8 +21,10 @@ tokens/s, the train phase's MFU (``4 x base parameters x trained tokens`` per se
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -403,14 +405,23 @@ def staleness_modes(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
     return [(x, int(x.rstrip("s")), not x.endswith("s") and not no_pace) for x in raw.split(",")]
 
 
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the options ``argv`` gives (whatever their values)."""
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_known_args(argv)[0]))
+
+
 def finish_workload_args(
     args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> argparse.Namespace:
-    """Fill in the workload preset (a flag given on the command line wins over it: with ``parser``,
-    a value other than the flag's default), the shape preset (the tiny one and a small workload
-    with ``--cpu``), dtype and context."""
+    """Fill in the workload preset (a flag given on the command line wins over it, when ``parser``
+    tells which were given), the shape preset (the tiny one and a small workload with ``--cpu``),
+    dtype and context."""
+    given = given_flags(parser, sys.argv[1:]) if parser is not None else set()
     for key, value in PRESETS.get(getattr(args, "preset", None) or "", {}).items():
-        if parser is None or getattr(args, key) == parser.get_default(key):
+        if key not in given:
             setattr(args, key, value)
     preset = CPU_SHAPE if args.cpu else SHAPE
     if args.moe:

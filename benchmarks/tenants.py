@@ -183,7 +183,7 @@ def main() -> None:
     )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()
-    given = {k for k in vars(args) if getattr(args, k) != parser.get_default(k)}
+    given = rl_step.given_flags(parser, sys.argv[1:])
     args = rl_step.finish_workload_args(args, parser)
     if args.cpu:  # small jobs: the CPU run is about the tenants, not the model
         for key, value in {
