@@ -4,8 +4,9 @@ Work arrives in *lanes* (a lane is one client session: ``(tenant, session)``) an
 within its lane. A forward/backward request is split, by datums, into pieces of at most
 ``batch_tokens`` input tokens; a sample request comes as sample parts (:class:`SamplePart`, of at
 most ``sample_batch_tokens`` = samples x max tokens each); other operations are calls. Each batch
-starts with the next item of the lane owed the most service, waits ``window_s`` for others, and
-is filled with the items of its kind at the heads of the lanes owed the most, as long as they fit:
+starts with the next item of the lane owed the most service, waits ``window_s`` for others (not
+when queued work of its kind already fills it), and is filled with the items of its kind at the
+heads of the lanes owed the most, as long as they fit:
 forward/backward pieces within ``batch_tokens`` run as one mixed-slot forward/backward, sample
 parts within ``sample_batch_tokens`` as one engine call with mixed slots (each part's model
 resolved first, failing alone; ``batch_sampling=False``: one part per call, as a call), and a call runs alone.
