@@ -203,6 +203,7 @@ class TinkerConfig:
     # this, so a server replaying the same requests gives the same results (tests, debugging); None: random
     reproducible_seed: int | None = None
     batch_window_s: float = 0.02  # forward/backward requests of different clients within it run as one batch
+    batch_window_alone_s: float = 1.0  # a client alone on the server this long skips the window
     state_dir: str | None = None  # saved states, <state_dir>/<tenant>/...; default <output_dir>/tinker
     # HTTP
     max_body_mb: int = 64  # request bodies, whatever their transfer encoding (413 past it)
@@ -418,6 +419,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(t.stop_timeout_s >= 0, "trainer.stop_timeout_s", "must be >= 0")
     tk = cfg.tinker
     _check(tk.batch_window_s >= 0, "tinker.batch_window_s", "must be >= 0")
+    _check(tk.batch_window_alone_s >= 0, "tinker.batch_window_alone_s", "must be >= 0")
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
     for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
                 "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",

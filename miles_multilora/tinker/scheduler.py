@@ -5,8 +5,9 @@ within its lane. A forward/backward request is split, by datums, into pieces of 
 ``batch_tokens`` input tokens; a sample request comes as sample parts (:class:`SamplePart`, of at
 most ``sample_batch_tokens`` = samples x max tokens each); other operations are calls. Each batch
 starts with the next item of the lane owed the most service, waits ``window_s`` for others (not
-when queued work of its kind already fills it), and is filled with the items of its kind at the
-heads of the lanes owed the most, as long as they fit:
+when queued work of its kind already fills it, nor for a lane alone on the server for
+``lone_after_s``), and is filled with the items of its kind at the heads of the lanes owed the
+most, as long as they fit:
 forward/backward pieces within ``batch_tokens`` run as one mixed-slot forward/backward, sample
 parts within ``sample_batch_tokens`` as one engine call with mixed slots (each part's model
 resolved first, failing alone; ``batch_sampling=False``: one part per call, as a call), and a call runs alone.
@@ -154,11 +155,14 @@ class BatchingQueue:
         sample_batch_tokens: int = 65_536,
         batch_sampling: bool = True,
         join_sampling: bool = True,
+        lone_after_s: float = 1.0,
     ) -> None:
         self.backend, self.window_s, self.max_batch = backend, window_s, max_batch
         self.batch_tokens, self.sample_batch_tokens = batch_tokens, sample_batch_tokens
         self.batch_sampling = batch_sampling
         self.join_sampling = join_sampling  # sample parts may join a running engine call
+        self.lone_after_s = lone_after_s  # a lane alone for this long skips the window
+        self._puts: dict[Lane, tuple[float, float]] = {}  # lane -> (first, last) work queued, recent
         self._lanes: dict[Lane, deque[_Item]] = {}
         self._tenant_served: dict[Any, float] = {}
         self._lane_served: dict[Lane, float] = {}
@@ -253,6 +257,9 @@ class BatchingQueue:
                 self._activate(lane)
                 queue = self._lanes[lane] = deque()
             queue.extend(items)
+            now = time.monotonic()
+            first, _ = self._puts.get(lane, (now, now))
+            self._puts[lane] = (first, now)
             self._cv.notify()
 
     # ------------------------------------------------------------------ fair picking (under _cv)
@@ -315,7 +322,12 @@ class BatchingQueue:
         else:
             cap, same_kind = self.sample_batch_tokens, lambda it: it.sample is not None
         batch, tokens = [first], first.cost
-        if self.window_s > 0 and tokens < cap and not self._batch_waiting(cap - tokens, same_kind):
+        if (
+            self.window_s > 0
+            and tokens < cap
+            and not self._batch_waiting(cap - tokens, same_kind)
+            and not self._alone(first.lane)
+        ):
             time.sleep(self.window_s)  # let other clients' requests join this batch
         with self._cv:
             while len(batch) < self.max_batch:
@@ -326,6 +338,20 @@ class BatchingQueue:
                 batch.append(item)
                 tokens += item.cost
         return batch
+
+    def _alone(self, lane: Lane) -> bool:
+        """Whether ``lane`` has queued work for ``lone_after_s`` with no other lane queuing any
+        meanwhile: a lone client's calls would only wait the window (one that has just arrived,
+        maybe with others at the same moment, still waits it)."""
+        now = time.monotonic()
+        with self._cv:
+            for other, (_, last) in list(self._puts.items()):
+                if now - last > self.lone_after_s:
+                    del self._puts[other]  # quiet: forgotten (it starts afresh when it comes back)
+                elif other != lane:
+                    return False
+            first, _ = self._puts.get(lane, (now, now))
+        return now - first >= self.lone_after_s
 
     def _batch_waiting(self, room: int, same_kind: Callable[[_Item], bool]) -> bool:
         """Whether queued work of the batch's kind already fills ``room`` (or the batch's count):

@@ -119,6 +119,7 @@ def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:
         BatchingQueue(
             backend,
             window_s=t.batch_window_s,
+            lone_after_s=t.batch_window_alone_s,
             batch_tokens=t.batch_tokens,
             sample_batch_tokens=t.sample_batch_tokens,
             batch_sampling=t.batch_sampling,

@@ -340,6 +340,20 @@ def test_a_full_batch_waiting_runs_without_the_window(backend: TinkerBackend) ->
     assert queue.batches == [2]
 
 
+def test_a_lone_client_does_not_wait_the_window(backend: TinkerBackend) -> None:
+    """A client alone on the server (here at once: ``lone_after_s=0``) would only wait the window
+    for others that are not there, so its batches run at once (the window is ten minutes)."""
+    backend.create_model("a", rank=4, seed=1)
+    queue = BatchingQueue(backend, window_s=600.0, lone_after_s=0.0)
+    try:
+        for _ in range(2):
+            request = ForwardBackwardRequest("a", [sft_datum(TEXT)])
+            queue.submit_forward_backward(request, lane="a").result(timeout=120)
+    finally:
+        queue.close()
+    assert queue.batches == [1, 1]
+
+
 def test_a_request_split_into_batches_gives_what_it_gives_whole(backend: TinkerBackend) -> None:
     """Pieces of whole datums (here 2 per batch) accumulate the request's gradient in its slot, and
     its future gets every datum's logprobs in order and the summed metrics."""
