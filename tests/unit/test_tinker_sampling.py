@@ -65,6 +65,18 @@ def _same(x: list[GenerationResult], y: list[GenerationResult]) -> None:
     assert [r.finish_reason for r in x] == [r.finish_reason for r in y]
 
 
+def _sampled_together(
+    queue: BatchingQueue, requests: list[SampleRequest], alone: list[list[GenerationResult]]
+) -> None:
+    """Queue ``requests`` (a session each) while the worker is held, then check that each gets
+    exactly what it got alone."""
+    gate = _held(queue)
+    futures = [queue.submit_calls((f"t-{i}", "s"), [SamplePart(r)]) for i, r in enumerate(requests)]
+    gate.set()
+    for future, expected in zip(futures, alone, strict=True):
+        _same(future.result(timeout=120), expected)
+
+
 def test_a_sample_is_the_same_alone_and_batched_with_other_clients(backend: TinkerBackend) -> None:
     mine = SampleRequest("a", TEXT[:4], 3, SPEC, seed=7)
     others = [
@@ -154,11 +166,7 @@ def test_batch_sampling_off_runs_one_part_per_engine_call(backend: TinkerBackend
     alone = [backend.sample_many([r])[0] for r in requests]
     queue = BatchingQueue(backend, window_s=0.0, batch_sampling=False)
     try:
-        gate = _held(queue)
-        futures = [queue.submit_calls((f"t-{i}", "s"), [SamplePart(r)]) for i, r in enumerate(requests)]
-        gate.set()
-        for future, expected in zip(futures, alone, strict=True):
-            _same(future.result(timeout=120), expected)
+        _sampled_together(queue, requests, alone)
     finally:
         queue.close()
     assert queue.sample_batches == [1, 1, 1]
@@ -288,11 +296,7 @@ def test_a_join_never_moves_a_model_whose_rows_decode(
             ),
         )
         try:
-            gate = _held(queue)
-            futures = [queue.submit_calls((f"t-{i}", "s"), [SamplePart(r)]) for i, r in enumerate(running)]
-            gate.set()
-            for future, expected in zip(futures, alone, strict=True):
-                _same(future.result(timeout=120), expected)
+            _sampled_together(queue, running, alone)
             assert len(late[0].result(timeout=120)) == 1
         finally:
             queue.close()
