@@ -197,6 +197,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="sample mode: max_tokens per sample")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=float, default=0.02, help="tinker.batch_window_s")
+    parser.add_argument(
+        "--window-alone",
+        type=float,
+        default=1.0,
+        help="tinker.batch_window_alone_s (a lone client skips the window)",
+    )
     parser.add_argument("--batch-tokens", type=int, default=16_384, help="tinker.batch_tokens")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
@@ -223,6 +229,7 @@ def main() -> None:
         "lora": {"num_slots": max(counts), "max_rank": 16},
         "trainer": {"output_dir": str(root / "out"), "micro_batch_size": max(counts) * args.datums},
         "tinker": {"port": 0, "api_key_file": str(key), "base_model": "bench", "batch_window_s": args.window,
+                   "batch_window_alone_s": args.window_alone,
                    "batch_tokens": args.batch_tokens},
         "logging": {"wandb_mode": "disabled"},
     })  # fmt: skip
@@ -256,7 +263,7 @@ def main() -> None:
                 batches[n].extend(server.state.queue.batches[before:])
         device = torch.cuda.get_device_name() if cuda else "cpu"
         print(f"{device} x {args.dp} trainer rank(s); {args.datums} datums x {args.tokens} tokens per request, {args.requests} requests per "
-              f"client per round, window {args.window} s; median of {args.rounds} interleaved rounds")  # fmt: skip
+              f"client per round, window {args.window} s (skipped alone after {args.window_alone} s); median of {args.rounds} interleaved rounds")  # fmt: skip
         header = (
             f"{'clients':>7} {'round s':>8} {'tokens/s':>9} {'vs 1 client':>11} {'requests per batch':>18} "
             f"{'in-process tokens/s':>19} {'vs in-process':>13}"
