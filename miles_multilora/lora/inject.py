@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -105,15 +106,24 @@ def apply_multi_lora(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, layer)
     inject_moe(model, targets, num_slots, max_rank, kernels, shared_expert_a, expert_routing)
+    _layers_of.pop(model, None)
     return multi_lora_layers(model)
 
 
+_layers_of: WeakKeyDictionary[nn.Module, list[MultiLoRALinear]] = WeakKeyDictionary()
+
+
 def multi_lora_layers(model: nn.Module) -> list[MultiLoRALinear]:
-    """The model's MultiLoRA layers in module order (raises if there are none)."""
-    layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
-    if not layers:
-        raise ConfigError("model", "has no MultiLoRA layers: call apply_multi_lora(model, ...) first")
-    return layers
+    """The model's MultiLoRA layers in module order (raises if there are none). The walk over the
+    model's modules (~5 ms for a 28-layer model on a CPU, and every forward routes its tokens
+    through this) is done once per model; :func:`apply_multi_lora` renews it."""
+    layers = _layers_of.get(model)
+    if layers is None:
+        layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
+        if not layers:
+            raise ConfigError("model", "has no MultiLoRA layers: call apply_multi_lora(model, ...) first")
+        _layers_of[model] = layers
+    return list(layers)
 
 
 def use_fp8_base(model: nn.Module) -> int:
