@@ -139,6 +139,9 @@ class TrainerConfig:
     # adapters parked while others take their turn in the slots: their state in host memory, per rank;
     # past it the longest parked go to disk (<output_dir>/offload)
     offload_host_gb: float = 16.0
+    # GPU memory for the next turn's parked adapters, copied back while the step before their turn
+    # runs (the restore then only writes the slot); 0: copied when their turn comes
+    prefetch_gb: float = 2.0
     reward_step_timeout_s: float = 300.0  # all of one adapter's reward calls in one step; then killed
     stop_timeout_s: float = 3.0  # on SIGTERM/SIGINT the step in flight may run this long, then is abandoned
 
@@ -415,6 +418,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(t.reward_memory_mb >= 0, "trainer.reward_memory_mb", "must be >= 0 (0: unbounded)")
     _check(t.reward_max_processes >= 1, "trainer.reward_max_processes", "must be >= 1")
     _check(t.offload_host_gb >= 0, "trainer.offload_host_gb", "must be >= 0 (0: parked adapters go to disk)")
+    _check(t.prefetch_gb >= 0, "trainer.prefetch_gb", "must be >= 0 (0: no prefetch)")
     _check(t.reward_step_timeout_s > 0, "trainer.reward_step_timeout_s", "must be > 0")
     _check(t.stop_timeout_s >= 0, "trainer.stop_timeout_s", "must be >= 0")
     tk = cfg.tinker

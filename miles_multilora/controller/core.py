@@ -270,8 +270,10 @@ class ControllerCore:
         return this step's immutable view."""
         with self._lock:
             now = self._as_of = self._clock()
+            next_turn: tuple[str, ...] = ()
             if self.residency.takes_turns(self.num_slots):
                 granted = self._admit_running() | self._take_turns(now)
+                next_turn = self._next_turn(now)
             else:
                 granted = self._grant_free_slots()
             self._account_parked(now)
@@ -285,6 +287,7 @@ class ControllerCore:
                 draining=tuple(self._assignment(r) for r in resident if r.state is AdapterState.DRAINING),
                 slots_to_clear=self._slots.dirty(),
                 parked=tuple(r.name for r in sorted(active, key=lambda r: r.seq) if r.slot is None),
+                next_turn=next_turn,
             )
             if granted:  # an idle snapshot changes nothing worth writing
                 self._commit()
@@ -565,19 +568,41 @@ class ControllerCore:
             admitted = True
         return admitted
 
+    def _candidates(self, now: float, ahead: bool = False) -> list[Candidate]:
+        """The turn rule's view of the RUNNING and DRAINING adapters (none of a tenant over its
+        ``tokens_per_hour``, unless DRAINING); ``ahead``: as it will be after the next report, each
+        resident one step longer in its slot with its mean tokens per step more served."""
+        over = self._over_tokens(now)
+        candidates = []
+        for r in self._runs.values():
+            if not r.state.owns_slot or (r.state is not AdapterState.DRAINING and r.tenant in over):
+                continue
+            resident, served, steps = r.slot is not None, r.served_tokens, r.resident_steps
+            if ahead and resident:
+                served, steps = served + served / max(r.step, 1), steps + 1
+            candidates.append(
+                Candidate(r.run_id, r.seq, served, resident, steps, r.state is AdapterState.DRAINING,
+                          r.spec.priority, r.spec.share)
+            )  # fmt: skip
+        return candidates
+
+    def _next_turn(self, now: float) -> tuple[str, ...]:
+        """The parked adapters the turn rule would give a slot in the next snapshot if every
+        resident trained its mean tokens per step (:attr:`Snapshot.next_turn`), in its order."""
+        chosen = choose_residents(
+            self._candidates(now, ahead=True), self.num_slots, self.residency.min_residency_steps
+        )
+        parked = {r.run_id: r.name for r in self._runs.values() if r.state.owns_slot and r.slot is None}
+        return tuple(parked[run_id] for run_id in chosen if run_id in parked)
+
     def _take_turns(self, now: float) -> bool:
         """Hand the slots to the adapters the turn rule picks (none of a tenant over its
         ``tokens_per_hour``, unless DRAINING): the others' slots are vacated (the trainer parks
         them before it starts anyone in this snapshot); True when anything moved."""
         active = [r for r in self._runs.values() if r.state.owns_slot]
-        over = self._over_tokens(now)
-        candidates = [
-            Candidate(r.run_id, r.seq, r.served_tokens, r.slot is not None, r.resident_steps,
-                      r.state is AdapterState.DRAINING, r.spec.priority, r.spec.share)
-            for r in active
-            if r.state is AdapterState.DRAINING or r.tenant not in over
-        ]  # fmt: skip
-        chosen = set(choose_residents(candidates, self.num_slots, self.residency.min_residency_steps))
+        chosen = set(
+            choose_residents(self._candidates(now), self.num_slots, self.residency.min_residency_steps)
+        )
         moved = False
         for record in active:
             if record.slot is not None and record.run_id not in chosen:

@@ -47,7 +47,10 @@ class Snapshot:
     rollouts (no new prompts) and then get a final checkpoint (``drained``); ``slots_to_clear``
     must be cleared (``clear_slot``) and reported with ``slot_cleared`` before they are reused.
     ``parked``: RUNNING adapters without a slot this step (``controller.max_running`` above the
-    slots): the trainer parks those it holds, before it starts the others in their slots."""
+    slots): the trainer parks those it holds, before it starts the others in their slots.
+    ``next_turn``: the parked ones the turn rule expects to get a slot in the next snapshot (each
+    resident training its usual tokens), most likely first: the trainer may start copying their
+    state back to the GPU while this step runs. A hint only: the next snapshot decides."""
 
     snapshot_id: int
     num_slots: int
@@ -55,6 +58,7 @@ class Snapshot:
     draining: tuple[SlotAssignment, ...]
     slots_to_clear: tuple[int, ...]
     parked: tuple[str, ...] = ()
+    next_turn: tuple[str, ...] = ()
 
     @property
     def adapters(self) -> tuple[SlotAssignment, ...]:

@@ -183,6 +183,23 @@ class Residents:
         directory = Path(self.cfg.trainer.output_dir) / "offload" / f"rank{self.rank.global_rank}"
         spill_over_budget(states, budget, directory, self.rank.layout.tp_rank, self._parked_order.__getitem__)
 
+    def prefetch(self, names: tuple[str, ...]) -> int:
+        """Start copying parked ``names`` (the controller's next turn, most likely first) back to
+        the GPU while this step runs, within ``trainer.prefetch_gb`` of device memory; copies
+        started for others that did not get their turn are given back. Returns how many are on
+        their way. Nothing to do on a CPU or for a state spilled to disk."""
+        wanted = [n for n in names if n in self.parked]
+        for name, (_, parked) in self.parked.items():
+            if name not in wanted:
+                parked.drop_prefetch()
+        budget = int(self.cfg.trainer.prefetch_gb * (1 << 30))
+        used = sum(p.staged.nbytes for _, p in self.parked.values() if p.staged is not None)
+        for name in wanted:
+            parked = self.parked[name][1]
+            if parked.can_prefetch and used + parked.nbytes <= budget:
+                used += parked.prefetch()
+        return sum(self.parked[n][1].staged is not None for n in wanted)
+
     def _unpark(self, assignment: SlotAssignment) -> bool:
         """Restore parked ``assignment.name`` into its (new) slot, exactly; False when it is not
         parked here as this run (e.g. the trainer restarted: it resumes from its checkpoint)."""

@@ -111,6 +111,7 @@ class RLStep:
                 if a.name not in failures and (path := self._checkpoint(a.name, failures)) is not None:
                     drained[a.name] = path
             running = self._finish_at_budget(snapshot.running, failures, resumed, results, finished)
+            self.residents.prefetch(snapshot.next_turn)  # copied back to the GPU while this step runs
             # adapters due for their step-0 eval only evaluate this step (with the others' evals)
             starting = {
                 a.name for a in running if start_eval_due(self.residents[a.name], self.version(a.name))

@@ -1,11 +1,14 @@
-"""Many small GPU tensors to pinned host memory and back in one copy per dtype, on a side stream.
+"""Many small tensors to host memory and back in one copy per dtype (on a GPU, pinned, on a side stream).
 
 A parked slot is hundreds of small tensors (A, B, fp32 masters and Adam moments of every layer).
 Copying them one by one costs a synchronising copy each (a park of the 1.70 B benchmark shape at
-rank 16 took ~400 ms that way). :func:`to_host` gathers a nested dict's CUDA float tensors into
-one flat buffer per dtype on the GPU and copies each buffer to pinned host memory on a copy stream,
-without waiting: the step goes on while the copy runs. :func:`to_device` brings them back the same
-way, ordered before whatever the current stream runs next.
+rank 16 took ~400 ms that way). :func:`to_host` gathers a nested dict's float tensors into one flat
+buffer per dtype and, on a GPU, copies each buffer to pinned host memory on a copy stream, without
+waiting: the step goes on while the copy runs. :func:`to_device` brings them back the same way,
+ordered before whatever the current stream runs next (:func:`device_buffers`: the flat buffers
+alone). :func:`stage` starts that copy back ahead of time (while a step runs) without ordering
+anything after it; ``to_device`` then only waits for it. On a CPU the flat buffers are the host
+copy and nothing moves back.
 """
 
 from __future__ import annotations
@@ -31,25 +34,29 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 @dataclass
 class HostPack:
-    """Where a tree's packed tensors live: one pinned flat buffer per dtype, each tensor's place in
-    it, and the event after which the host buffers hold the data."""
+    """Where a tree's packed tensors live: one flat host buffer per dtype (pinned on a GPU), each
+    tensor's place in it (buffer order), the device they came from, and on a GPU the event after
+    which the host buffers hold the data."""
 
     buffers: dict[torch.dtype, torch.Tensor]
     places: list[tuple[TreePath, torch.dtype, int, torch.Size]]  # tree path, buffer, offset, shape
     device: torch.device
-    ready: torch.cuda.Event
+    ready: torch.cuda.Event | None
 
     def wait(self) -> None:
         """Block until the host buffers are written (before the CPU reads them)."""
-        self.ready.synchronize()
+        if self.ready is not None:
+            self.ready.synchronize()
 
 
-def _cuda_floats(tree: dict, prefix: TreePath = ()) -> list[tuple[TreePath, torch.Tensor]]:
+def _floats(tree: dict, device_type: str, prefix: TreePath = ()) -> list[tuple[TreePath, torch.Tensor]]:
     found = []
     for key, value in tree.items():
         if isinstance(value, dict):
-            found += _cuda_floats(value, (*prefix, key))
-        elif isinstance(value, torch.Tensor) and value.is_cuda and value.is_floating_point():
+            found += _floats(value, device_type, (*prefix, key))
+        elif (
+            isinstance(value, torch.Tensor) and value.device.type == device_type and value.is_floating_point()
+        ):
             found.append(((*prefix, key), value))
     return found
 
@@ -77,48 +84,87 @@ def cloned(tree: dict[str, Any]) -> dict[str, Any]:
     return _replaced(tree, {}, _clone)
 
 
-def to_host(tree: dict[str, Any]) -> tuple[dict[str, Any], HostPack | None]:
-    """A copy of ``tree`` (nested dicts): its CUDA float tensors become views of pinned host buffers,
-    filled asynchronously (``HostPack.wait`` before reading them on the CPU); its other tensors are
-    cloned. The source tensors may change as soon as this returns. No pack when nothing is on CUDA."""
-    items = _cuda_floats(tree)
+def to_host(tree: dict[str, Any], device_type: str = "cuda") -> tuple[dict[str, Any], HostPack | None]:
+    """A copy of ``tree`` (nested dicts): its float tensors on ``device_type`` ("cuda", or "cpu")
+    become views of one flat host buffer per dtype, on a GPU pinned and filled asynchronously
+    (``HostPack.wait`` before reading them on the CPU); its other tensors are cloned. The source
+    tensors may change as soon as this returns. No pack when no float tensor is there."""
+    items = _floats(tree, device_type)
     if not items:
         return cloned(tree), None
     device = items[0][1].device
     groups: dict[torch.dtype, list[tuple[TreePath, torch.Tensor]]] = defaultdict(list)
     for path, t in items:
         groups[t.dtype].append((path, t))
-    stream, current = _copy_stream(device), torch.cuda.current_stream(device)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        stream, current = _copy_stream(device), torch.cuda.current_stream(device)
     buffers, places, views = {}, [], {}
     for dtype, group in groups.items():
         flat = torch.cat([t.reshape(-1) for _, t in group])  # on the current stream: a snapshot
-        host = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            host.copy_(flat, non_blocking=True)
-        flat.record_stream(stream)
+        host = flat
+        if on_gpu:
+            host = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                host.copy_(flat, non_blocking=True)
+            flat.record_stream(stream)
         offset = 0
         for path, t in group:
             places.append((path, dtype, offset, t.shape))
             views[path] = host[offset : offset + t.numel()].view(t.shape)
             offset += t.numel()
         buffers[dtype] = host
-    ready = torch.cuda.Event()
-    ready.record(stream)
+    ready = None
+    if on_gpu:
+        ready = torch.cuda.Event()
+        ready.record(stream)
     return _replaced(tree, views, _clone), HostPack(buffers, places, device, ready)
 
 
-def to_device(tree: dict[str, Any], pack: HostPack) -> dict[str, Any]:
-    """``tree`` (as :func:`to_host` returned it) with its packed tensors back on the GPU: one copy per
-    dtype on the copy stream, which the current stream waits for."""
-    stream, current = _copy_stream(pack.device), torch.cuda.current_stream(pack.device)
-    on_device = {}
+@dataclass
+class StagedCopy:
+    """A pack's buffers on their way back to the GPU (:func:`stage`): filled once ``ready`` is."""
+
+    buffers: dict[torch.dtype, torch.Tensor]
+    ready: torch.cuda.Event
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+def stage(pack: HostPack) -> StagedCopy:
+    """Start copying ``pack``'s buffers back to the GPU on the copy stream and return at once; no
+    stream waits for it until :func:`to_device` takes it (a copy never taken is simply dropped)."""
+    stream = _copy_stream(pack.device)
     with torch.cuda.stream(stream):
-        for dtype, host in pack.buffers.items():
-            on_device[dtype] = host.to(pack.device, non_blocking=True)
-    current.wait_stream(stream)
-    for t in on_device.values():
+        buffers = {dtype: host.to(pack.device, non_blocking=True) for dtype, host in pack.buffers.items()}
+    ready = torch.cuda.Event()
+    ready.record(stream)
+    return StagedCopy(buffers, ready)
+
+
+def device_buffers(pack: HostPack, staged: StagedCopy | None = None) -> dict[torch.dtype, torch.Tensor]:
+    """``pack``'s flat buffers on its device: on a GPU one copy per dtype on the copy stream (or the
+    copy :func:`stage` started), which the current stream waits for; on a CPU the buffers."""
+    if pack.device.type != "cuda":
+        return pack.buffers
+    current = torch.cuda.current_stream(pack.device)
+    if staged is None:
+        staged = stage(pack)
+    current.wait_event(staged.ready)
+    for t in staged.buffers.values():
         t.record_stream(current)
+    return staged.buffers
+
+
+def to_device(tree: dict[str, Any], pack: HostPack, staged: StagedCopy | None = None) -> dict[str, Any]:
+    """``tree`` (as :func:`to_host` returned it) with its packed tensors on ``pack``'s device (see
+    :func:`device_buffers`)."""
+    if pack.device.type != "cuda":
+        return tree
+    on_device = device_buffers(pack, staged)
     views = {
         path: on_device[dtype][offset : offset + shape.numel()].view(shape)
         for path, dtype, offset, shape in pack.places

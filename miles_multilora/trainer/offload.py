@@ -7,7 +7,8 @@ closes the slot.
 :meth:`ParkedSlot.spill` moves a parked state on to disk (the saved-state shard format, one file
 per TP rank) when host memory is short. :func:`unpark` puts it into any free slot, bit for bit: an
 adapter parked and restored any number of times, in any slots, trains exactly like one that never
-moved.
+moved. :meth:`ParkedSlot.prefetch` starts its copy back to the GPU ahead of time (while the step
+before its turn runs), so that the restore only writes the slot.
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ import torch
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora.slots import slot_state
 from miles_multilora.trainer import shard
-from miles_multilora.trainer.host_copies import HostPack, cloned, to_device, to_host
+from miles_multilora.trainer.host_copies import (
+    HostPack,
+    StagedCopy,
+    cloned,
+    device_buffers,
+    stage,
+    to_device,
+    to_host,
+)
+from miles_multilora.trainer.slot_rows import PackedRows, RowLayout
 
 if TYPE_CHECKING:
     from miles_multilora.trainer.rank import OpenSlot, TrainerRank
@@ -48,10 +58,37 @@ class ParkedSlot:
     nbytes: int  # of ``saved`` in host memory
     path: Path | None = None  # where it was spilled (``saved`` is None then)
     pack: HostPack | None = None  # on a GPU: the pinned buffers ``saved``'s tensors are views of
+    staged: StagedCopy | None = None  # its copy back to the GPU, started by :meth:`prefetch`
+    rows: RowLayout | None = (
+        None  # ``pack`` as whole slot rows: restored without a plan (trainer/slot_rows.py)
+    )
 
     @property
     def in_memory(self) -> bool:
         return self.saved is not None
+
+    @property
+    def can_prefetch(self) -> bool:
+        """In pinned host memory (on a GPU) and not on its way back yet."""
+        return (
+            self.saved is not None
+            and self.pack is not None
+            and self.pack.device.type == "cuda"
+            and self.staged is None
+        )
+
+    def prefetch(self) -> int:
+        """Start the copy back to the GPU now (overlapped with whatever runs until the restore);
+        returns the device bytes it takes (0 when it cannot: no GPU pack, or spilled to disk)."""
+        if not self.can_prefetch:
+            return 0
+        assert self.pack is not None
+        self.staged = stage(self.pack)
+        return self.staged.nbytes
+
+    def drop_prefetch(self) -> None:
+        """Give the prefetched device copy back (its turn did not come)."""
+        self.staged = None
 
     def spill(self, directory: str | Path, tp_rank: int) -> None:
         """Move the state from host memory to ``directory`` (this TP rank's shard)."""
@@ -64,7 +101,7 @@ class ParkedSlot:
         shard.write_shard(directory, tp_rank, saved["slot"], saved["optimizer"], self.meta)
         if saved["grads"]:
             torch.save(saved["grads"], directory / f"grads_rank{tp_rank}.pt")
-        self.path, self.saved, self.pack = directory, None, None
+        self.path, self.saved, self.pack, self.staged, self.rows = directory, None, None, None, None
 
     def state(self, tp_rank: int) -> dict[str, Any]:
         """The parked state, read back from disk when it was spilled."""
@@ -82,7 +119,7 @@ class ParkedSlot:
         """Forget the state (its spill directory too)."""
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
-        self.saved, self.path, self.pack = None, None, None
+        self.saved, self.path, self.pack, self.staged, self.rows = None, None, None, None, None
 
 
 def park(rank: TrainerRank, slot: int) -> ParkedSlot:
@@ -102,9 +139,11 @@ def park(rank: TrainerRank, slot: int) -> ParkedSlot:
     grads = {name: p.grad[slot].detach() for (name, p), keep in zip(with_grad, nonzero, strict=True) if keep}
     meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets)
     saved, pack = to_host(
-        {"slot": tensors, "optimizer": optim_state, "meta": shard.meta_dict(meta), "grads": grads}
+        {"slot": tensors, "optimizer": optim_state, "meta": shard.meta_dict(meta), "grads": grads},
+        device_type=rank.device.type,
     )
-    parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved), pack=pack)
+    rows = rank.slot_rows.layout(slot, pack) if pack is not None else None
+    parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved), pack=pack, rows=rows)
     rank.offload_stats["park"] += 1
     rank.offload_stats["park_s"] += time.perf_counter() - started
     return parked
@@ -114,22 +153,30 @@ def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     """Open free ``slot`` with ``parked``'s state, exactly as it was (published to the engine)."""
     started = time.perf_counter()
     saved = parked.state(rank.layout.tp_rank)
-    if parked.pack is not None:  # one copy per dtype back to the GPU, ahead of the step's kernels
-        saved = to_device(saved, parked.pack)
-    spec = saved["optimizer"].get("optimizer")
     meta = parked.meta
+    restore: dict[str, Any] | PackedRows = saved
+    spec = OptimizerSpec(**saved["optimizer"]["optimizer"]) if saved["optimizer"].get("optimizer") else None
+    total_steps = saved["optimizer"].get("total_steps")
+    if parked.pack is not None:  # one copy per dtype back to the GPU (or prefetched), before the writes
+        rank.offload_stats["unpark_prefetched"] += parked.staged is not None
+        if parked.rows is not None:  # whole rows: one copy per dtype into the slot (trainer/slot_rows.py)
+            restore = PackedRows(meta, parked.rows, device_buffers(parked.pack, parked.staged))
+            spec, total_steps = parked.rows.spec, parked.rows.total_steps
+        else:
+            restore = to_device(saved, parked.pack, parked.staged)
+        parked.staged = None
     opened = rank.open_slot(
         slot,
         meta.rank,
         meta.alpha,
         meta.seed,
-        OptimizerSpec(**spec) if spec else OptimizerSpec(),
+        spec or OptimizerSpec(),
         meta.name,
-        total_steps=saved["optimizer"].get("total_steps"),
+        total_steps=total_steps,
         run=parked.run,
-        restore=saved,
+        restore=restore,
         targets=meta.targets,
-    )  # fmt: skip  (the restore writes the gradients too: trainer/slot_write.py)
+    )  # fmt: skip  (the restore writes the gradients too: trainer/slot_write.py, slot_rows.py)
     rank.offload_stats["unpark"] += 1
     rank.offload_stats["unpark_s"] += time.perf_counter() - started
     return opened

@@ -52,6 +52,7 @@ from miles_multilora.trainer.primitives import (
     forward_backward_rows,
     score_rows,
 )
+from miles_multilora.trainer.slot_rows import PackedRows, SlotRows
 from miles_multilora.trainer.slot_write import write_slot_state
 
 
@@ -111,16 +112,24 @@ class TrainerRank:
         self.pad_id = built.pad_id
         self.memory_plan = built.memory  # what the start-up memory plan chose (None on a CPU)
         self.optimizer = SlotAdamW(self.model)
+        self.slot_rows = SlotRows(self.model, self.optimizer)  # whole-row restores of parked slots
         self.remote_engine = cfg.rollout.engine != "embedded"
         self.engine = build_engine(cfg, built, manages_adapters=self.is_writer, dp_rank=self.layout.dp_rank)
         self.export_root = Path(cfg.trainer.output_dir) / "sync"
         self.slots: dict[int, OpenSlot] = {}
-        self.offload_stats: dict[str, float] = {"park": 0, "park_s": 0.0, "unpark": 0, "unpark_s": 0.0}
+        self.offload_stats: dict[str, float] = {
+            "park": 0, "park_s": 0.0, "unpark": 0, "unpark_s": 0.0, "unpark_prefetched": 0
+        }  # fmt: skip
 
     @property
     def is_writer(self) -> bool:
         """Global rank 0: it writes what one rank writes (PEFT exports, checkpoint state) and scores."""
         return self.global_rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's LoRA slots live."""
+        return self.slot_rows.layers[0].lora_A.device
 
     @property
     def num_slots(self) -> int:
@@ -150,7 +159,7 @@ class TrainerRank:
         *,
         total_steps: int | None = None,
         run: str = "",
-        restore: str | Path | dict | None = None,
+        restore: str | Path | dict | PackedRows | None = None,
         targets: Sequence[str] | None = None,
     ) -> OpenSlot:
         """A fresh LoRA of ``rank`` in ``slot`` for ``name`` (``A`` drawn from ``seed``, ``B = 0``),
@@ -380,24 +389,17 @@ class TrainerRank:
         self._load(self.slot(slot), directory, optimizer)
         self._publish([slot])
 
-    def _load(self, opened: OpenSlot, source: str | Path | dict, optimizer: bool) -> None:
+    def _load(self, opened: OpenSlot, source: str | Path | dict | PackedRows, optimizer: bool) -> None:
         """Load a saved state (a directory, or one rank's shard already read; a parked state's
-        ``"grads"`` too) into ``opened``."""
+        ``"grads"`` too; or a parked state as whole rows) into ``opened``."""
+        if isinstance(source, PackedRows):
+            self._check_saved(opened, source.meta, None)
+            self.slot_rows.write(opened.slot, source.layout, source.buffers)
+            opened.version = source.meta.version
+            return
         saved = source if isinstance(source, dict) else shard.read_shard(source, self.layout.tp_rank)
         meta = shard.shard_meta(saved)
-        if meta is not None and meta.rank != opened.rank:
-            raise SpecError(
-                "rank", f"the saved state has LoRA rank {meta.rank}, the slot holds {opened.rank}"
-            )
-        saved_targets = meta.targets if meta is not None else None
-        if saved_targets is None:  # written before slots had targets: the families it holds
-            saved_targets = state_families(saved["slot"])
-        if tuple(saved_targets) != opened.targets:
-            raise SpecError(
-                "lora_targets",
-                f"the saved state trains {list(saved_targets)}, the slot {list(opened.targets)}: "
-                "open it with the saved state's targets",
-            )
+        self._check_saved(opened, meta, saved)
         if optimizer:  # weights, optimizer state (and a parked state's gradients) in batched copies
             write_slot_state(
                 self.model, self.optimizer, opened.slot, saved["slot"], saved["optimizer"], saved.get("grads")
@@ -407,6 +409,23 @@ class TrainerRank:
             load_slot_state(self.model, opened.slot, saved["slot"])
             self.optimizer.refresh_masters(opened.slot)
             opened.version += 1
+
+    def _check_saved(self, opened: OpenSlot, meta: shard.SlotMeta | None, saved: dict | None) -> None:
+        """A saved state's rank and LoRA targets (from ``meta``, else the tensors of ``saved``) must
+        be ``opened``'s."""
+        if meta is not None and meta.rank != opened.rank:
+            raise SpecError(
+                "rank", f"the saved state has LoRA rank {meta.rank}, the slot holds {opened.rank}"
+            )
+        saved_targets = meta.targets if meta is not None else None
+        if saved_targets is None and saved is not None:  # written before slots had targets: what it holds
+            saved_targets = state_families(saved["slot"])
+        if saved_targets is not None and tuple(saved_targets) != opened.targets:
+            raise SpecError(
+                "lora_targets",
+                f"the saved state trains {list(saved_targets)}, the slot {list(opened.targets)}: "
+                "open it with the saved state's targets",
+            )
 
     def export_peft(self, slot: int, directory: str | Path) -> None:
         """``slot`` as a PEFT adapter dir (the full, TP-gathered tensors; global rank 0 writes)."""
@@ -459,7 +478,8 @@ class TrainerRank:
 
     def engine_stats(self) -> dict[str, float]:
         """The engine's counters since the last call (an HTTP engine's adapter loads, ``lora_*``)
-        and the slots parked and restored (``park``, ``park_s``, ``unpark``, ``unpark_s``)."""
+        and the slots parked and restored (``park``, ``park_s``, ``unpark``, ``unpark_s``, and
+        ``unpark_prefetched``: restores whose copy to the GPU was started in the step before)."""
         parked = {k: v for k, v in self.offload_stats.items() if v}
         self.offload_stats = dict.fromkeys(self.offload_stats, 0)
         return {**self.engine.step_stats(), **parked}

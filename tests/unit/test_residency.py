@@ -90,3 +90,24 @@ def test_the_adapters_table_shows_parked_queued_and_each_share() -> None:
     assert "100%" in rows["x0"] and " 0 " in rows["x0"]  # in slot 0, all the tokens trained so far
     assert "parked" in rows["x1"] and "0%" in rows["x1"]
     assert "queued #1" in rows["x2"]
+
+
+def test_each_snapshot_names_the_next_turn_ahead(tmp_path: Path) -> None:
+    """The parked adapters a snapshot names as the next turn are the ones the next snapshot brings in
+    when every adapter trains the same tokens each step; none while the residents must stay."""
+    policy = ResidencyPolicy(max_running=6, min_residency_steps=2)
+    core = ControllerCore(num_slots=2, max_rank=8, state_dir=tmp_path, residency=policy)
+    tokens = {f"x{i}": 100 + 10 * i for i in range(6)}
+    for name in tokens:
+        core.register(adapter(name, 10))
+    snap = core.snapshot()
+    assert snap.next_turn == ()  # x0 and x1 must serve two steps
+    named = 0
+    for _ in range(10):
+        core.report_step({a.name: AdapterResult(True, None, None, {"trained_tokens": tokens[a.name]})
+                          for a in snap.running})  # fmt: skip
+        resident = {a.name for a in snap.running}
+        predicted, snap = snap.next_turn, core.snapshot()
+        assert set(predicted) == {a.name for a in snap.running} - resident
+        named += len(predicted)
+    assert named >= 8  # five handovers of two in ten steps

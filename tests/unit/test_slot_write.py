@@ -53,6 +53,7 @@ def trained_and_parked(rank: TrainerRank, adapter_rank: int) -> offload.ParkedSl
 
 
 def snapshot(rank: TrainerRank, slot: int) -> dict[str, torch.Tensor]:
+    """Every tensor row of ``slot`` and its Python-side settings (as tensors)."""
     out = {}
     opt = rank.optimizer
     for i, (name, p) in enumerate(zip(opt.names, opt.params, strict=True)):
@@ -60,6 +61,15 @@ def snapshot(rank: TrainerRank, slot: int) -> dict[str, torch.Tensor]:
         out[f"{name}.grad"] = p.grad[slot].clone()
         out[f"{name}.m"] = opt.exp_avg[i][slot].clone()
         out[f"{name}.v"] = opt.exp_avg_sq[i][slot].clone()
+        if opt.master[i] is not None:
+            out[f"{name}.master"] = opt.master[i][slot].clone()
+    for layer in multi_lora_layers(rank.model):
+        out[f"{layer.key}.lora_scale"] = layer.lora_scale[slot].clone()
+        out[f"{layer.key}.settings"] = torch.tensor([layer.slot_rank[slot], layer.slot_scale[slot]])
+        out[f"{layer.key}.shape"] = torch.tensor(
+            [(p.start, p.end, p.alpha) for p in layer.peft_slot_shapes[slot].parts if p is not None]
+        )
+    out["optimizer"] = torch.tensor([opt.steps[slot], opt.total_steps[slot] or -1, opt.specs[slot].lr])
     return out
 
 
@@ -92,10 +102,13 @@ def test_a_restore_is_a_few_batched_copies_whatever_the_layer_count(
     assert 1 <= sum(large.values()) <= 8, large
 
 
-def test_the_batched_restore_is_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefetch", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("adapter_rank", [8, 4])  # whole rows (trainer/slot_rows.py), and cut to rank 4
+def test_the_batched_restore_is_bit_exact(tmp_path: Path, adapter_rank: int, prefetch: bool) -> None:
+    """Also with its copy back to the GPU started before another adapter's step (``prefetch``)."""
     rank = rank_with(tmp_path, 2)
     try:
-        rank.open_slot(0, 4, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
+        rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
         tokens = [3, 14, 15, 92, 65, 35, 89, 79]
         row = ScoredRow(slot=0, tokens=tokens, positions=list(range(len(tokens) - 1)))
         for _ in range(2):
@@ -104,7 +117,11 @@ def test_the_batched_restore_is_bit_exact(tmp_path: Path) -> None:
         rank.forward_backward([row], nll)
         before = snapshot(rank, 0)
         parked = offload.park(rank, 0)
+        assert (parked.rows is not None) == (adapter_rank == 8)  # the whole-row restore, or the general one
         rank.close_slot(0)
+        if prefetch:  # on its way back while the next step runs
+            assert 0.9 * parked.nbytes < parked.prefetch() <= parked.nbytes  # its float tensors
+            assert parked.staged is not None and parked.prefetch() == 0  # started once
         # slot 1 held someone else first: the restore must overwrite everything it had
         rank.open_slot(1, 8, 8.0, 3, OptimizerSpec(lr=1e-2), "b")
         rank.forward_backward([ScoredRow(slot=1, tokens=tokens, positions=[0, 1, 2])], nll)
@@ -116,9 +133,29 @@ def test_the_batched_restore_is_bit_exact(tmp_path: Path) -> None:
         opened = offload.unpark(rank, parked, 1)
         after = snapshot(rank, 1)
         assert opened.version == 2
+        assert rank.offload_stats["unpark_prefetched"] == prefetch and parked.staged is None
         for key, value in before.items():
             assert torch.equal(value, after[key]), key
         assert rank.optimizer.steps[1] == 2
+    finally:
+        compat.destroy_distributed()
+
+
+@pytest.mark.parametrize("adapter_rank", [8, 4])
+def test_a_restore_zeroes_the_gradients_the_park_did_not_hold(tmp_path: Path, adapter_rank: int) -> None:
+    rank = rank_with(tmp_path, 2)
+    try:
+        rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
+        tokens = [3, 14, 15, 92, 65, 35, 89, 79]
+        rank.forward_backward([ScoredRow(slot=0, tokens=tokens, positions=[0, 1, 2])], nll)
+        rank.optim_step([0])  # its gradients are spent: the park holds none
+        parked = offload.park(rank, 0)
+        assert not parked.state(0)["grads"]
+        rank.close_slot(0)
+        for p in rank.optimizer.params:  # stale gradient rows in the slot it goes to
+            p.grad[1].fill_(1.0)
+        offload.unpark(rank, parked, 1)
+        assert not any(p.grad[1].any() for p in rank.optimizer.params)
     finally:
         compat.destroy_distributed()
 
