@@ -8,13 +8,20 @@ the next slot, alternating the two paths. Each restore is timed to the device's 
 every per-tensor restore the same state is written again by the batched path and compared bit for bit.
 Prints the mean and least ms per path (the first two restores, warm-up, left out).
 
+Then a turn's handover (``--handover K``): K parked adapters restored into K slots one after another,
+as a step's setup does, timed to the host's return (``host``) and to the device's completion
+(``exposed``: what the step waits for), per adapter, median over ``--rounds``. ``cold``: each copy to
+the GPU starts at its restore; ``prefetched``: the copies were started while the step before ran
+(``ParkedSlot.prefetch``, done by then), so the restore only writes the slots. The two alternate.
+
     python benchmarks/slot_restore.py                     # GPU, bf16, 28 layers of 2048 (1.7 B-like LoRA)
-    python benchmarks/slot_restore.py --cpu --layers 2 --hidden 64 --repeats 6
+    python benchmarks/slot_restore.py --cpu --layers 2 --hidden 64 --repeats 6 --handover 2
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 
@@ -60,6 +67,59 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def handover(rank: TrainerRank, adapters: int, adapter_rank: int, rounds: int, profile: bool) -> None:
+    """Time ``adapters`` restores in a row, cold and prefetched, alternating (see the module doc);
+    ``profile``: print a torch.profiler table of one more prefetched handover."""
+    tokens = list(range(3, 200))
+    rows = []
+    for slot in range(adapters):
+        rank.open_slot(slot, adapter_rank, 2.0 * adapter_rank, slot, OptimizerSpec(lr=1e-4), f"h{slot}")
+        rows.append(ScoredRow(slot, tokens, list(range(len(tokens) - 1))))
+    rank.forward_backward(rows, lambda mb: (-(mb.logprobs * mb.mask).sum(), {}))
+    rank.optim_step(list(range(adapters)))
+    times: dict[str, dict[str, list[float]]] = {
+        m: {"host": [], "exposed": []} for m in ("cold", "prefetched")
+    }
+    for i in range(rounds + 1 + profile):
+        parked = [offload.park(rank, slot) for slot in range(adapters)]
+        for slot, p in enumerate(parked):
+            rank.close_slot(slot)
+            p.state(rank.layout.tp_rank)  # the host copy is complete
+        mode = ("cold", "prefetched")[i % 2] if i <= rounds else "prefetched"
+        if mode == "prefetched":
+            for p in parked:
+                p.prefetch()  # while the step before runs: done by the time the turn comes
+        sync()
+        if i > rounds:
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
+                for slot, p in enumerate(parked):
+                    offload.unpark(rank, p, slot)
+                sync()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+            continue
+        t0 = time.perf_counter()
+        for slot, p in enumerate(parked):
+            offload.unpark(rank, p, slot)
+        host = time.perf_counter() - t0
+        sync()
+        exposed = time.perf_counter() - t0
+        if i > 0:  # the first round allocates
+            times[mode]["host"].append(1e3 * host / adapters)
+            times[mode]["exposed"].append(1e3 * exposed / adapters)
+    for mode, t in times.items():
+        if t["host"]:
+            print(
+                f"handover of {adapters} at rank {adapter_rank}, {mode:>10}: host "
+                f"{statistics.median(t['host']):.2f} ms, exposed {statistics.median(t['exposed']):.2f} ms "
+                f"per adapter (median of {len(t['host'])})",
+                flush=True,
+            )
+    for slot in range(adapters):
+        rank.close_slot(slot)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -70,6 +130,9 @@ def main() -> None:
     parser.add_argument("--max-rank", type=int, default=16)
     parser.add_argument("--ranks", default="16,8", help="adapter ranks to restore (comma-separated)")
     parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--handover", type=int, default=16, help="adapters restored in a row (0: skip)")
+    parser.add_argument("--rounds", type=int, default=8, help="handover rounds (alternating cold/prefetched)")
+    parser.add_argument("--profile", action="store_true", help="profile one more prefetched handover")
     args = parser.parse_args()
     if args.cpu:
         torch.cuda.is_available = lambda: False  # the whole rank on the CPU
@@ -80,7 +143,7 @@ def main() -> None:
     }  # fmt: skip
     cfg = config_from_container({
         "model": {"source": "tiny", "dtype": "float32" if args.cpu else "bfloat16", "tiny": tiny},
-        "lora": {"num_slots": 4, "max_rank": args.max_rank},
+        "lora": {"num_slots": max(4, args.handover), "max_rank": args.max_rank},
         "rollout": {"kv_cache_tokens": 4096, "max_staleness": 0},
         "trainer": {"output_dir": tempfile.mkdtemp(), "micro_batch_size": 1},
         "logging": {"wandb_mode": "disabled", "console": False, "plot": False},
@@ -127,6 +190,9 @@ def main() -> None:
             flush=True,
         )
         rank.close_slot(slot)
+    if args.handover:
+        for adapter_rank in [int(r) for r in args.ranks.split(",")]:
+            handover(rank, args.handover, adapter_rank, args.rounds, args.profile)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,14 @@ steps) on synthetic prompts. Layouts (``--layouts``, side by side in one process
 - ``resident``: ``--tenants`` adapters, one slot each, all batched in every step;
 - ``turns``: ``--slots`` slots, ``--registered`` adapters (default ``--tenants``) RUNNING
   (``controller.max_running``): they take turns, parked off the GPU between them (``--min-residency``
-  steps each);
+  steps each), with the next turn's parked state copied back to the GPU during the step before it
+  (``trainer.prefetch_gb``, ``--prefetch-gb``);
+- ``turns-cold``: the same without that prefetch (each copy starts when its turn comes);
 - ``swap``: one slot, one adapter per step, a park and a restore around each (what swap-based systems do).
 
 Per layout: wall time, steps, trained tokens/s (over the whole run, and ``steady``: after the first
-step, which compiles kernels and captures graphs), adapters parked and restored with their mean ms,
+step, which compiles kernels and captures graphs), adapters parked and restored with their mean ms
+(host time) and the share of restores that found their copy prefetched,
 resident set size (start, peak, end), the mean seconds of each step's phases, and Jain's fairness
 index over the tokens each tenant had trained once every tenant had trained half its steps (1:
 equal shares, 1/n: one tenant has everything).
@@ -58,16 +61,16 @@ def layout_config(layout: str, args: argparse.Namespace) -> tuple[int, Any]:
 
     if layout == "resident":
         return args.tenants, None
-    if layout == "turns":
+    if layout in ("turns", "turns-cold"):
         return args.slots, ResidencyPolicy(registered(layout, args), args.min_residency)
     if layout == "swap":
         return 1, ResidencyPolicy(args.tenants, 1)
-    raise SystemExit(f"--layouts: unknown layout {layout!r} (resident, turns, swap)")
+    raise SystemExit(f"--layouts: unknown layout {layout!r} (resident, turns, turns-cold, swap)")
 
 
 def registered(layout: str, args: argparse.Namespace) -> int:
     """Tenants registered in ``layout``: ``--registered`` for turns (default ``--tenants``)."""
-    return args.registered if layout == "turns" and args.registered else args.tenants
+    return args.registered if layout.startswith("turns") and args.registered else args.tenants
 
 
 def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -81,6 +84,10 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
     cfg.lora.num_slots = slots
     if args.offload_host_gb is not None:
         cfg.trainer.offload_host_gb = args.offload_host_gb
+    if args.prefetch_gb is not None:
+        cfg.trainer.prefetch_gb = args.prefetch_gb
+    if layout == "turns-cold":
+        cfg.trainer.prefetch_gb = 0.0
     cfg.rollout.max_batch_size = max(slots, 1) * args.prompts * args.samples
     worker = RLStep.build(cfg)
     core = ControllerCore(num_slots=slots, max_rank=cfg.lora.max_rank, residency=policy)
@@ -93,11 +100,11 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
     rss = [rss_mb()]
     shares: list[float] = []
     phases = {"setup_s": 0.0, "rollout_s": 0.0, "train_s": 0.0, "checkpoint_s": 0.0}
-    counts = {"park": 0, "park_s": 0.0, "unpark": 0, "unpark_s": 0.0}
+    counts = {"park": 0, "park_s": 0.0, "unpark": 0, "unpark_s": 0.0, "unpark_prefetched": 0}
     step_times, trained, steps, done_steps = [], 0, 0, 0
     start = time.perf_counter()
     try:
-        while True:
+        while args.max_wall is None or time.perf_counter() - start < args.max_wall:
             snapshot = core.snapshot()
             if not snapshot.adapters and not snapshot.slots_to_clear:
                 break
@@ -127,9 +134,10 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
                     shares.append(jain([r["served_tokens"] for r in records]))
             if steps % 25 == 0:
                 rss.append(rss_mb())
-                if args.progress:
-                    print(f"    {layout}: step {steps}, {done_steps}/{total} adapter-steps, RSS {rss[-1]:.0f} MB",
-                          flush=True)  # fmt: skip
+            if args.progress and steps % 5 == 0:
+                rate = trained / (time.perf_counter() - start)
+                print(f"    {layout}: step {steps}, {done_steps}/{total} adapter-steps, {rate:.0f} tok/s so far, "
+                      f"RSS {rss_mb():.0f} MB", flush=True)  # fmt: skip
         wall = time.perf_counter() - start
         states = [r["state"] for r in core.list() if r["name"] in names]
     finally:
@@ -149,6 +157,7 @@ def run_layout(layout: str, args: argparse.Namespace, out: Path) -> dict[str, An
         "park_ms": 1e3 * counts["park_s"] / max(counts["park"], 1),
         "unpark_ms": 1e3 * counts["unpark_s"] / max(counts["unpark"], 1),
         "parks": counts["park"],
+        "prefetched": counts["unpark_prefetched"] / max(counts["unpark"], 1),
         "rss": (rss[0], max(rss), rss[-1]),
         "jain": shares[0] if shares else float("nan"),
         "phases": {k: v / max(steps, 1) for k, v in phases.items()},
@@ -181,7 +190,16 @@ def main() -> None:
         default=None,
         help="trainer.offload_host_gb (parked state in host memory)",
     )
-    parser.add_argument("--progress", action="store_true")
+    parser.add_argument(
+        "--prefetch-gb", type=float, default=None, help="trainer.prefetch_gb of the turns layout"
+    )
+    parser.add_argument("--progress", action="store_true", help="a line every 5 steps")
+    parser.add_argument(
+        "--max-wall",
+        type=float,
+        default=None,
+        help="end each layout after this many seconds (DONE counts the rest)",
+    )
     args = parser.parse_args()
     given = rl_step.given_flags(parser, sys.argv[1:])
     args = rl_step.finish_workload_args(args, parser)
@@ -202,9 +220,9 @@ def main() -> None:
     print(f"{args.tenants} tenants x {args.steps} steps of {args.prompts} prompts x {args.samples} samples "
           f"(prompt {args.prompt_len}, <= {args.new_tokens} new tokens), rank {args.rank}, on {device}")  # fmt: skip
     header = (
-        f"{'layout':>9} {'tenants':>7} {'slots':>5} {'steps':>6} {'wall s':>8} {'step s':>7} {'tok/s':>9} "
+        f"{'layout':>10} {'tenants':>7} {'slots':>5} {'steps':>6} {'wall s':>8} {'step s':>7} {'tok/s':>9} "
         f"{'steady':>9} {'parks':>6} "
-        f"{'park ms':>8} {'restore ms':>10} {'setup/rollout/train/ckpt s':>27} {'RSS MB start/peak/end':>22} "
+        f"{'park ms':>8} {'restore ms':>10} {'prefetched':>10} {'setup/rollout/train/ckpt s':>27} {'RSS MB start/peak/end':>22} "
         f"{'Jain':>5} {'DONE':>6}"
     )
     rows = []
@@ -219,9 +237,9 @@ def main() -> None:
             f"{r['phases'][k]:.3f}" for k in ("setup_s", "rollout_s", "train_s", "checkpoint_s")
         )
         rows.append(
-            f"{layout:>9} {r['registered']:>7} {r['slots']:>5} {r['steps']:>6} {r['wall_s']:>8.1f} "
+            f"{layout:>10} {r['registered']:>7} {r['slots']:>5} {r['steps']:>6} {r['wall_s']:>8.1f} "
             f"{r['median_step_s']:>7.3f} {r['tok_s']:>9.0f} {r['steady_tok_s']:>9.0f} {r['parks']:>6} "
-            f"{r['park_ms']:>8.2f} {r['unpark_ms']:>10.2f} {phases:>27} {rss:>22} {r['jain']:>5.2f} {r['done']:>6}"
+            f"{r['park_ms']:>8.2f} {r['unpark_ms']:>10.2f} {r['prefetched']:>10.0%} {phases:>27} {rss:>22} {r['jain']:>5.2f} {r['done']:>6}"
         )  # fmt: skip
         print(f"  ran {layout}: {r['done']}/{r['registered']} DONE in {r['steps']} steps\n{header}\n{rows[-1]}",
               flush=True)  # fmt: skip
