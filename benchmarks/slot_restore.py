@@ -13,6 +13,8 @@ as a step's setup does, timed to the host's return (``host``) and to the device'
 (``exposed``: what the step waits for), per adapter, median over ``--rounds``. ``cold``: each copy to
 the GPU starts at its restore; ``prefetched``: the copies were started while the step before ran
 (``ParkedSlot.prefetch``, done by then), so the restore only writes the slots. The two alternate.
+``park``: the K parks before each round (``exposed``: to the current stream's completion; the
+copies to host memory run on a side stream).
 
     python benchmarks/slot_restore.py                     # GPU, bf16, 28 layers of 2048 (1.7 B-like LoRA)
     python benchmarks/slot_restore.py --cpu --layers 2 --hidden 64 --repeats 6 --handover 2
@@ -77,14 +79,23 @@ def handover(rank: TrainerRank, adapters: int, adapter_rank: int, rounds: int, p
         rows.append(ScoredRow(slot, tokens, list(range(len(tokens) - 1))))
     rank.forward_backward(rows, lambda mb: (-(mb.logprobs * mb.mask).sum(), {}))
     rank.optim_step(list(range(adapters)))
-    times: dict[str, dict[str, list[float]]] = {
-        m: {"host": [], "exposed": []} for m in ("cold", "prefetched")
-    }
+    modes = ("park", "cold", "prefetched")
+    times: dict[str, dict[str, list[float]]] = {m: {"host": [], "exposed": []} for m in modes}
     for i in range(rounds + 1 + profile):
+        sync()
+        t0 = time.perf_counter()
         parked = [offload.park(rank, slot) for slot in range(adapters)]
+        park_host = time.perf_counter() - t0
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the gathers; the copies to the host run on
+        park_exposed = time.perf_counter() - t0
+        if 0 < i <= rounds:
+            times["park"]["host"].append(1e3 * park_host / adapters)
+            times["park"]["exposed"].append(1e3 * park_exposed / adapters)
         for slot, p in enumerate(parked):
             rank.close_slot(slot)
-            p.state(rank.layout.tp_rank)  # the host copy is complete
+            if p.pack is not None:
+                p.pack.wait()  # the host copy is complete
         mode = ("cold", "prefetched")[i % 2] if i <= rounds else "prefetched"
         if mode == "prefetched":
             for p in parked:

@@ -86,12 +86,20 @@ def cloned(tree: dict[str, Any]) -> dict[str, Any]:
 
 def to_host(tree: dict[str, Any], device_type: str = "cuda") -> tuple[dict[str, Any], HostPack | None]:
     """A copy of ``tree`` (nested dicts): its float tensors on ``device_type`` ("cuda", or "cpu")
-    become views of one flat host buffer per dtype, on a GPU pinned and filled asynchronously
-    (``HostPack.wait`` before reading them on the CPU); its other tensors are cloned. The source
-    tensors may change as soon as this returns. No pack when no float tensor is there."""
+    become views of one flat host buffer per dtype (:func:`pack_tensors`); its other tensors are cloned.
+    The source tensors may change as soon as this returns. No pack when no float tensor is there."""
     items = _floats(tree, device_type)
     if not items:
         return cloned(tree), None
+    host = pack_tensors(items)
+    return _replaced(tree, host_views(host), _clone), host
+
+
+def pack_tensors(items: list[tuple[TreePath, torch.Tensor]]) -> HostPack:
+    """``items`` (path, tensor; all on one device) gathered into one flat buffer per dtype, in their
+    order within each dtype: on a GPU copied to pinned host memory on a copy stream without waiting
+    (``HostPack.wait`` before the CPU reads them); on a CPU the gathered buffers. The tensors may
+    change as soon as this returns (the gather is a snapshot on the current stream)."""
     device = items[0][1].device
     groups: dict[torch.dtype, list[tuple[TreePath, torch.Tensor]]] = defaultdict(list)
     for path, t in items:
@@ -99,7 +107,7 @@ def to_host(tree: dict[str, Any], device_type: str = "cuda") -> tuple[dict[str, 
     on_gpu = device.type == "cuda"
     if on_gpu:
         stream, current = _copy_stream(device), torch.cuda.current_stream(device)
-    buffers, places, views = {}, [], {}
+    buffers, places = {}, []
     for dtype, group in groups.items():
         flat = torch.cat([t.reshape(-1) for _, t in group])  # on the current stream: a snapshot
         host = flat
@@ -112,14 +120,21 @@ def to_host(tree: dict[str, Any], device_type: str = "cuda") -> tuple[dict[str, 
         offset = 0
         for path, t in group:
             places.append((path, dtype, offset, t.shape))
-            views[path] = host[offset : offset + t.numel()].view(t.shape)
             offset += t.numel()
         buffers[dtype] = host
     ready = None
     if on_gpu:
         ready = torch.cuda.Event()
         ready.record(stream)
-    return _replaced(tree, views, _clone), HostPack(buffers, places, device, ready)
+    return HostPack(buffers, places, device, ready)
+
+
+def host_views(host: HostPack) -> dict[TreePath, torch.Tensor]:
+    """Each packed tensor as a view of its host buffer, by path."""
+    return {
+        path: host.buffers[dtype][offset : offset + shape.numel()].view(shape)
+        for path, dtype, offset, shape in host.places
+    }
 
 
 @dataclass

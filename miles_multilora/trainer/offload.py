@@ -30,6 +30,7 @@ from miles_multilora.trainer.host_copies import (
     StagedCopy,
     cloned,
     device_buffers,
+    pack_tensors,
     stage,
     to_device,
     to_host,
@@ -54,8 +55,10 @@ class ParkedSlot:
 
     meta: shard.SlotMeta
     run: str
-    saved: dict[str, Any] | None  # {"slot", "optimizer", "meta", "grads"} as :func:`park` made it
-    nbytes: int  # of ``saved`` in host memory
+    # {"slot", "optimizer", "meta", "grads"} as :func:`park` made it (None: whole rows in ``pack``,
+    # the tree built when read, or spilled)
+    saved: dict[str, Any] | None
+    nbytes: int  # in host memory
     path: Path | None = None  # where it was spilled (``saved`` is None then)
     pack: HostPack | None = None  # on a GPU: the pinned buffers ``saved``'s tensors are views of
     staged: StagedCopy | None = None  # its copy back to the GPU, started by :meth:`prefetch`
@@ -65,17 +68,12 @@ class ParkedSlot:
 
     @property
     def in_memory(self) -> bool:
-        return self.saved is not None
+        return self.saved is not None or self.pack is not None
 
     @property
     def can_prefetch(self) -> bool:
         """In pinned host memory (on a GPU) and not on its way back yet."""
-        return (
-            self.saved is not None
-            and self.pack is not None
-            and self.pack.device.type == "cuda"
-            and self.staged is None
-        )
+        return self.pack is not None and self.pack.device.type == "cuda" and self.staged is None
 
     def prefetch(self) -> int:
         """Start the copy back to the GPU now (overlapped with whatever runs until the restore);
@@ -92,7 +90,7 @@ class ParkedSlot:
 
     def spill(self, directory: str | Path, tp_rank: int) -> None:
         """Move the state from host memory to ``directory`` (this TP rank's shard)."""
-        if self.saved is None:
+        if not self.in_memory:
             return
         directory = Path(directory)
         saved = self.state(tp_rank)
@@ -105,9 +103,12 @@ class ParkedSlot:
 
     def state(self, tp_rank: int) -> dict[str, Any]:
         """The parked state, read back from disk when it was spilled."""
+        if self.pack is not None:
+            self.pack.wait()
+            if self.saved is None:
+                assert self.rows is not None
+                self.saved = self.rows.tree(self.pack, self.meta)
         if self.saved is not None:
-            if self.pack is not None:
-                self.pack.wait()
             return self.saved
         assert self.path is not None
         saved = shard.read_shard(self.path, tp_rank)
@@ -125,9 +126,20 @@ class ParkedSlot:
 def park(rank: TrainerRank, slot: int) -> ParkedSlot:
     """Copy open ``slot``'s whole state to host memory (the caller closes the slot after): views of
     the slot, copied by :func:`~miles_multilora.trainer.host_copies.to_host` (on a GPU one copy per
-    dtype, on a copy stream: it overlaps whatever the step does next)."""
+    dtype, on a copy stream: it overlaps whatever the step does next). An adapter at full rank is
+    packed as whole rows, and its saved-state tree is only built when something reads it."""
     started = time.perf_counter()
     opened = rank.slot(slot)
+    meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets)
+    rows = rank.slot_rows.whole_rows(slot, rank.max_rank)
+    if rows is not None:
+        host = pack_tensors(rows)
+        layout = rank.slot_rows.layout(slot, host)
+        assert layout is not None  # whole rows by construction
+        nbytes = sum(t.numel() * t.element_size() for t in host.buffers.values())
+        rank.offload_stats["park"] += 1
+        rank.offload_stats["park_s"] += time.perf_counter() - started
+        return ParkedSlot(meta, opened.run, None, nbytes, pack=host, rows=layout)
     optimizer = rank.optimizer
     tensors, optim_state = shard.trim_to_rank(
         slot_state(rank.model, slot, views=True), optimizer.slot_state_dict(slot, views=True), copy=False
@@ -137,7 +149,6 @@ def park(rank: TrainerRank, slot: int) -> ParkedSlot:
         torch.stack([p.grad[slot].any() for _, p in with_grad]).tolist() if with_grad else []
     )  # one sync
     grads = {name: p.grad[slot].detach() for (name, p), keep in zip(with_grad, nonzero, strict=True) if keep}
-    meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets)
     saved, pack = to_host(
         {"slot": tensors, "optimizer": optim_state, "meta": shard.meta_dict(meta), "grads": grads},
         device_type=rank.device.type,
@@ -152,19 +163,23 @@ def park(rank: TrainerRank, slot: int) -> ParkedSlot:
 def unpark(rank: TrainerRank, parked: ParkedSlot, slot: int) -> OpenSlot:
     """Open free ``slot`` with ``parked``'s state, exactly as it was (published to the engine)."""
     started = time.perf_counter()
-    saved = parked.state(rank.layout.tp_rank)
     meta = parked.meta
-    restore: dict[str, Any] | PackedRows = saved
-    spec = OptimizerSpec(**saved["optimizer"]["optimizer"]) if saved["optimizer"].get("optimizer") else None
-    total_steps = saved["optimizer"].get("total_steps")
-    if parked.pack is not None:  # one copy per dtype back to the GPU (or prefetched), before the writes
-        rank.offload_stats["unpark_prefetched"] += parked.staged is not None
-        if parked.rows is not None:  # whole rows: one copy per dtype into the slot (trainer/slot_rows.py)
-            restore = PackedRows(meta, parked.rows, device_buffers(parked.pack, parked.staged))
-            spec, total_steps = parked.rows.spec, parked.rows.total_steps
-        else:
-            restore = to_device(saved, parked.pack, parked.staged)
-        parked.staged = None
+    restore: dict[str, Any] | PackedRows
+    rank.offload_stats["unpark_prefetched"] += parked.staged is not None
+    if parked.rows is not None and parked.pack is not None:  # whole rows: trainer/slot_rows.py
+        restore = PackedRows(meta, parked.rows, device_buffers(parked.pack, parked.staged))
+        spec, total_steps = parked.rows.spec, parked.rows.total_steps
+    else:
+        restore = parked.state(rank.layout.tp_rank)
+        spec = (
+            OptimizerSpec(**restore["optimizer"]["optimizer"])
+            if restore["optimizer"].get("optimizer")
+            else None
+        )
+        total_steps = restore["optimizer"].get("total_steps")
+        if parked.pack is not None:  # one copy per dtype back to the GPU (or prefetched), before the writes
+            restore = to_device(restore, parked.pack, parked.staged)
+    parked.staged = None
     opened = rank.open_slot(
         slot,
         meta.rank,

@@ -13,8 +13,8 @@ made once per slot. Bit for bit what the general path writes (``tests/unit/test_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,11 +22,11 @@ from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.lora.peft_parts import SlotShape
 from miles_multilora.lora.slots import _shapes
 from miles_multilora.optim.slot_adamw import SlotAdamW
+from miles_multilora.trainer.host_copies import HostPack, TreePath, host_views
+from miles_multilora.trainer.shard import SlotMeta, meta_dict
 
 if TYPE_CHECKING:
     from miles_multilora.config.adapter import OptimizerSpec
-    from miles_multilora.trainer.host_copies import HostPack, TreePath
-    from miles_multilora.trainer.shard import SlotMeta
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,33 @@ class RowLayout:
     step: int
     spec: OptimizerSpec | None
     total_steps: int | None
+    keys: tuple[str, ...] = ()  # the layers' keys, in order (to rebuild the saved-state tree)
+    names: tuple[str, ...] = ()  # the optimizer's parameter names, in order
+
+    def tree(self, host: HostPack, meta: SlotMeta) -> dict[str, Any]:
+        """The parked state as :func:`~miles_multilora.trainer.offload.park`'s general path builds it
+        (``{"slot", "optimizer", "meta", "grads"}``, tensors as views of ``host``'s buffers): for a
+        spill to disk and every reader of the tree."""
+        views = host_views(host)
+        slot: dict[str, torch.Tensor] = {}
+        for key, rank, scale, shape in zip(self.keys, self.ranks, self.scales, self.shapes, strict=True):
+            slot[f"{key}.lora_A"] = views[("slot", f"{key}.lora_A")]
+            slot[f"{key}.lora_B"] = views[("slot", f"{key}.lora_B")]
+            slot[f"{key}.rank"] = torch.tensor(rank)
+            slot[f"{key}.scale"] = torch.tensor(scale, dtype=torch.float64)
+            if shape is not None:
+                slot[f"{key}.peft_parts"], slot[f"{key}.peft_rslora"] = shape.to_tensors()
+        optimizer: dict[str, Any] = {
+            "step": self.step,
+            "optimizer": asdict(self.spec) if self.spec is not None else None,
+            "total_steps": self.total_steps,
+        }
+        for part in ("exp_avg", "exp_avg_sq", "master"):
+            found = {n: views[("optimizer", part, n)] for n in self.names if ("optimizer", part, n) in views}
+            if found or part != "master":
+                optimizer[part] = found
+        grads = {n: views[("grads", n)] for n in self.names if n in self.grads}
+        return {"slot": slot, "optimizer": optimizer, "meta": meta_dict(meta), "grads": grads}
 
 
 @dataclass(frozen=True)
@@ -77,7 +104,8 @@ class SlotRows:
         self._row_shape = {path: t.shape[1:] for path, t in self._full.items()}
         self._row_shape.update({("grads", n): p.shape[1:] for n, p in self._param.items()})
         self._usable = all(t.is_contiguous() for t in self._full.values())
-        self._views: dict[int, dict[TreePath, torch.Tensor]] = {}
+        self._views: dict[int, dict[TreePath, torch.Tensor]] = {}  # flat, per slot
+        self._shaped: dict[int, dict[TreePath, torch.Tensor]] = {}  # as the saved-state tree has them
         self._grad_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layout(self, slot: int, pack: HostPack) -> RowLayout | None:
@@ -105,7 +133,23 @@ class SlotRows:
             [float(layer.slot_scale[slot]) for layer in self.layers],
             [_shapes(layer)[slot] for layer in self.layers],
             int(opt.steps[slot]), None if spec is None else replace(spec), opt.total_steps[slot],
+            tuple(layer.key for layer in self.layers), tuple(opt.names),
         )  # fmt: skip
+
+    def whole_rows(self, slot: int, max_rank: int) -> list[tuple[TreePath, torch.Tensor]] | None:
+        """Every row of ``slot`` a park keeps, by path (views, in the order the saved-state tree has
+        them), when the adapter holds every layer at ``max_rank`` (nothing to cut); else None. The
+        gradient rows come along when any of them is not zero (one sync)."""
+        if not self._usable or any(int(layer.slot_rank[slot]) != max_rank for layer in self.layers):
+            return None
+        shaped = self._shaped.get(slot)
+        if shaped is None:
+            shaped = self._shaped[slot] = {path: t[slot] for path, t in self._full.items()}
+        items = list(shaped.items())
+        with_grad = [n for n, p in self._param.items() if p.grad is not None]
+        if with_grad and bool(torch.cat([self._grad_row(slot, n) for n in with_grad]).any()):
+            items += [(("grads", n), self._param[n].grad[slot]) for n in with_grad]  # type: ignore[index]
+        return items
 
     def _rows(self, slot: int) -> dict[TreePath, torch.Tensor]:
         views = self._views.get(slot)

@@ -141,6 +141,40 @@ def test_the_batched_restore_is_bit_exact(tmp_path: Path, adapter_rank: int, pre
         compat.destroy_distributed()
 
 
+def assert_same_tree(a: object, b: object, where: str = "") -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert list(a) == list(b), where  # type: ignore[arg-type]
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}.{key}")  # type: ignore[index]
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where  # type: ignore[union-attr]
+    else:
+        assert a == b, where
+
+
+def test_a_park_as_whole_rows_reads_back_as_the_general_park_s_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a spill or any reader of a parked state sees does not depend on how it was packed."""
+    rank = rank_with(tmp_path, 2)
+    try:
+        rank.open_slot(0, 8, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
+        tokens = [3, 14, 15, 92, 65, 35, 89, 79]
+        row = ScoredRow(slot=0, tokens=tokens, positions=list(range(len(tokens) - 1)))
+        rank.forward_backward([row], nll)
+        rank.optim_step([0])
+        rank.forward_backward([row], nll)  # gradients to keep
+        rows = offload.park(rank, 0)
+        monkeypatch.setattr(rank.slot_rows, "whole_rows", lambda slot, max_rank: None)
+        general = offload.park(rank, 0)
+        assert rows.rows is not None and rows.saved is None and general.saved is not None
+        assert_same_tree(general.state(0), rows.state(0))
+        assert rows.state(0)["grads"]
+    finally:
+        compat.destroy_distributed()
+
+
 @pytest.mark.parametrize("adapter_rank", [8, 4])
 def test_a_restore_zeroes_the_gradients_the_park_did_not_hold(tmp_path: Path, adapter_rank: int) -> None:
     rank = rank_with(tmp_path, 2)
