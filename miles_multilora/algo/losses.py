@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_multilora.algo.config import AGGREGATIONS, AlgoConfig
+from miles_multilora.host_tensors import tensor_on, to_device
 
 
 @dataclass
@@ -55,39 +56,48 @@ def slot_normalizers(mask: torch.Tensor, slots: torch.Tensor, aggregation: str) 
     return out
 
 
+def _slot_groups(slots: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The distinct slots (on ``device`` and as a list, sorted) and each row's index into them,
+    taken on the host (the slots are host data) and copied without a sync."""
+    ids, inverse = torch.unique(slots.detach().cpu(), return_inverse=True)
+    return to_device(ids, device), ids.tolist(), to_device(inverse, device)
+
+
 def aggregate_per_slot(
     values: torch.Tensor,
     mask: torch.Tensor,
     slots: torch.Tensor,
     aggregation: str,
     normalizers: Mapping[int, float] | None = None,
+    groups: tuple[torch.Tensor, list[int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Aggregate per-token ``values`` [B, T] into one value per slot.
 
     Returns ``(unique_slots, per_slot_values)``. token_mean: sum of the slot's masked values over
-    its token count; seq_mean: mean over its sequences of each sequence's token mean.
+    its token count; seq_mean: mean over its sequences of each sequence's token mean. ``groups``:
+    :func:`_slot_groups` of ``slots``, when the caller aggregates several values over the same rows.
     """
     _check_aggregation(aggregation)
     mask = mask.to(values.dtype)
-    ids, inverse = torch.unique(slots.to(values.device), return_inverse=True)
+    ids, id_list, inverse = groups or _slot_groups(slots, values.device)
     row_sum = (values * mask).sum(dim=1)
     row_len = mask.sum(dim=1)
     if aggregation == "token_mean":
         row_value, row_weight = row_sum, row_len
     else:
         row_value, row_weight = row_sum / row_len.clamp(min=1.0), torch.ones_like(row_len)
-    numer = torch.zeros(len(ids), dtype=values.dtype, device=values.device).index_add(0, inverse, row_value)
+    numer = torch.zeros(len(id_list), dtype=values.dtype, device=values.device).index_add(
+        0, inverse, row_value
+    )
     if normalizers is None:
-        denom = torch.zeros(len(ids), dtype=values.dtype, device=values.device).index_add(
+        denom = torch.zeros(len(id_list), dtype=values.dtype, device=values.device).index_add(
             0, inverse, row_weight
         )
     else:
-        missing = [int(i) for i in ids.tolist() if int(i) not in normalizers]
+        missing = [i for i in id_list if i not in normalizers]
         if missing:
             raise KeyError(f"normalizers has no entry for slots {missing}")
-        denom = torch.tensor(
-            [float(normalizers[int(i)]) for i in ids.tolist()], dtype=values.dtype, device=values.device
-        )
+        denom = tensor_on([float(normalizers[i]) for i in id_list], values.device, values.dtype)
     return ids, numer / denom.clamp(min=1e-8)
 
 
@@ -147,26 +157,27 @@ def policy_loss(
         if cfg.kl_coef > 0:
             total = total + cfg.kl_coef * kl
 
-    ids, loss_per_slot = aggregate_per_slot(total, mask_f, slots, cfg.aggregation, normalizers)
+    groups = _slot_groups(slots, logprobs.device)  # once for every aggregate below
+    _, loss_per_slot = aggregate_per_slot(total, mask_f, slots, cfg.aggregation, normalizers, groups)
     loss = loss_per_slot.sum()
 
     with torch.no_grad():
         columns = {"loss": loss_per_slot.detach()}
-        columns["pg_loss"] = aggregate_per_slot(pg.detach(), mask_f, slots, cfg.aggregation, normalizers)[1]
+        columns["pg_loss"] = aggregate_per_slot(
+            pg.detach(), mask_f, slots, cfg.aggregation, normalizers, groups
+        )[1]
         for name, values in (
             ("clip_frac", clipped),
             ("ratio_mean", ratio.detach()),
             ("tis_clip_frac", tis_clipped),
         ):
-            columns[name] = aggregate_per_slot(values, mask_f, slots, "token_mean")[1]
+            columns[name] = aggregate_per_slot(values, mask_f, slots, "token_mean", groups=groups)[1]
         if kl is not None:
-            columns["kl"] = aggregate_per_slot(kl.detach(), mask_f, slots, "token_mean")[1]
+            columns["kl"] = aggregate_per_slot(kl.detach(), mask_f, slots, "token_mean", groups=groups)[1]
         columns["num_tokens"] = aggregate_per_slot(
-            mask_f, mask_f, slots, "token_mean", {int(i): 1.0 for i in ids.tolist()}
+            mask_f, mask_f, slots, "token_mean", dict.fromkeys(groups[1], 1.0), groups
         )[1]
         names = list(columns)
-        table = torch.stack([columns[n].float() for n in names], dim=1).cpu().tolist()
-    per_slot = {
-        int(slot): dict(zip(names, row, strict=True)) for slot, row in zip(ids.tolist(), table, strict=True)
-    }
+        table = torch.stack([columns[n].float() for n in names], dim=1).cpu().tolist()  # the one sync
+    per_slot = {slot: dict(zip(names, row, strict=True)) for slot, row in zip(groups[1], table, strict=True)}
     return PolicyLossOutput(loss=loss, per_slot=per_slot)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from miles_multilora.host_tensors import to_device
 from miles_multilora.lora import fp8_base
 from miles_multilora.lora import triton_kernels as tk
 from miles_multilora.lora.routing import RoutingPlan
@@ -40,7 +41,7 @@ def tile_schedule(plan: RoutingPlan, block_m: int, device: torch.device) -> torc
         counts, ids = plan.segment_counts()
         slot, start, end, _ = _split_segments(counts, block_m)
         slot = slot if ids is None else ids[slot]
-        plan.schedules[key] = torch.stack([slot, start, end]).to(torch.int32).to(device, non_blocking=True)
+        plan.schedules[key] = to_device(torch.stack([slot, start, end]).to(torch.int32), device)
     return plan.schedules[key]
 
 
@@ -77,10 +78,8 @@ def weight_grad_schedule(
         red_first = red_count.cumsum(0) - red_count
         if ids is not None:  # segments -> the slots (weights) they are
             slot, red_slots = ids[slot], ids[red_slots]
-        chunks = torch.stack([slot, start, end, dest]).to(torch.int32).to(device, non_blocking=True)
-        reductions = (
-            torch.stack([red_slots, red_first, red_count]).to(torch.int32).to(device, non_blocking=True)
-        )
+        chunks = to_device(torch.stack([slot, start, end, dest]).to(torch.int32), device)
+        reductions = to_device(torch.stack([red_slots, red_first, red_count]).to(torch.int32), device)
         plan.schedules[key] = (chunks, reductions, int(multi.sum()))
     return plan.schedules[key]
 

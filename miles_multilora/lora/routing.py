@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_multilora.errors import ConfigError
+from miles_multilora.host_tensors import to_device
 
 
 @dataclass
@@ -105,9 +106,7 @@ def build_routing_plan(slot_ids: torch.Tensor, num_slots: int, per_sequence: boo
     num_routed = flat.numel() - host[2]
     key = torch.where(flat < 0, torch.full_like(flat, n), flat)
     sorted_key, order = torch.sort(key, stable=True)
-    offsets = (
-        torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(flat.device, non_blocking=True)
-    )
+    offsets = to_device(torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32), flat.device)
     return RoutingPlan(
         num_slots=n,
         batch=batch,

@@ -20,6 +20,7 @@ from torch import nn
 
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.errors import ConfigError, SpecError
+from miles_multilora.host_tensors import tensor_on
 from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.optim.schedule import learning_rate
@@ -158,21 +159,24 @@ class SlotAdamW:
     @torch.no_grad()
     def zero_grad(self, slots: Iterable[int] | None = None) -> None:
         """Zero the grads of ``slots`` (all slots when None)."""
-        idx = None if slots is None else list(slots)
+        chosen = None if slots is None else list(slots)
+        if chosen == []:
+            return
+        idx = None if chosen is None else tensor_on(chosen, self.params[0].device)  # once, no sync
         for p in self.params:
             if p.grad is None:
                 continue
             if idx is None:
                 p.grad.zero_()
-            elif idx:
-                p.grad[torch.tensor(idx, device=p.device)] = 0
+            else:
+                p.grad.index_fill_(0, idx, 0)
 
     # ----- the step -----
     @torch.no_grad()
     def grad_norms(self, slots: list[int]) -> list[float]:
         """Per-slot grad norm over every layer (TP/PP-reduced), one host sync."""
         device = self.params[0].device
-        idx = torch.tensor(slots, device=device)
+        idx = tensor_on(slots, device)
         sharded = torch.zeros(len(slots), dtype=torch.float32, device=device)
         replicated = torch.zeros_like(sharded)
         experts = torch.zeros_like(sharded)
@@ -223,7 +227,7 @@ class SlotAdamW:
         device = self.params[0].device
 
         def column(values: list[float]) -> torch.Tensor:  # one value per slot, broadcast over its tensors
-            return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+            return tensor_on(values, device, torch.float32).view(-1, 1, 1, 1)
 
         b1 = [specs[s].beta1 for s in slots]
         b2 = [specs[s].beta2 for s in slots]
@@ -234,7 +238,7 @@ class SlotAdamW:
         decay = column([1.0 - lr_ * specs[s].weight_decay for s, lr_ in zip(slots, lrs, strict=True)])
         step_size = column([lr_ / (1.0 - b**n) for lr_, b, n in zip(lrs, b1, t, strict=True)])
         bias2_sqrt = column([math.sqrt(1.0 - b**n) for b, n in zip(b2, t, strict=True)])
-        idx = torch.tensor(slots, device=device)
+        idx = tensor_on(slots, device)
         columns = (clip, beta1, beta2, eps, decay, step_size, bias2_sqrt)
         for p, m_all, v_all, master in zip(
             self.params, self.exp_avg, self.exp_avg_sq, self.master, strict=True

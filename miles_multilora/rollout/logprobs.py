@@ -20,6 +20,7 @@ from miles_multilora.algo.chunked_logprobs import (
     chunked_token_logprobs,
     chunked_topk_logprobs,
 )
+from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.rollout.routing import check_servable_slots, per_sequence_slots, slot_routing
 from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
@@ -31,11 +32,11 @@ def right_pad(
     """Stack token lists into ``input_ids [B, S]`` (right-padded with ``pad_id``) and ``lengths [B]``."""
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("right_pad needs at least one sequence and no empty sequence")
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
-    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long, device=device)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long, device=device)
-    return ids, lengths
+    lengths = [len(s) for s in sequences]
+    ids = torch.full((len(sequences), max(lengths)), pad_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):  # on the host, then one copy (a copy per row waits per row)
+        ids[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+    return to_device(ids, device), tensor_on(lengths, device, torch.long)
 
 
 def forward_logits(model: torch.nn.Module, input_ids: Tensor, slots: Tensor | Sequence[int]) -> Tensor:

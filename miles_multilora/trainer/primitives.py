@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from miles_multilora.config.run import TrainerConfig
+from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora import token_slots
 from miles_multilora.models import compat
 from miles_multilora.rollout.logprobs import right_pad, selected_logprobs, selected_scores
@@ -61,7 +62,7 @@ class MicroBatch:
             data = r.values.get(key)
             if data is not None:
                 out[i, : len(data)] = torch.tensor(data[: r.width], dtype=torch.float32)
-        return out.to(self.mask.device)
+        return to_device(out, self.mask.device)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -96,14 +97,13 @@ def row_logprobs(
     """``[len(rows), width]``: each row's logprobs at its positions (zero-padded), through the
     chunked LM head on those positions only. Differentiable."""
     device = input_ids.device
-    row_index = torch.tensor([i for i, r in enumerate(rows) for _ in r.positions], device=device)
-    offset = torch.tensor([j for r in rows for j in range(r.width)], device=device)
-    positions = torch.tensor([p for r in rows for p in r.positions], device=device)
+    row_index = tensor_on([i for i, r in enumerate(rows) for _ in r.positions], device)
+    offset = tensor_on([j for r in rows for j in range(r.width)], device)
+    positions = tensor_on([p for r in rows for p in r.positions], device)
     targets = None
     if any(r.targets is not None for r in rows):
-        targets = torch.tensor(
-            [t for r in rows for t in (r.targets or [r.tokens[p + 1] for p in r.positions])],
-            device=device,
+        targets = tensor_on(
+            [t for r in rows for t in (r.targets or [r.tokens[p + 1] for p in r.positions])], device
         )
     lp = selected_logprobs(
         model, input_ids, slots, [r.temperature for r in rows], vocab_size, row_index,
@@ -154,14 +154,15 @@ def forward_backward_rows(
     for picked, batch, input_ids in _slot_micro_batches(rows, range(len(rows)), settings, pad_id):
         slots = [r.slot for r in batch]
         width = max(r.width for r in batch)
-        mask = torch.zeros(len(batch), width, device=input_ids.device)
+        mask = torch.zeros(len(batch), width)
         for i, r in enumerate(batch):
             mask[i, : r.width] = 1
+        mask = to_device(mask, input_ids.device)
         ref = None
         if reference:
             with torch.no_grad():
                 ref = row_logprobs(model, input_ids, batch, [-1] * len(batch), vocab_size, chunk)
-        slot_ids = torch.tensor(slots, device=input_ids.device).view(-1, 1).expand_as(input_ids)
+        slot_ids = tensor_on(slots, input_ids.device).view(-1, 1).expand_as(input_ids)
         # routing kept through the backward: activation recompute runs the forward again there
         with token_slots(model, slot_ids.contiguous()), torch.set_grad_enabled(backward):
             lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, route=False)
@@ -206,8 +207,8 @@ def score_rows(
     model.train(False)
     for picked, batch, input_ids in _slot_micro_batches(rows, live, settings, pad_id):
         device = input_ids.device
-        row_index = torch.tensor([i for i, r in enumerate(batch) for _ in r.positions], device=device)
-        positions = torch.tensor([p for r in batch for p in r.positions], device=device)
+        row_index = tensor_on([i for i, r in enumerate(batch) for _ in r.positions], device)
+        positions = tensor_on([p for r in batch for p in r.positions], device)
         lp, ids, values = selected_scores(
             model, input_ids, [r.slot for r in batch], vocab_size, row_index, positions, k,
             settings.logprob_chunk_tokens,
