@@ -163,6 +163,14 @@ def profile(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, flo
         print(f"\n{'aten op (device time incl. children)':<40} {'calls':>7} {'device s':>9}")
         for e in ops[:30]:
             print(f"{e.key:<40} {e.count:>7} {e.device_time_total / 1e6:>9.3f}")
+        # the host side: where the CPU time goes, and how many kernels it launched (each launch is
+        # host time; when the host is slower than the kernels, the device idles between them)
+        launches = sum(
+            e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+        )
+        cpu_us = sum(e.self_cpu_time_total for e in events)
+        print(f"\nhost: {cpu_us / 1e6:.2f} s of CPU time in ops, {launches} kernel launches")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 def main() -> None:
