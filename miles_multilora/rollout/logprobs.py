@@ -135,7 +135,9 @@ def selected_logprobs(
     ``route=False``: the caller has routed the model's tokens already (and keeps that routing through
     the backward, which activation recompute needs: it runs the forward again there).
     """
-    temps = effective_temperature(torch.as_tensor(temperatures, dtype=torch.float32, device=input_ids.device))
+    temps = effective_temperature(
+        to_device(torch.as_tensor(temperatures, dtype=torch.float32), input_ids.device)
+    )
     weight = lm_head_weight(model)
     if weight is None:  # the module's own LM head: full logits, then the selected entries
         if targets is not None and not bool((targets == input_ids[rows, positions + 1]).all()):

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor
 
+from miles_multilora.host_tensors import to_device
 from miles_multilora.lora.inject import token_slots
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.rollout.engine import RolloutError
@@ -38,5 +39,5 @@ def slot_routing(model: torch.nn.Module, slot_ids: Tensor, routed: bool = True) 
 
 def per_sequence_slots(slots: Tensor | Sequence[int], seq_len: int, device: torch.device) -> Tensor:
     """Expand one slot per sequence ``[batch]`` to one slot per token ``[batch, seq_len]``."""
-    slot_t = torch.as_tensor(slots, dtype=torch.long, device=device)
+    slot_t = to_device(torch.as_tensor(slots, dtype=torch.long), device)  # host data: no host wait
     return slot_t.view(-1, 1).expand(-1, seq_len).contiguous()
