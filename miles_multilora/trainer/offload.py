@@ -60,11 +60,10 @@ class ParkedSlot:
     saved: dict[str, Any] | None
     nbytes: int  # in host memory
     path: Path | None = None  # where it was spilled (``saved`` is None then)
-    pack: HostPack | None = None  # on a GPU: the pinned buffers ``saved``'s tensors are views of
+    pack: HostPack | None = None  # the flat host buffers (pinned on a GPU) the state lives in
     staged: StagedCopy | None = None  # its copy back to the GPU, started by :meth:`prefetch`
-    rows: RowLayout | None = (
-        None  # ``pack`` as whole slot rows: restored without a plan (trainer/slot_rows.py)
-    )
+    # ``pack`` as whole slot rows: restored without a plan (trainer/slot_rows.py)
+    rows: RowLayout | None = None
 
     @property
     def in_memory(self) -> bool:
@@ -153,8 +152,7 @@ def park(rank: TrainerRank, slot: int) -> ParkedSlot:
         {"slot": tensors, "optimizer": optim_state, "meta": shard.meta_dict(meta), "grads": grads},
         device_type=rank.device.type,
     )
-    rows = rank.slot_rows.layout(slot, pack) if pack is not None else None
-    parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved), pack=pack, rows=rows)
+    parked = ParkedSlot(meta, opened.run, saved, _nbytes(saved), pack=pack)
     rank.offload_stats["park"] += 1
     rank.offload_stats["park_s"] += time.perf_counter() - started
     return parked

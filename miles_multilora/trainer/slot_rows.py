@@ -5,10 +5,12 @@ The general restore (:mod:`~miles_multilora.trainer.slot_write`) takes a saved s
 tensor operations of host time per tensor, ~15 ms per rank-16 adapter of the 1.70 B benchmark shape
 on an H200, where the copies themselves take 0.3 ms. When every tensor a park packed is a whole slot
 row (the adapter at the slots' ``max_rank`` training every family, its fp32 masters kept), none of
-that is needed: :meth:`SlotRows.layout` notes at the park which rows the pack's flat buffers hold,
-in buffer order, with the slot's Python-side settings; :meth:`SlotRows.write` splits each buffer
-into those rows and writes them with one foreach copy per dtype into flat views of the slot's rows,
-made once per slot. Bit for bit what the general path writes (``tests/unit/test_slot_write.py``).
+that is needed: the park gathers the rows (:meth:`SlotRows.whole_rows`, views made once per slot)
+and notes which rows its flat buffers hold, in buffer order, with the slot's Python-side settings
+(:meth:`SlotRows.layout`); :meth:`SlotRows.write` splits each buffer into those rows and writes
+them with one foreach copy per dtype into flat views of the slot's rows. The saved-state tree is
+built from the buffers only when something reads it (:meth:`RowLayout.tree`). Bit for bit what the
+general path writes and builds (``tests/unit/test_slot_write.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles_multilora.host_tensors import tensor_on
 from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.lora.peft_parts import SlotShape
 from miles_multilora.lora.slots import _shapes
@@ -34,7 +37,7 @@ class RowLayout:
     """What a park packed as whole rows: per dtype the tree paths in buffer order and their sizes;
     the slot's per-layer rank, scale and PEFT shape; its optimizer step, spec and horizon."""
 
-    paths: dict[torch.dtype, list[TreePath | None]]  # None: packed, but not a slot row (a CPU scalar)
+    paths: dict[torch.dtype, list[TreePath]]
     sizes: dict[torch.dtype, list[int]]
     grads: frozenset[str]  # parameters whose gradient rows it holds (the others are zero)
     ranks: list[int]
@@ -43,8 +46,8 @@ class RowLayout:
     step: int
     spec: OptimizerSpec | None
     total_steps: int | None
-    keys: tuple[str, ...] = ()  # the layers' keys, in order (to rebuild the saved-state tree)
-    names: tuple[str, ...] = ()  # the optimizer's parameter names, in order
+    keys: tuple[str, ...]  # the layers' keys, in order (to rebuild the saved-state tree)
+    names: tuple[str, ...]  # the optimizer's parameter names, in order
 
     def tree(self, host: HostPack, meta: SlotMeta) -> dict[str, Any]:
         """The parked state as :func:`~miles_multilora.trainer.offload.park`'s general path builds it
@@ -114,21 +117,20 @@ class SlotRows:
         if not self._usable:
             return None
         needed = set(self._full)
-        paths: dict[torch.dtype, list[TreePath | None]] = {}
+        paths: dict[torch.dtype, list[TreePath]] = {}
         sizes: dict[torch.dtype, list[int]] = {}
         for path, dtype, _, shape in pack.places:
-            row = self._row_shape.get(path)
-            if row is not None and row != shape:
+            if self._row_shape.get(path) != shape:
                 return None
             needed.discard(path)
-            paths.setdefault(dtype, []).append(path if row is not None else None)  # None: not a row
+            paths.setdefault(dtype, []).append(path)
             sizes.setdefault(dtype, []).append(shape.numel())
         if needed:
             return None
         opt = self.optimizer
         spec = opt.specs[slot]
         return RowLayout(
-            paths, sizes, frozenset(p[1] for group in paths.values() for p in group if p and p[0] == "grads"),
+            paths, sizes, frozenset(p[1] for group in paths.values() for p in group if p[0] == "grads"),
             [int(layer.slot_rank[slot]) for layer in self.layers],
             [float(layer.slot_scale[slot]) for layer in self.layers],
             [_shapes(layer)[slot] for layer in self.layers],
@@ -184,15 +186,12 @@ class SlotRows:
         if zero:
             torch._foreach_zero_(zero)
         for dtype, paths in layout.paths.items():
-            pairs = [
-                (p, src) for p, src in zip(paths, buffers[dtype].split(layout.sizes[dtype]), strict=True) if p
-            ]
-            if pairs:
-                dst = [self._grad_row(slot, p[1]) if p[0] == "grads" else rows[p] for p, _ in pairs]
-                torch._foreach_copy_(dst, [src for _, src in pairs])
-        scales = torch.tensor(layout.scales, dtype=torch.float32)  # rounded once, as set_slot_scale does
+            dst = [self._grad_row(slot, p[1]) if p[0] == "grads" else rows[p] for p in paths]
+            torch._foreach_copy_(dst, list(buffers[dtype].split(layout.sizes[dtype])))
         scale_rows = [rows[("scale", layer.key)] for layer in self.layers]
-        torch._foreach_copy_(scale_rows, list(scales.to(scale_rows[0].device, non_blocking=True).split(1)))
+        # fp32, rounded once from the Python floats, as set_slot_scale does
+        scales = tensor_on(layout.scales, scale_rows[0].device, torch.float32)
+        torch._foreach_copy_(scale_rows, list(scales.split(1)))
         for layer, rank, scale, shape in zip(
             self.layers, layout.ranks, layout.scales, layout.shapes, strict=True
         ):
