@@ -198,7 +198,7 @@ def main() -> None:
         "--max-wall",
         type=float,
         default=None,
-        help="end each layout after this many seconds (DONE counts the rest)",
+        help="end each layout after this many seconds (DONE: the tenants done by then)",
     )
     args = parser.parse_args()
     given = rl_step.given_flags(parser, sys.argv[1:])
