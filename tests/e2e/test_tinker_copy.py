@@ -55,7 +55,7 @@ def clients(served: Served) -> Iterator[dict[str, Any]]:
         "rest_b": tinker.RestClient(base_url=served.url, api_key=KEY_B),
     }  # fmt: skip
     for sc in (sc_a, sc_b):
-        sc.close("success")
+        sc.close("success").result()  # finished on the server before going on
 
 
 def logprobs(tc: Any) -> list[float]:
@@ -273,7 +273,7 @@ def test_fields_the_server_does_not_serve_are_400s_naming_them(served: Served, c
     with pytest.raises(tinker.BadRequestError, match="project_id"):
         elsewhere.create_lora_training_client(base_model="tiny", rank=2).result()
     other = tinker.ServiceClient(base_url=served.url, api_key=KEY_A, project_id=PROJECT)
-    other.close("success")
+    other.close("success").result()  # finished on the server before going on
 
 
 def test_learning_rate_zero_is_accepted_and_leaves_the_weights(clients: dict) -> None:
@@ -299,7 +299,7 @@ def test_a_sessions_display_name_is_kept(served: Served) -> None:
         rest = tinker.RestClient(base_url=served.url, api_key=KEY_A)
         assert rest.get_session(sid).result().display_name == "nightly run"
     finally:
-        sc.close("success")
+        sc.close("success").result()  # finished on the server before going on
     raw = requests.post(
         f"{served.url}/api/v1/create_session", headers={"X-API-Key": KEY_A},
         json={"tags": [], "sdk_version": "x", "display_name": 7}, timeout=30,

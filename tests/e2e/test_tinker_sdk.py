@@ -47,7 +47,7 @@ def _client(server: Any) -> Any:
 def _close(sc: Any, server: Any) -> None:
     """End the session and wait until its models are unloaded (the server unloads them in the
     tenant's queue lane, after answering), so the next test finds every slot free."""
-    sc.close("success")
+    sc.close("success").result()  # finished on the server before going on
     deadline = time.monotonic() + 60
     while server.state.backend.models and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -183,7 +183,7 @@ def test_three_clients_sampling_at_once_share_an_engine_call_and_get_what_they_g
     assert [len(x) for x in together] == [3, 2, 2]
     assert together[0] != together[1] and together[0][0][0] != together[2][0][0]
     for sc in services[1:]:
-        sc.close("success")
+        sc.close("success").result()  # finished on the server before going on
     _close(services[0], server)  # and wait until every model is unloaded
 
 
@@ -351,9 +351,21 @@ def test_save_load_round_trips_errors_change_nothing_and_finish_frees_slots(serv
         == 401
     )
 
-    # finishing the first session frees both slots; a third client starts fresh in one of them
-    first.close("success")
-    third = second.create_lora_training_client(base_model="tiny", rank=2, seed=9).result()
+    # finishing the first session frees both slots; a third client starts fresh in one of them, even
+    # while the ended session's unloads still wait in the queue (the worker is held until all are in)
+    queue = server.state.queue
+    gate = threading.Event()
+    queue.submit(gate.wait)
+    try:
+        first.close("success").result()  # finished on the server (the SDK's close returns a future)
+        creating = second.create_lora_training_client(base_model="tiny", rank=2, seed=9)
+        deadline = time.monotonic() + 60
+        while queue.pending() < 3 and time.monotonic() < deadline:  # two unloads and the create
+            time.sleep(0.01)
+        assert queue.pending() >= 3
+    finally:
+        gate.set()
+    third = creating.result()
     entry = server.state.backend.model(third.get_info().model_id)
     assert entry.version == 0 and server.state.backend.rank.optimizer.slot_state_dict(entry.slot)["step"] == 0
     restored = second.create_training_client_from_state_with_optimizer(path).result()

@@ -93,14 +93,14 @@ def test_a_model_trains_and_exports_only_its_families(server: Any) -> None:
         full.load_state(path).result()
     unchanged = _by_family(server, model_f)
     assert all(torch.equal(a, b) for f in before for a, b in zip(before[f], unchanged[f], strict=True))
-    sc.close("success")
+    sc.close("success").result()  # finished on the server before going on
 
 
 def test_training_nothing_or_a_malformed_flag_is_a_400_that_changes_nothing(server: Any) -> None:
     sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
     with pytest.raises(tinker.BadRequestError, match="trains nothing"):  # unembed: no LoRA here
         sc.create_lora_training_client(base_model="tiny", rank=4, train_attn=False, train_mlp=False).result()
-    sc.close("success")
+    sc.close("success").result()  # finished on the server before going on
     http = requests.Session()
     http.headers["X-API-Key"] = KEY
     http.headers["Connection"] = "close"
