@@ -21,6 +21,7 @@ from miles_multilora.data.evaluation import HeldOutSet, build_held_out
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rl.resume import check_run_dir_is_ours, load_resume_point
+from miles_multilora.trainer.host_copies import device_room
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.rank import TrainerRank
 
@@ -185,19 +186,24 @@ class Residents:
 
     def prefetch(self, names: tuple[str, ...]) -> int:
         """Start copying parked ``names`` (the controller's next turn, most likely first) back to
-        the GPU while this step runs, within ``trainer.prefetch_gb`` of device memory; copies
-        started for others that did not get their turn are given back. Returns how many are on
-        their way. Nothing to do on a CPU or for a state spilled to disk."""
+        the GPU while this step runs, within ``trainer.prefetch_gb`` of device memory and what the
+        device can hold at the step's peak (less a 1 GiB margin); copies started for others that
+        did not get their turn are given back. Returns how many are on their way. Nothing to do on
+        a CPU or for a state spilled to disk."""
         wanted = [n for n in names if n in self.parked]
         for name, (_, parked) in self.parked.items():
             if name not in wanted:
                 parked.drop_prefetch()
-        budget = int(self.cfg.trainer.prefetch_gb * (1 << 30))
+        if self.rank.device.type != "cuda":
+            return 0
+        cap = int(self.cfg.trainer.prefetch_gb * (1 << 30))  # all copies on their way
+        room = device_room(self.rank.device) - (1 << 30)  # the new ones (the others hold theirs)
         used = sum(p.staged.nbytes for _, p in self.parked.values() if p.staged is not None)
         for name in wanted:
             parked = self.parked[name][1]
-            if parked.can_prefetch and used + parked.nbytes <= budget:
-                used += parked.prefetch()
+            if parked.can_prefetch and used + parked.nbytes <= cap and parked.nbytes <= room:
+                started = parked.prefetch()
+                used, room = used + started, room - started
         return sum(self.parked[n][1].staged is not None for n in wanted)
 
     def _unpark(self, assignment: SlotAssignment) -> bool:

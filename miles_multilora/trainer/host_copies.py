@@ -149,6 +149,14 @@ class StagedCopy:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
 
+def device_room(device: torch.device) -> int:
+    """Bytes ``device`` can still hold at the step's peak: free memory now, less what the caching
+    allocator will take again on its way back to the highest it has reserved so far."""
+    free, _ = torch.cuda.mem_get_info(device)
+    growth = max(0, torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device))
+    return max(0, free - growth)
+
+
 def stage(pack: HostPack) -> StagedCopy:
     """Start copying ``pack``'s buffers back to the GPU on the copy stream and return at once; no
     stream waits for it until :func:`to_device` takes it (a copy never taken is simply dropped)."""

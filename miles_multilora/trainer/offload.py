@@ -51,18 +51,19 @@ def _nbytes(value: Any) -> int:
 
 @dataclass
 class ParkedSlot:
-    """One adapter's state off the GPU: in host memory (``saved``) or spilled to ``path``."""
+    """One adapter's state off the GPU: in host memory (``pack``; ``saved``, its tree, once read)
+    or spilled to ``path``."""
 
     meta: shard.SlotMeta
     run: str
-    # {"slot", "optimizer", "meta", "grads"} as :func:`park` made it (None: whole rows in ``pack``,
-    # the tree built when read, or spilled)
+    # {"slot", "optimizer", "meta", "grads"} as :func:`park` made it (None: rows in ``pack``, the
+    # tree built when read; or spilled)
     saved: dict[str, Any] | None
     nbytes: int  # in host memory
     path: Path | None = None  # where it was spilled (``saved`` is None then)
     pack: HostPack | None = None  # the flat host buffers (pinned on a GPU) the state lives in
     staged: StagedCopy | None = None  # its copy back to the GPU, started by :meth:`prefetch`
-    # ``pack`` as whole slot rows: restored without a plan (trainer/slot_rows.py)
+    # ``pack`` as the slot's rows: restored without a plan (trainer/slot_rows.py)
     rows: RowLayout | None = None
 
     @property
@@ -125,12 +126,13 @@ class ParkedSlot:
 def park(rank: TrainerRank, slot: int) -> ParkedSlot:
     """Copy open ``slot``'s whole state to host memory (the caller closes the slot after): views of
     the slot, copied by :func:`~miles_multilora.trainer.host_copies.to_host` (on a GPU one copy per
-    dtype, on a copy stream: it overlaps whatever the step does next). An adapter at full rank is
-    packed as whole rows, and its saved-state tree is only built when something reads it."""
+    dtype, on a copy stream: it overlaps whatever the step does next). The slot's rows, cut to the
+    adapter's rank, are packed as they are (trainer/slot_rows.py); the saved-state tree is only
+    built when read."""
     started = time.perf_counter()
     opened = rank.slot(slot)
     meta = shard.SlotMeta(opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets)
-    rows = rank.slot_rows.whole_rows(slot, rank.max_rank)
+    rows = rank.slot_rows.row_blocks(slot)
     if rows is not None:
         host = pack_tensors(rows)
         layout = rank.slot_rows.layout(slot, host)

@@ -112,7 +112,7 @@ class TrainerRank:
         self.pad_id = built.pad_id
         self.memory_plan = built.memory  # what the start-up memory plan chose (None on a CPU)
         self.optimizer = SlotAdamW(self.model)
-        self.slot_rows = SlotRows(self.model, self.optimizer)  # whole-row restores of parked slots
+        self.slot_rows = SlotRows(self.model, self.optimizer)  # parks and restores as rows (slot_rows.py)
         self.remote_engine = cfg.rollout.engine != "embedded"
         self.engine = build_engine(cfg, built, manages_adapters=self.is_writer, dp_rank=self.layout.dp_rank)
         self.export_root = Path(cfg.trainer.output_dir) / "sync"
@@ -391,7 +391,7 @@ class TrainerRank:
 
     def _load(self, opened: OpenSlot, source: str | Path | dict | PackedRows, optimizer: bool) -> None:
         """Load a saved state (a directory, or one rank's shard already read; a parked state's
-        ``"grads"`` too; or a parked state as whole rows) into ``opened``."""
+        ``"grads"`` too; or a parked state as rows) into ``opened``."""
         if isinstance(source, PackedRows):
             self._check_saved(opened, source.meta, None)
             self.slot_rows.write(opened.slot, source.layout, source.buffers)

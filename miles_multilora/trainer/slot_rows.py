@@ -1,16 +1,17 @@
-"""A parked slot written back as whole rows: one split and one multi-tensor copy per dtype.
+"""A parked slot written back as its rows: one split and one or two multi-tensor copies per dtype.
 
 The general restore (:mod:`~miles_multilora.trainer.slot_write`) takes a saved state as a tree of
 ~1,100 tensors, checks each, cuts it to the adapter's rank and pairs it with its slot row: ~20
 tensor operations of host time per tensor, ~15 ms per rank-16 adapter of the 1.70 B benchmark shape
-on an H200, where the copies themselves take 0.3 ms. When every tensor a park packed is a whole slot
-row (the adapter at the slots' ``max_rank`` training every family, its fp32 masters kept), none of
-that is needed: the park gathers the rows (:meth:`SlotRows.whole_rows`, views made once per slot)
-and notes which rows its flat buffers hold, in buffer order, with the slot's Python-side settings
-(:meth:`SlotRows.layout`); :meth:`SlotRows.write` splits each buffer into those rows and writes
-them with one foreach copy per dtype into flat views of the slot's rows. The saved-state tree is
-built from the buffers only when something reads it (:meth:`RowLayout.tree`). Bit for bit what the
-general path writes and builds (``tests/unit/test_slot_write.py``).
+on an H200, where the copies themselves take 0.3 ms. A park knows where every tensor came from, so
+none of that is needed: it gathers the slot's rows, each cut to its layer's rank as a saved state
+is (:meth:`SlotRows.row_blocks`; whole rows at ``max_rank``, views made once per slot), and notes
+which rows its flat buffers hold, in buffer order, with the slot's Python-side settings
+(:meth:`SlotRows.layout`). :meth:`SlotRows.write` splits each buffer into those pieces and writes
+them with one foreach copy per dtype into flat views of the slot's whole rows, plus one for the
+blocks cut below ``max_rank`` (whose rows are zeroed first). The saved-state tree is built from the
+buffers only when something reads it (:meth:`RowLayout.tree`). Bit for bit what the general path
+writes and builds (``tests/unit/test_slot_write.py``, at full rank, cut, and with untrained layers).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """What a park packed as whole rows: per dtype the tree paths in buffer order and their sizes;
+    """What a park packed as rows: per dtype the tree paths in buffer order, their sizes and shapes;
     the slot's per-layer rank, scale and PEFT shape; its optimizer step, spec and horizon."""
 
     paths: dict[torch.dtype, list[TreePath]]
     sizes: dict[torch.dtype, list[int]]
+    blocks: dict[torch.dtype, list[torch.Size | None]]  # a block cut to its layer's rank (None: whole)
     grads: frozenset[str]  # parameters whose gradient rows it holds (the others are zero)
     ranks: list[int]
     scales: list[float]
@@ -77,7 +79,7 @@ class RowLayout:
 
 @dataclass(frozen=True)
 class PackedRows:
-    """A parked state to restore as whole rows: its meta, its layout and its flat buffers, on the
+    """A parked state to restore as rows: its meta, its layout and its flat buffers, on the
     model's device (what :meth:`~miles_multilora.trainer.rank.TrainerRank.open_slot` takes as
     ``restore``)."""
 
@@ -89,48 +91,65 @@ class PackedRows:
 class SlotRows:
     """The slot rows of a model's MultiLoRA layers and their :class:`SlotAdamW` state, by the tree
     path a park gives them (``("slot", "<layer>.lora_A")``, ``("optimizer", "exp_avg", name)``,
-    ``("grads", name)``, ...), with flat views of each slot's rows made once."""
+    ``("grads", name)``, ...), with views of each slot's rows made once. An adapter below
+    ``max_rank`` in a layer keeps only the leading block of that layer's rows (its rank along the
+    rank dimension: ``A`` ``[..., r, in]``, ``B`` ``[..., out, r]``), as a saved state does."""
 
     def __init__(self, model: torch.nn.Module, optimizer: SlotAdamW) -> None:
         self.layers = multi_lora_layers(model)
         self.optimizer = optimizer
         self._full: dict[TreePath, torch.Tensor] = {}  # [num_slots, ...] tensors
-        for layer in self.layers:
-            self._full[("slot", f"{layer.key}.lora_A")] = layer.lora_A
-            self._full[("slot", f"{layer.key}.lora_B")] = layer.lora_B
+        self._cut: dict[TreePath, tuple[int, int]] = {}  # path -> (its layer's index, rank dim)
+        index = {layer.key: i for i, layer in enumerate(self.layers)}
+        for i, layer in enumerate(self.layers):
+            for which, dim in (("lora_A", -2), ("lora_B", -1)):
+                self._full[("slot", f"{layer.key}.{which}")] = getattr(layer, which)
+                self._cut[("slot", f"{layer.key}.{which}")] = (i, dim)
         for i, name in enumerate(optimizer.names):
-            self._full[("optimizer", "exp_avg", name)] = optimizer.exp_avg[i]
-            self._full[("optimizer", "exp_avg_sq", name)] = optimizer.exp_avg_sq[i]
+            layer_key, _, which = name.rpartition(".")
+            cut = (index[layer_key], -2 if which == "lora_A" else -1) if layer_key in index else None
+            parts = [("exp_avg", optimizer.exp_avg[i]), ("exp_avg_sq", optimizer.exp_avg_sq[i])]
             if optimizer.master[i] is not None:
-                self._full[("optimizer", "master", name)] = optimizer.master[i]
+                parts.append(("master", optimizer.master[i]))
+            for part, t in parts:
+                self._full[("optimizer", part, name)] = t
+                if cut is not None:
+                    self._cut[("optimizer", part, name)] = cut
         self._param = {name: p for name, p in zip(optimizer.names, optimizer.params, strict=True)}
         self._row_shape = {path: t.shape[1:] for path, t in self._full.items()}
         self._row_shape.update({("grads", n): p.shape[1:] for n, p in self._param.items()})
-        self._usable = all(t.is_contiguous() for t in self._full.values())
+        self._usable = all(t.is_contiguous() for t in self._full.values()) and all(
+            path in self._cut for path in self._full
+        )
         self._views: dict[int, dict[TreePath, torch.Tensor]] = {}  # flat, per slot
         self._shaped: dict[int, dict[TreePath, torch.Tensor]] = {}  # as the saved-state tree has them
         self._grad_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layout(self, slot: int, pack: HostPack) -> RowLayout | None:
-        """``pack`` (a park of ``slot``, taken just now) as whole rows, or None when any tensor in
-        it is not a whole row or a row the restore must write is missing from it."""
+        """``pack`` (a park of ``slot`` by :meth:`row_blocks`, taken just now) as rows, or None when
+        any tensor in it is not a leading block of its row or a row the restore must write is
+        missing from it."""
         if not self._usable:
             return None
         needed = set(self._full)
         paths: dict[torch.dtype, list[TreePath]] = {}
         sizes: dict[torch.dtype, list[int]] = {}
+        blocks: dict[torch.dtype, list[torch.Size | None]] = {}
         for path, dtype, _, shape in pack.places:
-            if self._row_shape.get(path) != shape:
+            row = self._row_shape.get(path)
+            if row is None or len(row) != len(shape) or any(n > m for n, m in zip(shape, row, strict=True)):
                 return None
             needed.discard(path)
             paths.setdefault(dtype, []).append(path)
             sizes.setdefault(dtype, []).append(shape.numel())
+            blocks.setdefault(dtype, []).append(None if shape == row else shape)
         if needed:
             return None
         opt = self.optimizer
         spec = opt.specs[slot]
         return RowLayout(
-            paths, sizes, frozenset(p[1] for group in paths.values() for p in group if p[0] == "grads"),
+            paths, sizes, blocks,
+            frozenset(p[1] for group in paths.values() for p in group if p[0] == "grads"),
             [int(layer.slot_rank[slot]) for layer in self.layers],
             [float(layer.slot_scale[slot]) for layer in self.layers],
             [_shapes(layer)[slot] for layer in self.layers],
@@ -138,20 +157,28 @@ class SlotRows:
             tuple(layer.key for layer in self.layers), tuple(opt.names),
         )  # fmt: skip
 
-    def whole_rows(self, slot: int, max_rank: int) -> list[tuple[TreePath, torch.Tensor]] | None:
-        """Every row of ``slot`` a park keeps, by path (views, in the order the saved-state tree has
-        them), when the adapter holds every layer at ``max_rank`` (nothing to cut); else None. The
-        gradient rows come along when any of them is not zero (one sync)."""
-        if not self._usable or any(int(layer.slot_rank[slot]) != max_rank for layer in self.layers):
+    def row_blocks(self, slot: int) -> list[tuple[TreePath, torch.Tensor]] | None:
+        """Every part of ``slot`` a park keeps, by path: views of its rows cut to each layer's rank
+        (whole at ``max_rank``), and the gradient rows when any of them is not zero (one sync); None
+        when the model's slot tensors cannot be viewed so (not contiguous)."""
+        if not self._usable:
             return None
-        shaped = self._shaped.get(slot)
-        if shaped is None:
-            shaped = self._shaped[slot] = {path: t[slot] for path, t in self._full.items()}
-        items = list(shaped.items())
+        shaped = self._shaped_rows(slot)
+        ranks = [int(layer.slot_rank[slot]) for layer in self.layers]
+        items = []
+        for path, row in shaped.items():
+            i, dim = self._cut[path]
+            items.append((path, row if ranks[i] == row.shape[dim] else row.narrow(dim, 0, ranks[i])))
         with_grad = [n for n, p in self._param.items() if p.grad is not None]
         if with_grad and bool(torch.cat([self._grad_row(slot, n) for n in with_grad]).any()):
             items += [(("grads", n), self._param[n].grad[slot]) for n in with_grad]  # type: ignore[index]
         return items
+
+    def _shaped_rows(self, slot: int) -> dict[TreePath, torch.Tensor]:
+        shaped = self._shaped.get(slot)
+        if shaped is None:
+            shaped = self._shaped[slot] = {path: t[slot] for path, t in self._full.items()}
+        return shaped
 
     def _rows(self, slot: int) -> dict[TreePath, torch.Tensor]:
         views = self._views.get(slot)
@@ -173,8 +200,10 @@ class SlotRows:
     @torch.no_grad()
     def write(self, slot: int, layout: RowLayout, buffers: dict[torch.dtype, torch.Tensor]) -> None:
         """Put the rows ``layout`` describes, held in ``buffers`` (flat, per dtype, on the model's
-        device), into ``slot`` with its settings; gradient rows the park did not hold become zero."""
-        rows = self._rows(slot)
+        device), into ``slot`` with its settings: a whole row in one piece, a block cut to its
+        layer's rank into the row's leading block with the rest of the row zero; gradient rows the
+        park did not hold become zero."""
+        rows, shaped = self._rows(slot), self._shaped_rows(slot)
         for name in layout.grads:
             if self._param[name].grad is None:
                 self._param[name].grad = torch.zeros_like(self._param[name])
@@ -183,21 +212,37 @@ class SlotRows:
             for n, p in self._param.items()
             if p.grad is not None and n not in layout.grads
         ]
+        zero += [rows[p] for group, shapes in zip(layout.paths.values(), layout.blocks.values(), strict=True)
+                 for p, block in zip(group, shapes, strict=True) if block is not None]  # fmt: skip
         if zero:
             torch._foreach_zero_(zero)
         for dtype, paths in layout.paths.items():
-            dst = [self._grad_row(slot, p[1]) if p[0] == "grads" else rows[p] for p in paths]
-            torch._foreach_copy_(dst, list(buffers[dtype].split(layout.sizes[dtype])))
+            whole_dst, whole_src, cut_dst, cut_src = [], [], [], []
+            pieces = buffers[dtype].split(layout.sizes[dtype])
+            for path, block, src in zip(paths, layout.blocks[dtype], pieces, strict=True):
+                if path[0] == "grads":
+                    whole_dst.append(self._grad_row(slot, path[1]))
+                    whole_src.append(src)
+                elif block is None:
+                    whole_dst.append(rows[path])
+                    whole_src.append(src)
+                else:  # the leading block (contiguous for A, strided for B: copied on its own in the call)
+                    cut_dst.append(shaped[path][tuple(slice(0, n) for n in block)])
+                    cut_src.append(src.view(block))
+            for dst, src in ((whole_dst, whole_src), (cut_dst, cut_src)):
+                if dst:
+                    torch._foreach_copy_(dst, src)
         scale_rows = [rows[("scale", layer.key)] for layer in self.layers]
+        # a layer the adapter does not train (rank 0) serves nothing: scale 0, no PEFT shape
+        scales = [scale if rank else 0.0 for rank, scale in zip(layout.ranks, layout.scales, strict=True)]
         # fp32, rounded once from the Python floats, as set_slot_scale does
-        scales = tensor_on(layout.scales, scale_rows[0].device, torch.float32)
-        torch._foreach_copy_(scale_rows, list(scales.split(1)))
-        for layer, rank, scale, shape in zip(
-            self.layers, layout.ranks, layout.scales, layout.shapes, strict=True
-        ):
+        torch._foreach_copy_(
+            scale_rows, list(tensor_on(scales, scale_rows[0].device, torch.float32).split(1))
+        )
+        for layer, rank, scale, shape in zip(self.layers, layout.ranks, scales, layout.shapes, strict=True):
             layer.slot_rank[slot] = rank
             layer.slot_scale[slot] = scale
-            _shapes(layer)[slot] = shape
+            _shapes(layer)[slot] = shape if rank else None
         self.optimizer.steps[slot] = layout.step
         self.optimizer.specs[slot] = None if layout.spec is None else replace(layout.spec)
         self.optimizer.total_steps[slot] = layout.total_steps

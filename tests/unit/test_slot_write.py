@@ -66,9 +66,9 @@ def snapshot(rank: TrainerRank, slot: int) -> dict[str, torch.Tensor]:
     for layer in multi_lora_layers(rank.model):
         out[f"{layer.key}.lora_scale"] = layer.lora_scale[slot].clone()
         out[f"{layer.key}.settings"] = torch.tensor([layer.slot_rank[slot], layer.slot_scale[slot]])
-        out[f"{layer.key}.shape"] = torch.tensor(
-            [(p.start, p.end, p.alpha) for p in layer.peft_slot_shapes[slot].parts if p is not None]
-        )
+        shape = layer.peft_slot_shapes[slot]
+        parts = [] if shape is None else [(p.start, p.end, p.alpha) for p in shape.parts if p is not None]
+        out[f"{layer.key}.shape"] = torch.tensor(parts + [(-1, -1, -1.0)])  # the marker: never empty
     out["optimizer"] = torch.tensor([opt.steps[slot], opt.total_steps[slot] or -1, opt.specs[slot].lr])
     return out
 
@@ -103,12 +103,24 @@ def test_a_restore_is_a_few_batched_copies_whatever_the_layer_count(
 
 
 @pytest.mark.parametrize("prefetch", [False, pytest.param(True, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("adapter_rank", [8, 4])  # whole rows (trainer/slot_rows.py), and cut to rank 4
-def test_the_batched_restore_is_bit_exact(tmp_path: Path, adapter_rank: int, prefetch: bool) -> None:
+@pytest.mark.parametrize("packing", ["rows", "general"])  # trainer/slot_rows.py, or the saved-state tree
+@pytest.mark.parametrize(
+    ("adapter_rank", "targets"), [(8, None), (4, None), (4, ["attn"])]
+)  # whole rows; cut to rank 4; and the MLP layers untrained (rank 0)
+def test_the_batched_restore_is_bit_exact(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    adapter_rank: int,
+    targets: list[str] | None,
+    packing: str,
+    prefetch: bool,
+) -> None:
     """Also with its copy back to the GPU started before another adapter's step (``prefetch``)."""
     rank = rank_with(tmp_path, 2)
+    if packing == "general":
+        monkeypatch.setattr(rank.slot_rows, "row_blocks", lambda slot: None)
     try:
-        rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
+        rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a", targets=targets)
         tokens = [3, 14, 15, 92, 65, 35, 89, 79]
         row = ScoredRow(slot=0, tokens=tokens, positions=list(range(len(tokens) - 1)))
         for _ in range(2):
@@ -117,7 +129,7 @@ def test_the_batched_restore_is_bit_exact(tmp_path: Path, adapter_rank: int, pre
         rank.forward_backward([row], nll)
         before = snapshot(rank, 0)
         parked = offload.park(rank, 0)
-        assert (parked.rows is not None) == (adapter_rank == 8)  # the whole-row restore, or the general one
+        assert (parked.rows is not None) == (packing == "rows")
         rank.close_slot(0)
         if prefetch:  # on its way back while the next step runs
             assert 0.9 * parked.nbytes < parked.prefetch() <= parked.nbytes  # its float tensors
@@ -153,23 +165,31 @@ def assert_same_tree(a: object, b: object, where: str = "") -> None:
         assert a == b, where
 
 
-def test_a_park_as_whole_rows_reads_back_as_the_general_park_s_tree(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("adapter_rank", "targets"), [(8, None), (4, None), (4, ["attn"])])
+def test_a_park_as_rows_reads_back_as_the_general_park_s_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter_rank: int, targets: list[str] | None
 ) -> None:
     """What a spill or any reader of a parked state sees does not depend on how it was packed."""
     rank = rank_with(tmp_path, 2)
     try:
-        rank.open_slot(0, 8, 16.0, 7, OptimizerSpec(lr=1e-2), "a")
+        rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a", targets=targets)
         tokens = [3, 14, 15, 92, 65, 35, 89, 79]
         row = ScoredRow(slot=0, tokens=tokens, positions=list(range(len(tokens) - 1)))
         rank.forward_backward([row], nll)
         rank.optim_step([0])
         rank.forward_backward([row], nll)  # gradients to keep
         rows = offload.park(rank, 0)
-        monkeypatch.setattr(rank.slot_rows, "whole_rows", lambda slot, max_rank: None)
+        monkeypatch.setattr(rank.slot_rows, "row_blocks", lambda slot: None)
         general = offload.park(rank, 0)
         assert rows.rows is not None and rows.saved is None and general.saved is not None
-        assert_same_tree(general.state(0), rows.state(0))
+        expected, got = general.state(0), rows.state(0)
+        # the general park drops each zero gradient, the row park keeps all when any is not zero:
+        # the same slot either way (a gradient not held restores as zero)
+        zeros = {n: g for n, g in got["grads"].items() if n not in expected["grads"]}
+        assert all(not g.any() for g in zeros.values())
+        assert_same_tree(
+            expected, {**got, "grads": {n: g for n, g in got["grads"].items() if n not in zeros}}
+        )
         assert rows.state(0)["grads"]
     finally:
         compat.destroy_distributed()
