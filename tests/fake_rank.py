@@ -75,6 +75,7 @@ class FakeRank:
         self.world_size = world.size if world is not None else 1
         self.layout = DPLayout(dp_size=1, dp_rank=0, tp_rank=index, world_size=self.world_size)
         self.num_slots, self.max_rank, self.max_seq_len = num_slots, max_rank, max_seq_len
+        self.device = torch.device("cpu")  # where the slots live (nothing is prefetched on a CPU)
         self.tokenizer = ToyTokenizer(128)
         self.vocab_size = 128
         self.answer = answer
