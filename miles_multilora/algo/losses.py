@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -56,11 +57,19 @@ def slot_normalizers(mask: torch.Tensor, slots: torch.Tensor, aggregation: str) 
     return out
 
 
-def _slot_groups(slots: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """The distinct slots (on ``device`` and as a list, sorted) and each row's index into them,
-    taken on the host (the slots are host data) and copied without a sync."""
-    ids, inverse = torch.unique(slots.detach().cpu(), return_inverse=True)
-    return to_device(ids, device), ids.tolist(), to_device(inverse, device)
+class SlotGroups(NamedTuple):
+    """Rows grouped by slot: the distinct slots (sorted, on the values' device and as ints) and each
+    row's index into them."""
+
+    ids: torch.Tensor
+    id_list: list[int]
+    inverse: torch.Tensor
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, device: torch.device) -> SlotGroups:
+        """Taken on the host (the slots are host data) and copied to ``device`` without a sync."""
+        ids, inverse = torch.unique(slots.detach().cpu(), return_inverse=True)
+        return cls(to_device(ids, device), ids.tolist(), to_device(inverse, device))
 
 
 def aggregate_per_slot(
@@ -69,17 +78,17 @@ def aggregate_per_slot(
     slots: torch.Tensor,
     aggregation: str,
     normalizers: Mapping[int, float] | None = None,
-    groups: tuple[torch.Tensor, list[int], torch.Tensor] | None = None,
+    groups: SlotGroups | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Aggregate per-token ``values`` [B, T] into one value per slot.
 
     Returns ``(unique_slots, per_slot_values)``. token_mean: sum of the slot's masked values over
     its token count; seq_mean: mean over its sequences of each sequence's token mean. ``groups``:
-    :func:`_slot_groups` of ``slots``, when the caller aggregates several values over the same rows.
+    ``SlotGroups.of(slots, ...)``, when the caller aggregates several values over the same rows.
     """
     _check_aggregation(aggregation)
     mask = mask.to(values.dtype)
-    ids, id_list, inverse = groups or _slot_groups(slots, values.device)
+    ids, id_list, inverse = groups or SlotGroups.of(slots, values.device)
     row_sum = (values * mask).sum(dim=1)
     row_len = mask.sum(dim=1)
     if aggregation == "token_mean":
@@ -157,7 +166,7 @@ def policy_loss(
         if cfg.kl_coef > 0:
             total = total + cfg.kl_coef * kl
 
-    groups = _slot_groups(slots, logprobs.device)  # once for every aggregate below
+    groups = SlotGroups.of(slots, logprobs.device)  # once for every aggregate below
     _, loss_per_slot = aggregate_per_slot(total, mask_f, slots, cfg.aggregation, normalizers, groups)
     loss = loss_per_slot.sum()
 
@@ -175,9 +184,11 @@ def policy_loss(
         if kl is not None:
             columns["kl"] = aggregate_per_slot(kl.detach(), mask_f, slots, "token_mean", groups=groups)[1]
         columns["num_tokens"] = aggregate_per_slot(
-            mask_f, mask_f, slots, "token_mean", dict.fromkeys(groups[1], 1.0), groups
+            mask_f, mask_f, slots, "token_mean", dict.fromkeys(groups.id_list, 1.0), groups
         )[1]
         names = list(columns)
         table = torch.stack([columns[n].float() for n in names], dim=1).cpu().tolist()  # the one sync
-    per_slot = {slot: dict(zip(names, row, strict=True)) for slot, row in zip(groups[1], table, strict=True)}
+    per_slot = {
+        slot: dict(zip(names, row, strict=True)) for slot, row in zip(groups.id_list, table, strict=True)
+    }
     return PolicyLossOutput(loss=loss, per_slot=per_slot)
