@@ -129,10 +129,14 @@ def pack_tensors(items: list[tuple[TreePath, torch.Tensor]]) -> HostPack:
     return HostPack(buffers, places, device, ready)
 
 
-def host_views(host: HostPack) -> dict[TreePath, torch.Tensor]:
-    """Each packed tensor as a view of its host buffer, by path."""
+def host_views(
+    host: HostPack, buffers: dict[torch.dtype, torch.Tensor] | None = None
+) -> dict[TreePath, torch.Tensor]:
+    """Each packed tensor as a view of its host buffer (or of ``buffers``, the same buffers on the
+    device), by path."""
+    buffers = host.buffers if buffers is None else buffers
     return {
-        path: host.buffers[dtype][offset : offset + shape.numel()].view(shape)
+        path: buffers[dtype][offset : offset + shape.numel()].view(shape)
         for path, dtype, offset, shape in host.places
     }
 
@@ -187,9 +191,4 @@ def to_device(tree: dict[str, Any], pack: HostPack, staged: StagedCopy | None = 
     :func:`device_buffers`)."""
     if pack.device.type != "cuda":
         return tree
-    on_device = device_buffers(pack, staged)
-    views = {
-        path: on_device[dtype][offset : offset + shape.numel()].view(shape)
-        for path, dtype, offset, shape in pack.places
-    }
-    return _replaced(tree, views, lambda value: value)
+    return _replaced(tree, host_views(pack, device_buffers(pack, staged)), lambda value: value)
