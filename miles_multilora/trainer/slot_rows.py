@@ -103,7 +103,9 @@ class SlotRows:
         index = {layer.key: i for i, layer in enumerate(self.layers)}
         for i, layer in enumerate(self.layers):
             for which, dim in (("lora_A", -2), ("lora_B", -1)):
-                self._full[("slot", f"{layer.key}.{which}")] = getattr(layer, which)
+                # detached: the views made of it carry no autograd history, whatever mode they
+                # are made in and whatever mode later writes the parameter
+                self._full[("slot", f"{layer.key}.{which}")] = getattr(layer, which).detach()
                 self._cut[("slot", f"{layer.key}.{which}")] = (i, dim)
         for i, name in enumerate(optimizer.names):
             layer_key, _, which = name.rpartition(".")

@@ -214,6 +214,28 @@ def test_a_restore_zeroes_the_gradients_the_park_did_not_hold(tmp_path: Path, ad
         compat.destroy_distributed()
 
 
+def test_a_slot_restored_before_it_was_ever_parked_parks_after_other_slots_change(tmp_path: Path) -> None:
+    """The restore caches its views of the slot (made without autograd); a new adapter opened in
+    another slot writes the same tensors with autograd on. A park of the restored slot after that
+    still reads its rows (it once failed: a view made in no-grad mode whose base changed in grad
+    mode may not be read in grad mode)."""
+    rank = rank_with(tmp_path, 2)
+    try:
+        parked = trained_and_parked(rank, 8)
+        offload.unpark(rank, parked, 1)  # slot 1 never parked: its views are made here
+        held = snapshot(rank, 1)
+        rank.open_slot(0, 4, 8.0, 3, OptimizerSpec(lr=1e-2), "b")
+        again = offload.park(rank, 1)
+        rank.close_slot(1)
+        offload.unpark(rank, again, 1)
+        after = snapshot(rank, 1)
+        assert all(torch.equal(held[k], after[k]) for k in held), [
+            k for k in held if not torch.equal(held[k], after[k])
+        ]
+    finally:
+        compat.destroy_distributed()
+
+
 def test_a_state_that_does_not_fit_is_refused_and_writes_nothing(tmp_path: Path) -> None:
     from miles_multilora.errors import ConfigError
     from miles_multilora.trainer.slot_write import write_slot_state
