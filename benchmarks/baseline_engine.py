@@ -20,7 +20,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from torch import Tensor
 
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
-from miles_multilora.rollout.routing import check_servable_slots, per_sequence_slots, slot_routing
+from miles_multilora.rollout.routing import check_servable_slots, slot_routing
 from miles_multilora.rollout.sampling import token_logprobs
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
 from miles_multilora.testing.sampling import make_generator, sample_token
@@ -205,7 +205,7 @@ class LoopEngine(RolloutEngine):
         routed: bool,
     ) -> Tensor:
         """One cached forward; returns the last position's logits ``[B, V]``."""
-        slot_ids = per_sequence_slots(slots, input_ids.size(1), input_ids.device)
+        slot_ids = slots.to(input_ids.device).view(-1, 1).expand(-1, input_ids.size(1)).contiguous()
         with slot_routing(self.model, slot_ids, routed):
             logits = self.model(
                 input_ids, positions, mask, inference_context=context, runtime_gather_output=True

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from miles_multilora.algo.config import AGGREGATIONS, AlgoConfig
+from miles_multilora.algo.device_metrics import DeviceMetrics
 from miles_multilora.host_tensors import tensor_on, to_device
 
 
@@ -24,7 +25,7 @@ class PolicyLossOutput:
     """``loss``: scalar to backprop (sum of the slots' losses); ``per_slot``: slot -> metrics."""
 
     loss: torch.Tensor
-    per_slot: dict[int, dict[str, float]] = field(default_factory=dict)
+    per_slot: Mapping[int, dict[str, float]] = field(default_factory=dict)  # DeviceMetrics: read lazily
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -187,8 +188,5 @@ def policy_loss(
             mask_f, mask_f, slots, "token_mean", dict.fromkeys(groups.id_list, 1.0), groups
         )[1]
         names = list(columns)
-        table = torch.stack([columns[n].float() for n in names], dim=1).cpu().tolist()  # the one sync
-    per_slot = {
-        slot: dict(zip(names, row, strict=True)) for slot, row in zip(groups.id_list, table, strict=True)
-    }
-    return PolicyLossOutput(loss=loss, per_slot=per_slot)
+        table = torch.stack([columns[n].float() for n in names], dim=1)  # read when looked at
+    return PolicyLossOutput(loss=loss, per_slot=DeviceMetrics(list(groups.id_list), names, table))

@@ -141,24 +141,36 @@ def use_fp8_base(model: nn.Module) -> int:
     return sum(layer.fp8.nbytes for layer in layers if layer.fp8 is not None)
 
 
-def set_token_slots(model: nn.Module, slot_ids: torch.Tensor | None) -> RoutingPlan | None:
-    """Route the next forward's tokens: ``slot_ids`` ``[batch, seq]``; ``None`` clears the routing."""
+def set_token_slots(model: nn.Module, slot_ids: torch.Tensor | RoutingPlan | None) -> RoutingPlan | None:
+    """Route the next forward's tokens: ``slot_ids`` ``[batch, seq]``, or a plan built already
+    (:func:`~miles_multilora.lora.routing.row_routing_plan`); ``None`` clears the routing."""
     layers = multi_lora_layers(model)
     if slot_ids is None:
         for layer in layers:
             layer.routing = None
         return None
-    num_slots = {layer.num_slots for layer in layers}
-    if len(num_slots) != 1:
-        raise ConfigError("model", f"MultiLoRA layers disagree on num_slots: {sorted(num_slots)}")
-    plan = build_routing_plan(slot_ids, num_slots.pop())
+    num_slots = model_num_slots(model)
+    if isinstance(slot_ids, RoutingPlan):
+        if slot_ids.num_slots != num_slots:
+            raise ConfigError("routing", f"the plan has {slot_ids.num_slots} slots, the model {num_slots}")
+        plan = slot_ids
+    else:
+        plan = build_routing_plan(slot_ids, num_slots)
     for layer in layers:
         layer.routing = plan
     return plan
 
 
+def model_num_slots(model: nn.Module) -> int:
+    """The slot count every MultiLoRA layer of ``model`` has."""
+    num_slots = {layer.num_slots for layer in multi_lora_layers(model)}
+    if len(num_slots) != 1:
+        raise ConfigError("model", f"MultiLoRA layers disagree on num_slots: {sorted(num_slots)}")
+    return num_slots.pop()
+
+
 @contextmanager
-def token_slots(model: nn.Module, slot_ids: torch.Tensor) -> Iterator[RoutingPlan]:
+def token_slots(model: nn.Module, slot_ids: torch.Tensor | RoutingPlan) -> Iterator[RoutingPlan]:
     """Context manager form of :func:`set_token_slots`; restores the previous routing on exit."""
     layers = multi_lora_layers(model)
     previous = [layer.routing for layer in layers]

@@ -8,6 +8,7 @@ once per micro-batch, never per layer). Slot ``-1`` means "base model only".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -116,4 +117,40 @@ def build_routing_plan(slot_ids: torch.Tensor, num_slots: int, per_sequence: boo
         counts=tuple(counts),
         offsets=offsets,
         seq_slots=slot_ids[:, 0].long() if (per_sequence and is_uniform) else None,
+    )
+
+
+def row_routing_plan(
+    row_slots: Sequence[int], seq: int, num_slots: int, device: torch.device | str
+) -> RoutingPlan:
+    """:func:`build_routing_plan`'s plan for ``len(row_slots)`` rows of ``seq`` tokens, every token of
+    row ``b`` routed to ``row_slots[b]`` (training rows): built from the host's slot list, so the
+    GPU is never waited for; the tensors reach ``device`` without a host sync."""
+    n, batch = num_slots, len(row_slots)
+    if batch == 0 or seq <= 0:
+        raise ConfigError("slot_ids", "is empty")
+    bad = [s for s in row_slots if s < -1 or s >= n]
+    if bad:
+        raise ConfigError("slot_ids", f"slot {bad[0]} is out of range: use -1 (base only) or 0..{n - 1}")
+    slots = torch.tensor(list(row_slots), dtype=torch.long)
+    counts = [0] * n
+    pieces, keys = [], []
+    for slot in sorted({s for s in row_slots if s >= 0}):
+        rows = (slots == slot).nonzero().view(-1)
+        # seq-first flat indices (position-major, then row), as a stable sort of every token by slot
+        pieces.append((torch.arange(seq).view(-1, 1) * batch + rows.view(1, -1)).view(-1))
+        counts[slot] = seq * rows.numel()
+        keys.append(torch.full((counts[slot],), slot, dtype=torch.long))
+    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    sorted_slots = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.long)
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return RoutingPlan(
+        num_slots=n,
+        batch=batch,
+        seq=seq,
+        order=to_device(order, device),
+        sorted_slots=to_device(sorted_slots, device),
+        counts=tuple(counts),
+        offsets=to_device(offsets, device),
+        seq_slots=to_device(slots, device),
     )

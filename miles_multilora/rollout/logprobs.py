@@ -22,7 +22,7 @@ from miles_multilora.algo.chunked_logprobs import (
 )
 from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora.layer import MultiLoRALinear
-from miles_multilora.rollout.routing import check_servable_slots, per_sequence_slots, slot_routing
+from miles_multilora.rollout.routing import check_servable_slots, row_routing
 from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
 
 
@@ -45,8 +45,7 @@ def forward_logits(model: torch.nn.Module, input_ids: Tensor, slots: Tensor | Se
     position_ids = torch.arange(seq_len, device=input_ids.device).view(1, -1).expand(batch, -1)
     slot_list = slots.tolist() if isinstance(slots, Tensor) else list(slots)
     routed = check_servable_slots(model, slot_list)
-    slot_ids = per_sequence_slots(slot_list, seq_len, input_ids.device)
-    with slot_routing(model, slot_ids, routed):
+    with row_routing(model, slot_list, seq_len, input_ids.device, routed):
         return model(input_ids, position_ids, None, runtime_gather_output=True)  # causal
 
 
@@ -159,7 +158,7 @@ def _selected_hidden(
     position_ids = torch.arange(seq_len, device=input_ids.device).view(1, -1).expand(batch, -1)
     slot_list = slots.tolist() if isinstance(slots, Tensor) else list(slots)
     routed = route and check_servable_slots(model, slot_list)
-    with slot_routing(model, per_sequence_slots(slot_list, seq_len, input_ids.device), routed):
+    with row_routing(model, slot_list, seq_len, input_ids.device, routed):
         with _hidden_states_only(gpt):
             hidden = model(input_ids, position_ids, None)  # [S, B, H]; causal by the layers' mask type
     return hidden[positions, rows]

@@ -8,9 +8,9 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor
 
-from miles_multilora.host_tensors import to_device
-from miles_multilora.lora.inject import token_slots
+from miles_multilora.lora.inject import model_num_slots, token_slots
 from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.lora.routing import row_routing_plan
 from miles_multilora.rollout.engine import RolloutError
 
 
@@ -37,7 +37,12 @@ def slot_routing(model: torch.nn.Module, slot_ids: Tensor, routed: bool = True) 
     return token_slots(model, slot_ids) if routed else nullcontext()
 
 
-def per_sequence_slots(slots: Tensor | Sequence[int], seq_len: int, device: torch.device) -> Tensor:
-    """Expand one slot per sequence ``[batch]`` to one slot per token ``[batch, seq_len]``."""
-    slot_t = to_device(torch.as_tensor(slots, dtype=torch.long), device)  # host data: no host wait
-    return slot_t.view(-1, 1).expand(-1, seq_len).contiguous()
+def row_routing(
+    model: torch.nn.Module, slots: Sequence[int], seq_len: int, device: torch.device, routed: bool = True
+) -> AbstractContextManager:
+    """Context manager routing every token of row ``b`` (of ``seq_len``) to ``slots[b]``; the plan is
+    built from the host's list, so the host never waits for the GPU (``routed``: as in
+    :func:`slot_routing`)."""
+    if not routed:
+        return nullcontext()
+    return token_slots(model, row_routing_plan(slots, seq_len, model_num_slots(model), device))

@@ -8,15 +8,18 @@ rows over data-parallel ranks and runs its share through :func:`forward_backward
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from miles_multilora.algo.device_metrics import read_together
 from miles_multilora.config.run import TrainerConfig
 from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora import token_slots
+from miles_multilora.lora.inject import model_num_slots
+from miles_multilora.lora.routing import row_routing_plan
 from miles_multilora.models import compat
 from miles_multilora.rollout.logprobs import right_pad, selected_logprobs, selected_scores
 from miles_multilora.trainer.microbatch import micro_batches
@@ -150,6 +153,7 @@ def forward_backward_rows(
     chunk = settings.logprob_chunk_tokens
     kept: list[tuple[list[int], torch.Tensor]] = []
     per_slot: dict[int, dict[str, float]] = {}
+    batch_metrics: list[Mapping[int, dict[str, float]]] = []
     model.train(backward)
     for picked, batch, input_ids in _slot_micro_batches(rows, range(len(rows)), settings, pad_id):
         slots = [r.slot for r in batch]
@@ -162,20 +166,28 @@ def forward_backward_rows(
         if reference:
             with torch.no_grad():
                 ref = row_logprobs(model, input_ids, batch, [-1] * len(batch), vocab_size, chunk)
-        slot_ids = tensor_on(slots, input_ids.device).view(-1, 1).expand_as(input_ids)
+        plan = row_routing_plan(slots, input_ids.shape[1], model_num_slots(model), input_ids.device)
         # routing kept through the backward: activation recompute runs the forward again there
-        with token_slots(model, slot_ids.contiguous()), torch.set_grad_enabled(backward):
+        with token_slots(model, plan), torch.set_grad_enabled(backward):
             lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, route=False)
             loss, metrics = loss_fn(MicroBatch(batch, lp, mask, ref))
             if backward:
                 loss.backward()
-        accumulate_metrics(per_slot, metrics)
+        batch_metrics.append(metrics)
         if return_logprobs:
             kept.append((picked, lp.detach()))
+    read_together(batch_metrics)  # the metrics of every micro-batch with one wait for the GPU
+    for metrics in batch_metrics:
+        accumulate_metrics(per_slot, metrics)
     logprobs: list[list[float]] = [[] for _ in rows]
-    for picked, lp in kept:
-        for i, values in zip(picked, lp.float().cpu().tolist(), strict=True):
-            logprobs[i] = values[: rows[i].width]
+    if kept:  # every micro-batch's logprobs read with one wait
+        flat = torch.cat([lp.float().reshape(-1) for _, lp in kept]).cpu().tolist()
+        start = 0
+        for picked, lp in kept:
+            width = lp.shape[1]
+            for j, i in enumerate(picked):
+                logprobs[i] = flat[start + j * width : start + j * width + rows[i].width]
+            start += lp.numel()
     return ForwardBackwardResult(logprobs, per_slot, sum(len(r.tokens) for r in rows))
 
 
