@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from miles_multilora.lora.inject import token_slots
+from miles_multilora.host_tensors import to_device
+from miles_multilora.lora.inject import model_num_slots, token_slots
+from miles_multilora.lora.routing import row_routing_plan
 from miles_multilora.rollout.decode_batch import DecodeBatch
 from miles_multilora.rollout.device_sampling import sample_tokens
 from miles_multilora.rollout.kv_cache import PagedKVCache
@@ -158,10 +160,15 @@ class RowStarter:
         table = torch.zeros(len(chunk), max(len(s.pages) for s in chunk), dtype=torch.int32)
         for b, s in enumerate(chunk):
             table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        slot_ids = torch.tensor([s.slot for s in chunk]).view(-1, 1).expand(-1, seq).contiguous()
-        tokens, lengths, table = tokens.to(device), lengths.to(device), table.to(device)
+        # host data, copied without a host wait; the routing plan from the host's slot list
+        tokens, lengths, table = (
+            to_device(tokens, device),
+            to_device(lengths, device),
+            to_device(table, device),
+        )
         if engine.layers:
-            with token_slots(engine.model, slot_ids.to(device)):
+            plan = row_routing_plan([s.slot for s in chunk], seq, model_num_slots(engine.model), device)
+            with token_slots(engine.model, plan):
                 return engine.paged.prefill(self.cache, tokens, lengths, table)
         return engine.paged.prefill(self.cache, tokens, lengths, table)
 
