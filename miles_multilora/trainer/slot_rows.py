@@ -8,8 +8,10 @@ none of that is needed: it gathers the slot's rows, each cut to its layer's rank
 is (:meth:`SlotRows.row_blocks`; whole rows at ``max_rank``, views made once per slot), and notes
 which rows its flat buffers hold, in buffer order, with the slot's Python-side settings
 (:meth:`SlotRows.layout`). :meth:`SlotRows.write` splits each buffer into those pieces and writes
-them with one foreach copy per dtype into flat views of the slot's whole rows, plus one for the
-blocks cut below ``max_rank`` (whose rows are zeroed first). The saved-state tree is built from the
+them with one foreach copy per dtype into flat views of the slot's whole rows. Blocks cut below
+``max_rank`` move in groups of one shape on a GPU (a park stacks a group's rows and narrows them
+with one copy; a restore stacks a group's blocks and pads them back to whole rows with one kernel)
+rather than as a strided copy each, launched from the host; on a CPU each moves on its own. The saved-state tree is built from the
 buffers only when something reads it (:meth:`RowLayout.tree`). Bit for bit what the general path
 writes and builds (``tests/unit/test_slot_write.py``, at full rank, cut, and with untrained layers).
 """
@@ -95,6 +97,8 @@ class SlotRows:
     ``max_rank`` in a layer keeps only the leading block of that layer's rows (its rank along the
     rank dimension: ``A`` ``[..., r, in]``, ``B`` ``[..., out, r]``), as a saved state does."""
 
+    group_cut_blocks: bool | None = None  # None: on a GPU (see _grouped); tests set it
+
     def __init__(self, model: torch.nn.Module, optimizer: SlotAdamW) -> None:
         self.layers = multi_lora_layers(model)
         self.optimizer = optimizer
@@ -168,13 +172,30 @@ class SlotRows:
         shaped = self._shaped_rows(slot)
         ranks = [int(layer.slot_rank[slot]) for layer in self.layers]
         items = []
+        cut: dict[tuple[torch.Size, int, int], list[TreePath]] = {}
         for path, row in shaped.items():
             i, dim = self._cut[path]
-            items.append((path, row if ranks[i] == row.shape[dim] else row.narrow(dim, 0, ranks[i])))
+            if ranks[i] == row.shape[dim]:
+                items.append((path, row))
+            elif not self._grouped(row):
+                items.append((path, row.narrow(dim, 0, ranks[i])))
+            else:  # cut below max_rank: gathered with the rows of its shape and rank, below
+                cut.setdefault((row.shape, dim, ranks[i]), []).append(path)
+        for (_, dim, rank), paths in cut.items():
+            # one stack and one narrowing copy per group, not a strided copy per row
+            blocks = torch.stack([shaped[p] for p in paths]).narrow(dim, 0, rank).contiguous()
+            items += list(zip(paths, blocks.unbind(0), strict=True))
         with_grad = [n for n, p in self._param.items() if p.grad is not None]
         if with_grad and bool(torch.cat([self._grad_row(slot, n) for n in with_grad]).any()):
             items += [(("grads", n), self._param[n].grad[slot]) for n in with_grad]  # type: ignore[index]
         return items
+
+    def _grouped(self, t: torch.Tensor) -> bool:
+        """Whether blocks cut below ``max_rank`` move in groups of one shape (one stack and one pad
+        or narrowing copy per group: on a GPU, where a strided copy per block costs a launch from
+        the host) or each on its own (on a CPU, where the launches are free and the group's whole
+        rows would be more bytes to move)."""
+        return self.group_cut_blocks if self.group_cut_blocks is not None else t.is_cuda
 
     def _shaped_rows(self, slot: int) -> dict[TreePath, torch.Tensor]:
         shaped = self._shaped.get(slot)
@@ -214,12 +235,14 @@ class SlotRows:
             for n, p in self._param.items()
             if p.grad is not None and n not in layout.grads
         ]
-        zero += [rows[p] for group, shapes in zip(layout.paths.values(), layout.blocks.values(), strict=True)
-                 for p, block in zip(group, shapes, strict=True) if block is not None]  # fmt: skip
+        zero += [rows[p] for dtype, group in layout.paths.items()
+                 for p, block in zip(group, layout.blocks[dtype], strict=True)
+                 if block is not None and not self._grouped(buffers[dtype])]  # fmt: skip
         if zero:
             torch._foreach_zero_(zero)
         for dtype, paths in layout.paths.items():
             whole_dst, whole_src, cut_dst, cut_src = [], [], [], []
+            cut: dict[tuple[torch.Size, torch.Size], list[tuple[TreePath, torch.Tensor]]] = {}
             pieces = buffers[dtype].split(layout.sizes[dtype])
             for path, block, src in zip(paths, layout.blocks[dtype], pieces, strict=True):
                 if path[0] == "grads":
@@ -228,9 +251,15 @@ class SlotRows:
                 elif block is None:
                     whole_dst.append(rows[path])
                     whole_src.append(src)
-                else:  # the leading block (contiguous for A, strided for B: copied on its own in the call)
+                elif not self._grouped(src):  # the leading block, zeroed around (rows zeroed above)
                     cut_dst.append(shaped[path][tuple(slice(0, n) for n in block)])
                     cut_src.append(src.view(block))
+                else:  # a leading block: widened to its whole row below, with the blocks of its shape
+                    cut.setdefault((shaped[path].shape, block), []).append((path, src))
+            for (row, block), group in cut.items():
+                widened = _widen(torch.stack([src.view(block) for _, src in group]), row)
+                whole_dst += [rows[path] for path, _ in group]
+                whole_src += list(widened.view(len(group), -1).unbind(0))
             for dst, src in ((whole_dst, whole_src), (cut_dst, cut_src)):
                 if dst:
                     torch._foreach_copy_(dst, src)
@@ -248,3 +277,13 @@ class SlotRows:
         self.optimizer.steps[slot] = layout.step
         self.optimizer.specs[slot] = None if layout.spec is None else replace(layout.spec)
         self.optimizer.total_steps[slot] = layout.total_steps
+
+
+def _widen(blocks: torch.Tensor, row: torch.Size) -> torch.Tensor:
+    """``blocks`` ``[k, *block]`` (leading blocks of rows shaped ``row``) as ``[k, *row]``, zero
+    beyond each block: one padding kernel for all ``k``, so a state cut below ``max_rank`` is
+    written as whole rows, not as a strided copy per block."""
+    pad: list[int] = []
+    for have, want in zip(reversed(blocks.shape[1:]), reversed(row), strict=True):
+        pad += [0, want - have]
+    return torch.nn.functional.pad(blocks, pad)

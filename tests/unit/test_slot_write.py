@@ -103,7 +103,8 @@ def test_a_restore_is_a_few_batched_copies_whatever_the_layer_count(
 
 
 @pytest.mark.parametrize("prefetch", [False, pytest.param(True, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("packing", ["rows", "general"])  # trainer/slot_rows.py, or the saved-state tree
+# trainer/slot_rows.py (cut blocks one by one, or in groups of a shape as on a GPU), or the saved-state tree
+@pytest.mark.parametrize("packing", ["rows", "rows-grouped", "general"])
 @pytest.mark.parametrize(
     ("adapter_rank", "targets"), [(8, None), (4, None), (4, ["attn"])]
 )  # whole rows; cut to rank 4; and the MLP layers untrained (rank 0)
@@ -119,6 +120,7 @@ def test_the_batched_restore_is_bit_exact(
     rank = rank_with(tmp_path, 2)
     if packing == "general":
         monkeypatch.setattr(rank.slot_rows, "row_blocks", lambda slot: None)
+    rank.slot_rows.group_cut_blocks = {"rows": False, "rows-grouped": True}.get(packing)
     try:
         rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a", targets=targets)
         tokens = [3, 14, 15, 92, 65, 35, 89, 79]
@@ -129,7 +131,7 @@ def test_the_batched_restore_is_bit_exact(
         rank.forward_backward([row], nll)
         before = snapshot(rank, 0)
         parked = offload.park(rank, 0)
-        assert (parked.rows is not None) == (packing == "rows")
+        assert (parked.rows is not None) == (packing != "general")
         rank.close_slot(0)
         if prefetch:  # on its way back while the next step runs
             assert 0.9 * parked.nbytes < parked.prefetch() <= parked.nbytes  # its float tensors
@@ -165,12 +167,18 @@ def assert_same_tree(a: object, b: object, where: str = "") -> None:
         assert a == b, where
 
 
+@pytest.mark.parametrize("grouped", [False, True])  # cut blocks one by one, or by shape (as on a GPU)
 @pytest.mark.parametrize(("adapter_rank", "targets"), [(8, None), (4, None), (4, ["attn"])])
 def test_a_park_as_rows_reads_back_as_the_general_park_s_tree(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter_rank: int, targets: list[str] | None
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    adapter_rank: int,
+    targets: list[str] | None,
+    grouped: bool,
 ) -> None:
     """What a spill or any reader of a parked state sees does not depend on how it was packed."""
     rank = rank_with(tmp_path, 2)
+    rank.slot_rows.group_cut_blocks = grouped
     try:
         rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a", targets=targets)
         tokens = [3, 14, 15, 92, 65, 35, 89, 79]
