@@ -114,6 +114,7 @@ def main() -> None:
           f"rank, prompt {args.prompt_len}, <= {args.new_tokens} new tokens; {args.steps} timed steps per layout; "
           f"max_staleness {args.staleness or 0} (occupancy: rank 0's engine)")  # fmt: skip
     results: list[tuple[str, dict[str, Any]]] = []
+    print(f"      {HEADER}")  # above each layout's "ran" line
     for dp, tp in layouts:
         rows = run_layout(dp, tp, args)
         step = statistics.median(r["step_s"] for r in rows)
@@ -132,26 +133,40 @@ def main() -> None:
             "tp": tp,
         }
         results.append((f"DP={dp} x TP={tp}", agg))
-        print(f"  ran DP={dp} x TP={tp}: median step {step:.2f} s")
-    base: dict[int, list[float]] = {}  # DP=1 tokens/s per TP size
+        # the full row at once, so a run cut short (a time limit) keeps every layout it finished
+        print(f"  ran {table_row(results[-1][0], agg, dp_one_rates(results))}")
+    print("\n" + HEADER)
+    print("-" * len(HEADER))
+    rates = dp_one_rates(results)
+    for name, a in results:
+        print(table_row(name, a, rates))
+
+
+HEADER = (
+    f"{'layout':>14} {'step s':>7} {'rollout s':>9} {'train s':>8} {'tokens/step':>11} {'tokens/s':>9} "
+    f"{'vs DP=1':>8} {'rank 0 share':>12} {'peak GB':>8} {'occupancy':>9} {'trained tok/s':>13}"
+)
+
+
+def dp_one_rates(results: list[tuple[str, dict[str, Any]]]) -> dict[int, list[float]]:
+    """Tokens/s of the DP=1 layouts run so far, per TP size (the ratio column's reference)."""
+    base: dict[int, list[float]] = {}
     for _, a in results:
         if a["dp"] == 1:
             base.setdefault(a["tp"], []).append(a["tokens"] / a["step_s"])
-    header = (
-        f"{'layout':>14} {'step s':>7} {'rollout s':>9} {'train s':>8} {'tokens/step':>11} {'tokens/s':>9} "
-        f"{'vs DP=1':>8} {'rank 0 share':>12} {'peak GB':>8} {'occupancy':>9} {'trained tok/s':>13}"
+    return base
+
+
+def table_row(name: str, a: dict[str, Any], base: dict[int, list[float]]) -> str:
+    """One layout's line of the table (``vs DP=1``: against the median DP=1 rate at its TP size)."""
+    rate = a["tokens"] / a["step_s"]
+    ref = base.get(a["tp"])
+    ratio = f"{rate / statistics.median(ref):.2f}x" if ref else "-"
+    return (
+        f"{name:>14} {a['step_s']:>7.2f} {a['gen_s']:>9.2f} {a['train_s']:>8.2f} {a['tokens']:>11.0f} "
+        f"{rate:>9.0f} {ratio:>8} {a['rank_share']:>12.0%} {a['peak_gb']:>8.1f} {a['occupancy']:>9.1%} "
+        f"{a['trained_tok_s']:>13.0f}"
     )
-    print("\n" + header)
-    print("-" * len(header))
-    for name, a in results:
-        rate = a["tokens"] / a["step_s"]
-        ref = base.get(a["tp"])
-        ratio = f"{rate / statistics.median(ref):.2f}x" if ref else "-"
-        print(
-            f"{name:>14} {a['step_s']:>7.2f} {a['gen_s']:>9.2f} {a['train_s']:>8.2f} {a['tokens']:>11.0f} "
-            f"{rate:>9.0f} {ratio:>8} {a['rank_share']:>12.0%} {a['peak_gb']:>8.1f} {a['occupancy']:>9.1%} "
-            f"{a['trained_tok_s']:>13.0f}"
-        )
 
 
 if __name__ == "__main__":
