@@ -2,8 +2,11 @@
 
 ``slot_ids`` come batch-first (``[batch, seq]``, like ``input_ids``); Megatron hidden states are
 sequence-first, so the plan flattens tokens in ``[seq, batch]`` order. The plan holds the sort
-permutation that groups routed tokens by slot and the per-slot segment counts (read to the host
-once per micro-batch, never per layer). Slot ``-1`` means "base model only".
+permutation that groups routed tokens by slot and the per-slot segment counts (on the host, made
+once per micro-batch, never per layer). :func:`build_routing_plan` reads the counts back from a
+slot-id tensor on the device (the host waits for the GPU); :func:`row_routing_plan` builds the same
+plan for rows of one slot each (training, prefill, scoring) from the host's slot list, without a
+wait. Slot ``-1`` means "base model only".
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ class RoutingPlan:
 
 
 def build_routing_plan(slot_ids: torch.Tensor, num_slots: int, per_sequence: bool = True) -> RoutingPlan:
-    """Validate ``slot_ids`` ``[batch, seq]`` and group its tokens by slot (one host sync).
+    """Validate ``slot_ids`` ``[batch, seq]`` and group its tokens by slot (the host waits for the
+    GPU to read the counts back: prefer :func:`row_routing_plan` where the host knows the slots).
 
     ``per_sequence``: allow the per-sequence fast path when each sequence has a single slot.
     """
