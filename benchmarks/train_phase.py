@@ -146,7 +146,32 @@ def logprob_drift(rank: TrainerRank, rows: list[ScoredRow], count: int) -> tuple
     return diffs.mean().item(), diffs.max().item(), diffs.numel()
 
 
+# kernel name patterns by kind, first match wins (the Triton kernels are this project's)
+KERNEL_KINDS = (
+    ("LoRA shrink / expand / weight grads", ("shrink", "expand", "segment_weight", "lora")),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("GEMMs (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")),
+    ("RoPE, SwiGLU, norms, LM-head passes", ("rope", "swiglu", "norm", "row_stats", "softmax", "logprob")),
+    ("FP8 quantization", ("quant", "fp8", "amax")),
+    (
+        "element-wise, copies, reductions",
+        ("elementwise", "copy", "fill", "reduce", "memcpy", "memset", "cat"),
+    ),
+)
+
+
+def kernel_kinds(kernels: list) -> list[tuple[str, float]]:
+    """Device microseconds of ``kernels`` (profiler averages) summed by :data:`KERNEL_KINDS`."""
+    total: dict[str, float] = {}
+    for e in kernels:
+        name = e.key.lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other")
+        total[kind] = total.get(kind, 0.0) + e.self_device_time_total
+    return sorted(total.items(), key=lambda kv: -kv[1])
+
+
 def profile(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, float]) -> None:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -154,8 +179,14 @@ def profile(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, flo
     with torch_profile(activities=activities) as prof:
         seconds = train_once(rank, rows, normalizers)
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events)
-    print(f"\nprofile of one train phase: {seconds:.2f} s wall, {device_us / 1e6:.2f} s of device kernels")
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # the kernels themselves, once each
+    device_us = sum(e.self_device_time_total for e in kernels)
+    busy = f", {device_us / 1e6:.2f} s of device kernels ({device_us / 1e6 / seconds:.0%} of the wall)"
+    print(f"\nprofile of one train phase: {seconds:.2f} s wall under the profiler{busy if kernels else ''}")
+    if kernels:
+        print(f"{'kernels by kind':<34} {'device s':>9} {'share':>6}")
+        for kind, us in kernel_kinds(kernels):
+            print(f"{kind:<34} {us / 1e6:>9.2f} {us / device_us:>6.1%}")
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(events.table(sort_by=sort, row_limit=40, max_name_column_width=70))
     if torch.cuda.is_available():  # which PyTorch ops launch the kernels (element-wise ones above all)
