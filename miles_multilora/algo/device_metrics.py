@@ -33,7 +33,7 @@ class DeviceMetrics(Mapping[int, dict[str, float]]):
 
     def _host(self) -> dict[int, dict[str, float]]:
         if self._values is None:
-            self.fill(self.table.float().cpu().tolist())
+            read_together([self])
         assert self._values is not None
         return self._values
 

@@ -106,8 +106,7 @@ def build_routing_plan(slot_ids: torch.Tensor, num_slots: int, per_sequence: boo
     host = torch.cat([lo_hi, hist, uniform]).tolist()  # the plan's only device->host sync
     lo, hi, counts, is_uniform = host[0], host[1], host[3:-1], bool(host[-1])
     if lo < -1 or hi >= n:
-        bad = lo if lo < -1 else hi
-        raise ConfigError("slot_ids", f"slot {bad} is out of range: use -1 (base only) or 0..{n - 1}")
+        raise _out_of_range(lo if lo < -1 else hi, n)
     num_routed = flat.numel() - host[2]
     key = torch.where(flat < 0, torch.full_like(flat, n), flat)
     sorted_key, order = torch.sort(key, stable=True)
@@ -135,7 +134,7 @@ def row_routing_plan(
         raise ConfigError("slot_ids", "is empty")
     bad = [s for s in row_slots if s < -1 or s >= n]
     if bad:
-        raise ConfigError("slot_ids", f"slot {bad[0]} is out of range: use -1 (base only) or 0..{n - 1}")
+        raise _out_of_range(bad[0], n)
     slots = torch.tensor(list(row_slots), dtype=torch.long)
     counts = [0] * n
     pieces, keys = [], []
@@ -158,3 +157,8 @@ def row_routing_plan(
         offsets=to_device(offsets, device),
         seq_slots=to_device(slots, device),
     )
+
+
+def _out_of_range(slot: int, num_slots: int) -> ConfigError:
+    """The error for a slot id outside ``-1 .. num_slots - 1``."""
+    return ConfigError("slot_ids", f"slot {slot} is out of range: use -1 (base only) or 0..{num_slots - 1}")

@@ -171,13 +171,14 @@ class SlotRows:
             return None
         shaped = self._shaped_rows(slot)
         ranks = [int(layer.slot_rank[slot]) for layer in self.layers]
+        grouped = self._grouped(next(iter(self._full.values())))
         items = []
         cut: dict[tuple[torch.Size, int, int], list[TreePath]] = {}
         for path, row in shaped.items():
             i, dim = self._cut[path]
             if ranks[i] == row.shape[dim]:
                 items.append((path, row))
-            elif not self._grouped(row):
+            elif not grouped:
                 items.append((path, row.narrow(dim, 0, ranks[i])))
             else:  # cut below max_rank: gathered with the rows of its shape and rank, below
                 cut.setdefault((row.shape, dim, ranks[i]), []).append(path)
@@ -227,6 +228,7 @@ class SlotRows:
         layer's rank into the row's leading block with the rest of the row zero; gradient rows the
         park did not hold become zero."""
         rows, shaped = self._rows(slot), self._shaped_rows(slot)
+        grouped = self._grouped(next(iter(self._full.values())))
         for name in layout.grads:
             if self._param[name].grad is None:
                 self._param[name].grad = torch.zeros_like(self._param[name])
@@ -237,7 +239,7 @@ class SlotRows:
         ]
         zero += [rows[p] for dtype, group in layout.paths.items()
                  for p, block in zip(group, layout.blocks[dtype], strict=True)
-                 if block is not None and not self._grouped(buffers[dtype])]  # fmt: skip
+                 if block is not None and not grouped]  # fmt: skip
         if zero:
             torch._foreach_zero_(zero)
         for dtype, paths in layout.paths.items():
@@ -251,7 +253,7 @@ class SlotRows:
                 elif block is None:
                     whole_dst.append(rows[path])
                     whole_src.append(src)
-                elif not self._grouped(src):  # the leading block, zeroed around (rows zeroed above)
+                elif not grouped:  # the leading block, zeroed around (rows zeroed above)
                     cut_dst.append(shaped[path][tuple(slice(0, n) for n in block)])
                     cut_src.append(src.view(block))
                 else:  # a leading block: widened to its whole row below, with the blocks of its shape
