@@ -163,19 +163,35 @@ class _ScatterExpandAdd(torch.autograd.Function):
         return grad_out, grad_h, grad_b, None, None
 
 
+def _delta_then_gemm(x2d, weight_t, h, rows, lora_w, strides, plan: RoutingPlan) -> torch.Tensor:
+    """``x2d @ weight_t`` plus the LoRA rows ``h @ W_s``: the expand writes the LoRA term into a fresh
+    output (a write, no read), and the base GEMM adds its product to it in its epilogue (cuBLAS'
+    ``beta = 1``). Adding the expand into the GEMM's output instead reads and writes the whole
+    output once more."""
+    shape = (x2d.shape[0], weight_t.shape[1])
+    full = plan.num_routed == x2d.shape[0]  # rows left unrouted (base-model rows) add nothing
+    out = torch.empty(shape, dtype=x2d.dtype, device=x2d.device) if full else x2d.new_zeros(shape)
+    _expand(out, h, rows, lora_w, strides, plan, accumulate=False)
+    return out.addmm_(x2d, weight_t)
+
+
 class _LinearWithLoRA(torch.autograd.Function):
-    """``x @ W^T`` of a frozen ``W`` plus every routed row's LoRA term, as one op: the forward's base
-    GEMM output is fresh, so the expand adds into it in place; the backward's base GEMM writes ``dx``,
-    and the LoRA's part of ``dx`` is added into it by the expand (no second ``dx`` and no sum)."""
+    """``x @ W^T`` of a frozen ``W`` plus every routed row's LoRA term, as one op: the expand writes
+    the LoRA term and the base GEMM adds into it (:func:`_delta_then_gemm`), forward and for ``dx``
+    (no second ``dx`` and no sum)."""
 
     @staticmethod
     def forward(ctx, x, weight, a, b, scale, plan: RoutingPlan, rows, fp8):  # type: ignore[override]
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
-        out = x2d @ weight.t() if fp8 is None else fp8_base.linear(x2d, fp8)
         h = _shrink(x2d, rows, a, (a.stride(0), a.stride(1), a.stride(2)), a.shape[1], plan, scale)
-        _expand(out, h, rows, b, (b.stride(0), b.stride(1), b.stride(2)), plan, accumulate=True)
+        b_strides = (b.stride(0), b.stride(1), b.stride(2))
+        if fp8 is None:
+            out = _delta_then_gemm(x2d, weight.t(), h, rows, b, b_strides, plan)
+        else:
+            out = fp8_base.linear(x2d, fp8)
+            _expand(out, h, rows, b, b_strides, plan, accumulate=True)
         ctx.save_for_backward(x2d, weight, a, b, scale, rows, h)
         ctx.plan, ctx.x_shape, ctx.fp8 = plan, x.shape, fp8
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -196,10 +212,12 @@ class _LinearWithLoRA(torch.autograd.Function):
             row_scale = scale.index_select(0, plan.sorted_slots).unsqueeze(1)
             grad_z = (grad_h.float() * row_scale).to(x2d.dtype).contiguous()
             if ctx.needs_input_grad[0]:
-                grad_x = g2d @ weight if ctx.fp8 is None else fp8_base.input_grad(g2d, ctx.fp8)
-                _expand(
-                    grad_x, grad_z, rows, a, (a.stride(0), a.stride(2), a.stride(1)), plan, accumulate=True
-                )
+                a_t = (a.stride(0), a.stride(2), a.stride(1))
+                if ctx.fp8 is None:
+                    grad_x = _delta_then_gemm(g2d, weight, grad_z, rows, a, a_t, plan)
+                else:
+                    grad_x = fp8_base.input_grad(g2d, ctx.fp8)
+                    _expand(grad_x, grad_z, rows, a, a_t, plan, accumulate=True)
                 grad_x = grad_x.view(ctx.x_shape)
             if ctx.needs_input_grad[2]:
                 grad_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)  # every slot is written
