@@ -9,7 +9,8 @@ GRPO loss and ``optim_step``, exactly as in :func:`miles_multilora.rl.train.trai
 ``megatron``: Megatron's attention, RoPE and MLP and PyTorch LM-head reductions, the path before them;
 a ``+stacked`` suffix: the base weights are views of the embedded engine's stacked buffers, as after
 a generation on a GPU, ``lora/stacked_shrink.py``; ``fused+fp8``: ``fused`` with the base GEMMs on FP8
-copies of the base weights, ``model.base_precision=fp8``;
+copies of the base weights, ``model.base_precision=fp8``; a ``+padded`` suffix: right-padded rows
+instead of the micro-batch's rows packed into one sequence (``trainer.pack_rows=false``);
 ``trainer.max_tokens_per_micro_batch``, 0 = none; ``trainer.micro_batch_size``) runs once per round, rounds interleaved; medians. The first
 setting is the control row of the ratios. Every round draws new lengths (as every RL step does), so
 per-shape costs (kernel selection, compilation) show up as they would in a run. Peak memory is the train phase's own (``torch.cuda``'s
@@ -49,7 +50,7 @@ from miles_multilora.rollout import compute_logprobs  # noqa: E402
 from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
 from miles_multilora.trainer.rank import TrainerRank  # noqa: E402
 
-KERNELS = ("fused", "megatron", "fused+stacked", "megatron+stacked", "fused+fp8")
+KERNELS = ("fused", "megatron", "fused+stacked", "megatron+stacked", "fused+fp8", "fused+padded")
 
 
 def parse_settings(text: str) -> list[tuple[str, int, int]]:
@@ -106,6 +107,8 @@ def apply_setting(rank: TrainerRank, setting: tuple[str, int, int]) -> None:
     fp8 = kernels.endswith("+fp8")
     kernels = kernels.removesuffix("+fp8")
     kernels, stacked = kernels.removesuffix("+stacked"), kernels.endswith("+stacked")
+    rank.cfg.trainer.pack_rows = not kernels.endswith("+padded")
+    kernels = kernels.removesuffix("+padded")
     layers = multi_lora_layers(rank.model)
     set_fp8(rank, fp8)
     if stacked:  # the base weights as views of the rollout's stacked buffers (lora/stacked_shrink.py)

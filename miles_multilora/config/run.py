@@ -110,6 +110,9 @@ class TrainerConfig:
     # padded tokens per micro-batch: rows sorted by length and packed under it (0: micro_batch_size rows)
     max_tokens_per_micro_batch: int = 0
     logprob_chunk_tokens: int = 1024  # response tokens per chunk of the LM head + log-softmax
+    # a micro-batch's rows run packed into one sequence (no padding; attention within each row) where
+    # the model allows it (models/packed_rows.py: fused attention, RoPE, no MoE); false: right-padded rows
+    pack_rows: bool = True
     # activation recompute in backward: none | selective (core attention) | full | auto (on a GPU: none
     # when a sample of the whole context fits in a micro-batch, else full, trainer/memory_plan.py; CPU: none)
     recompute: str = "auto"

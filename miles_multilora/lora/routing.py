@@ -6,7 +6,8 @@ permutation that groups routed tokens by slot and the per-slot segment counts (o
 once per micro-batch, never per layer). :func:`build_routing_plan` reads the counts back from a
 slot-id tensor on the device (the host waits for the GPU); :func:`row_routing_plan` builds the same
 plan for rows of one slot each (training, prefill, scoring) from the host's slot list, without a
-wait. Slot ``-1`` means "base model only".
+wait, and :func:`packed_routing_plan` for such rows packed into one sequence. Slot ``-1`` means
+"base model only".
 """
 
 from __future__ import annotations
@@ -156,6 +157,46 @@ def row_routing_plan(
         counts=tuple(counts),
         offsets=to_device(offsets, device),
         seq_slots=to_device(slots, device),
+    )
+
+
+def packed_routing_plan(
+    row_slots: Sequence[int], lengths: Sequence[int], num_slots: int, device: torch.device | str
+) -> RoutingPlan:
+    """:func:`build_routing_plan`'s plan for rows packed back to back into one sequence (``[1, T]``,
+    ``models.packed_rows``): row ``i``'s ``lengths[i]`` tokens routed to ``row_slots[i]``. Built on
+    the host, without a wait for the GPU."""
+    n = num_slots
+    if not row_slots or len(row_slots) != len(lengths) or min(lengths) <= 0:
+        raise ConfigError("slot_ids", "is empty (or the rows' slots and lengths differ in number)")
+    bad = [s for s in row_slots if s < -1 or s >= n]
+    if bad:
+        raise _out_of_range(bad[0], n)
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    counts = [0] * n
+    pieces, keys = [], []
+    for slot in sorted({s for s in row_slots if s >= 0}):  # a stable sort of every token by slot
+        for i, s in enumerate(row_slots):
+            if s == slot:
+                pieces.append(torch.arange(starts[i], starts[i + 1]))
+                counts[slot] += lengths[i]
+        keys.append(torch.full((counts[slot],), slot, dtype=torch.long))
+    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    sorted_slots = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.long)
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return RoutingPlan(
+        num_slots=n,
+        batch=1,
+        seq=starts[-1],
+        order=to_device(order, device),
+        sorted_slots=to_device(sorted_slots, device),
+        counts=tuple(counts),
+        offsets=to_device(offsets, device),
+        seq_slots=to_device(torch.tensor(row_slots[:1], dtype=torch.long), device)
+        if len(set(row_slots)) == 1
+        else None,
     )
 
 

@@ -10,11 +10,13 @@ falls back to Megatron's implementation unchanged. :func:`causal_attention` is s
 rollout engine's prefill.
 
 Right-padded rows need no mask beyond causality: a real token never attends to the padding after it.
+Rows packed back to back into one sequence (``models.packed_rows``) attend within their own row:
+:func:`packed_causal_attention`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +25,15 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+if TYPE_CHECKING:
+    from miles_multilora.models.packed_rows import PackedRows
+
 
 class SDPAttention(DotProductAttention):
     """Megatron core attention with a fused causal path (see the module docstring)."""
 
     fused = True  # tests and benchmarks switch it off to compare with Megatron's path
+    packed: PackedRows | None = None  # set by models.packed_rows.packed_rows: rows packed in one sequence
 
     def _fused_applies(self, query: torch.Tensor, key: torch.Tensor, mask: Any, extra: tuple) -> bool:
         cfg = self.config
@@ -54,6 +60,10 @@ class SDPAttention(DotProductAttention):
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """``query`` ``[sq, b, heads, d]``, ``key``/``value`` ``[sk, b, groups, d]`` -> ``[sq, b, heads*d]``."""
+        if self.packed is not None:
+            return self._packed_forward(
+                query, key, value, attention_mask, (attention_bias, packed_seq_params)
+            )
         if not self._fused_applies(query, key, attention_mask, (attention_bias, packed_seq_params)):
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
@@ -63,6 +73,25 @@ class SDPAttention(DotProductAttention):
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.softmax_scale
         )
         return ctx.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
+
+    def _packed_forward(self, query, key, value, mask, extra: tuple) -> torch.Tensor:
+        """Rows packed into one sequence (``[T, 1, heads, d]``): causal attention within each row."""
+        packed = self.packed
+        assert packed is not None
+        if (
+            query.shape[1] != 1
+            or query.shape[0] != packed.total
+            or not self._fused_applies(query, key, mask, extra)
+        ):
+            raise RuntimeError(
+                f"packed rows need the fused causal attention on one sequence of {packed.total} tokens, "
+                f"got query {tuple(query.shape)} (packing_applies should have refused this model)"
+            )
+        # squeeze, not [:, 0]: a selection's backward writes a zero-filled copy of each input's gradient
+        ctx = packed_causal_attention(
+            query.squeeze(1), key.squeeze(1), value.squeeze(1), packed, self.softmax_scale
+        )
+        return ctx.reshape(query.shape[0], 1, self.hidden_size_per_partition)
 
 
 # cuDNN's fused attention compiles a kernel per shape (tens of ms, forward and backward); training
@@ -77,6 +106,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedRows, scale: float | None
+) -> torch.Tensor:
+    """Causal attention within each packed row: ``q`` ``[T, heads, d]`` over ``k``/``v``
+    ``[T, groups, d]`` -> ``[T, heads, d]``. On a GPU in 16-bit floats PyTorch's variable-length flash
+    kernel (one launch over every row); otherwise the fused kernel row by row."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # ATen's op itself (its backward is ATen's too): torch.nn.attention.varlen wraps it in a
+        # Python custom op, whose dispatch costs host time at every layer, forward and backward
+        longest, cu = packed.longest, packed.cu_seqlens
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale
+        )
+        return out[0]
+    rows = []
+    for start, n in zip(packed.starts, packed.lengths, strict=True):
+        row = [t[start : start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, n, d]
+        rows.append(causal_attention(*row, scale)[0].transpose(0, 1))
+    return torch.cat(rows)
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -24,6 +24,9 @@ from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.rollout.routing import check_servable_slots, row_routing
 from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
+
+if TYPE_CHECKING:
+    from miles_multilora.models.packed_rows import PackedRows
 
 
 def right_pad(
@@ -124,6 +127,7 @@ def selected_logprobs(
     chunk: int = DEFAULT_CHUNK_ROWS,
     route: bool = True,
     targets: Tensor | None = None,
+    packed: PackedRows | None = None,
 ) -> Tensor:
     """Logprobs of ``input_ids[rows[i], positions[i] + 1]`` given its prefix, for the selected pairs only.
 
@@ -133,18 +137,32 @@ def selected_logprobs(
     ``targets``: the token scored at each pair instead of the next input token.
     ``route=False``: the caller has routed the model's tokens already (and keeps that routing through
     the backward, which activation recompute needs: it runs the forward again there).
+    ``packed``: ``input_ids`` is ``[1, T]``, the rows packed back to back as ``packed`` lays them out
+    (``models.packed_rows``; the caller routes and holds the packed layout, ``route=False``);
+    ``rows``/``positions`` still name a row and a position within it.
     """
+    if packed is not None and route:
+        raise ValueError("packed rows are routed by the caller: pass route=False")
     temps = effective_temperature(
         to_device(torch.as_tensor(temperatures, dtype=torch.float32), input_ids.device)
     )
     weight = lm_head_weight(model)
     if weight is None:  # the module's own LM head: full logits, then the selected entries
+        if packed is not None:
+            raise ValueError("packed rows need the chunked LM head (a LoRA or biased output layer pads)")
         if targets is not None and not bool((targets == input_ids[rows, positions + 1]).all()):
             raise ValueError("targets other than the next input token need the chunked LM head")
         return sequence_logprobs(model, input_ids, slots, temps, vocab_size)[rows, positions]
-    if targets is None:
-        targets = input_ids[rows, positions + 1]
-    hidden = _selected_hidden(model, input_ids, slots, rows, positions, route)
+    if packed is not None:
+        flat = packed.row_starts[rows] + positions  # (row, position) -> its token in the packed sequence
+        if targets is None:
+            targets = input_ids[0, flat + 1]
+        with _hidden_states_only(_gpt(model)):
+            hidden = model(input_ids, packed.positions.view(1, -1), None)[flat, 0]  # of [T, 1, H]
+    else:
+        if targets is None:
+            targets = input_ids[rows, positions + 1]
+        hidden = _selected_hidden(model, input_ids, slots, rows, positions, route)
     return chunked_token_logprobs(hidden, weight, targets, temps[rows], vocab_size, chunk)
 
 

@@ -9,6 +9,7 @@ rows over data-parallel ranks and runs its share through :func:`forward_backward
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,9 +20,10 @@ from miles_multilora.config.run import TrainerConfig
 from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora import token_slots
 from miles_multilora.lora.inject import model_num_slots
-from miles_multilora.lora.routing import row_routing_plan
+from miles_multilora.lora.routing import packed_routing_plan, row_routing_plan
 from miles_multilora.models import compat
-from miles_multilora.rollout.logprobs import right_pad, selected_logprobs, selected_scores
+from miles_multilora.models.packed_rows import PackedRows, pack_rows, packed_rows, packing_applies
+from miles_multilora.rollout.logprobs import lm_head_weight, right_pad, selected_logprobs, selected_scores
 from miles_multilora.trainer.microbatch import micro_batches
 
 SUMMED_METRICS = ("loss", "pg_loss")  # already normalised over the whole step: summed over micro-batches
@@ -96,9 +98,11 @@ def row_logprobs(
     vocab_size: int,
     chunk_tokens: int,
     route: bool = True,
+    packed: PackedRows | None = None,
 ) -> torch.Tensor:
     """``[len(rows), width]``: each row's logprobs at its positions (zero-padded), through the
-    chunked LM head on those positions only. Differentiable."""
+    chunked LM head on those positions only. Differentiable. ``packed``: ``input_ids`` holds the rows
+    packed into one sequence (the caller routes them and holds the layout)."""
     device = input_ids.device
     row_index = tensor_on([i for i, r in enumerate(rows) for _ in r.positions], device)
     offset = tensor_on([j for r in rows for j in range(r.width)], device)
@@ -110,7 +114,7 @@ def row_logprobs(
         )
     lp = selected_logprobs(
         model, input_ids, slots, [r.temperature for r in rows], vocab_size, row_index,
-        positions, chunk_tokens, route=route, targets=targets,
+        positions, chunk_tokens, route=route, targets=targets, packed=packed,
     )  # fmt: skip
     out = lp.new_zeros(len(rows), max((r.width for r in rows), default=0))
     out[row_index, offset] = lp
@@ -118,19 +122,35 @@ def row_logprobs(
 
 
 def _slot_micro_batches(
-    rows: Sequence[ScoredRow], indices: Iterable[int], settings: TrainerConfig, pad_id: int
-) -> Iterator[tuple[list[int], list[ScoredRow], torch.Tensor]]:
+    rows: Sequence[ScoredRow], indices: Iterable[int], settings: TrainerConfig
+) -> Iterator[tuple[list[int], list[ScoredRow]]]:
     """``rows[indices]`` sorted by slot, in micro-batches by ``settings``' row and token budgets:
-    each batch's row indices, rows and right-padded input ids."""
+    each batch's row indices and rows."""
     order = sorted(indices, key=lambda i: rows[i].slot)
     if not order:
         return
     lengths = [len(rows[i].tokens) for i in order]
     for index in micro_batches(lengths, settings.micro_batch_size, settings.max_tokens_per_micro_batch):
         picked = [order[i] for i in index]
-        batch = [rows[i] for i in picked]
-        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
-        yield picked, batch, input_ids
+        yield picked, [rows[i] for i in picked]
+
+
+@contextmanager
+def _routed(
+    model: torch.nn.Module,
+    batch: list[ScoredRow],
+    slots: list[int],
+    packed: PackedRows | None,
+    ids: torch.Tensor,
+) -> Iterator[None]:
+    """``model`` routed for ``batch`` (each row to ``slots[i]``), in the packed layout when ``packed``."""
+    if packed is None:
+        with token_slots(model, row_routing_plan(slots, ids.shape[1], model_num_slots(model), ids.device)):
+            yield
+        return
+    plan = packed_routing_plan(slots, packed.lengths, model_num_slots(model), ids.device)
+    with token_slots(model, plan), packed_rows(model, packed):
+        yield
 
 
 def forward_backward_rows(
@@ -155,7 +175,16 @@ def forward_backward_rows(
     per_slot: dict[int, dict[str, float]] = {}
     batch_metrics: list[Mapping[int, dict[str, float]]] = []
     model.train(backward)
-    for picked, batch, input_ids in _slot_micro_batches(rows, range(len(rows)), settings, pad_id):
+    # packed rows need the chunked LM head too (a LoRA or biased output layer scores padded rows)
+    pack = settings.pack_rows and packing_applies(model) and lm_head_weight(model) is not None
+    device = compat.default_device()
+    for picked, batch in _slot_micro_batches(rows, range(len(rows)), settings):
+        tokens = [r.tokens for r in batch]
+        packed = None
+        if pack:
+            input_ids, packed = pack_rows(tokens, device)
+        else:
+            input_ids, _ = right_pad(tokens, pad_id, device)
         slots = [r.slot for r in batch]
         width = max(r.width for r in batch)
         mask = torch.zeros(len(batch), width)
@@ -164,12 +193,14 @@ def forward_backward_rows(
         mask = to_device(mask, input_ids.device)
         ref = None
         if reference:
-            with torch.no_grad():
-                ref = row_logprobs(model, input_ids, batch, [-1] * len(batch), vocab_size, chunk)
-        plan = row_routing_plan(slots, input_ids.shape[1], model_num_slots(model), input_ids.device)
-        # routing kept through the backward: activation recompute runs the forward again there
-        with token_slots(model, plan), torch.set_grad_enabled(backward):
-            lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, route=False)
+            with torch.no_grad(), _routed(model, batch, [-1] * len(batch), packed, input_ids):
+                ref = row_logprobs(
+                    model, input_ids, batch, [-1] * len(batch), vocab_size, chunk, False, packed
+                )
+        # routing (and the packed layout) kept through the backward: activation recompute runs the
+        # forward again there
+        with _routed(model, batch, slots, packed, input_ids), torch.set_grad_enabled(backward):
+            lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, False, packed)
             loss, metrics = loss_fn(MicroBatch(batch, lp, mask, ref))
             if backward:
                 loss.backward()
@@ -217,7 +248,8 @@ def score_rows(
     out = [RowScores([], [] if k > 0 else None, [] if k > 0 else None) for _ in rows]  # rows of no positions
     live = [i for i, r in enumerate(rows) if r.width]
     model.train(False)
-    for picked, batch, input_ids in _slot_micro_batches(rows, live, settings, pad_id):
+    for picked, batch in _slot_micro_batches(rows, live, settings):
+        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
         device = input_ids.device
         row_index = tensor_on([i for i, r in enumerate(batch) for _ in r.positions], device)
         positions = tensor_on([p for r in batch for p in r.positions], device)
