@@ -14,7 +14,8 @@ as a step's setup does, timed to the host's return (``host``) and to the device'
 the GPU starts at its restore; ``prefetched``: the copies were started while the step before ran
 (``ParkedSlot.prefetch``, done by then), so the restore only writes the slots. The two alternate.
 ``park``: the K parks before each round (``exposed``: to the current stream's completion; the
-copies to host memory run on a side stream).
+copies to host memory run on a side stream). ``--cut-blocks each,grouped``: the handovers once per
+way of moving the blocks of an adapter cut below ``max_rank``, in turn (side by side in one run).
 
     python benchmarks/slot_restore.py                     # GPU, bf16, 28 layers of 2048 (1.7 B-like LoRA)
     python benchmarks/slot_restore.py --cpu --layers 2 --hidden 64 --repeats 6 --handover 2
@@ -144,7 +145,15 @@ def main() -> None:
     parser.add_argument("--handover", type=int, default=16, help="adapters restored in a row (0: skip)")
     parser.add_argument("--rounds", type=int, default=8, help="handover rounds (alternating cold/prefetched)")
     parser.add_argument("--profile", action="store_true", help="profile one more prefetched handover")
+    parser.add_argument(
+        "--cut-blocks", default="auto",
+        help="how blocks cut below max_rank move in the handovers, comma-separated and run in turn: "
+        "auto (grouped on a GPU), grouped (a stack and one copy per shape), each (a copy per block)",
+    )  # fmt: skip
     args = parser.parse_args()
+    cut_modes = {"auto": None, "grouped": True, "each": False}
+    if any(m not in cut_modes for m in args.cut_blocks.split(",")):
+        parser.error(f"--cut-blocks: choose from {', '.join(cut_modes)} (comma-separated)")
     if args.cpu:
         torch.cuda.is_available = lambda: False  # the whole rank on the CPU
     tiny = {
@@ -203,7 +212,11 @@ def main() -> None:
         rank.close_slot(slot)
     if args.handover:
         for adapter_rank in [int(r) for r in args.ranks.split(",")]:
-            handover(rank, args.handover, adapter_rank, args.rounds, args.profile)
+            for mode in args.cut_blocks.split(","):
+                rank.slot_rows.group_cut_blocks = cut_modes[mode]
+                if mode != "auto":
+                    print(f"cut blocks: {mode}")
+                handover(rank, args.handover, adapter_rank, args.rounds, args.profile)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ is (:meth:`SlotRows.row_blocks`; whole rows at ``max_rank``, views made once per
 which rows its flat buffers hold, in buffer order, with the slot's Python-side settings
 (:meth:`SlotRows.layout`). :meth:`SlotRows.write` splits each buffer into those pieces and writes
 them with one foreach copy per dtype into flat views of the slot's whole rows. Blocks cut below
-``max_rank`` move in groups of one shape on a GPU (a park stacks a group's rows and narrows them
-with one copy; a restore stacks a group's blocks and pads them back to whole rows with one kernel)
-rather than as a strided copy each, launched from the host; on a CPU each moves on its own. The saved-state tree is built from the
+``max_rank`` are restored in groups of one shape on a GPU (a group's blocks stacked and padded back
+to whole rows with one kernel) rather than as a strided copy each, launched from the host; on a CPU
+each moves on its own. A park reads each cut block as a strided view. The saved-state tree is built from the
 buffers only when something reads it (:meth:`RowLayout.tree`). Bit for bit what the general path
 writes and builds (``tests/unit/test_slot_write.py``, at full rank, cut, and with untrained layers).
 """
@@ -97,7 +97,7 @@ class SlotRows:
     ``max_rank`` in a layer keeps only the leading block of that layer's rows (its rank along the
     rank dimension: ``A`` ``[..., r, in]``, ``B`` ``[..., out, r]``), as a saved state does."""
 
-    group_cut_blocks: bool | None = None  # None: on a GPU (see _grouped); tests set it
+    group_cut_blocks: bool | None = None  # restores: None = grouped on a GPU (see _grouped); tests set it
 
     def __init__(self, model: torch.nn.Module, optimizer: SlotAdamW) -> None:
         self.layers = multi_lora_layers(model)
@@ -171,31 +171,22 @@ class SlotRows:
             return None
         shaped = self._shaped_rows(slot)
         ranks = [int(layer.slot_rank[slot]) for layer in self.layers]
-        grouped = self._grouped(next(iter(self._full.values())))
         items = []
-        cut: dict[tuple[torch.Size, int, int], list[TreePath]] = {}
         for path, row in shaped.items():
             i, dim = self._cut[path]
-            if ranks[i] == row.shape[dim]:
-                items.append((path, row))
-            elif not grouped:
-                items.append((path, row.narrow(dim, 0, ranks[i])))
-            else:  # cut below max_rank: gathered with the rows of its shape and rank, below
-                cut.setdefault((row.shape, dim, ranks[i]), []).append(path)
-        for (_, dim, rank), paths in cut.items():
-            # one stack and one narrowing copy per group, not a strided copy per row
-            blocks = torch.stack([shaped[p] for p in paths]).narrow(dim, 0, rank).contiguous()
-            items += list(zip(paths, blocks.unbind(0), strict=True))
+            # a block cut below max_rank stays a strided view: the pack's gather reads it once
+            # (stacking a shape's rows first and narrowing them measured slower on an H200)
+            items.append((path, row if ranks[i] == row.shape[dim] else row.narrow(dim, 0, ranks[i])))
         with_grad = [n for n, p in self._param.items() if p.grad is not None]
         if with_grad and bool(torch.cat([self._grad_row(slot, n) for n in with_grad]).any()):
             items += [(("grads", n), self._param[n].grad[slot]) for n in with_grad]  # type: ignore[index]
         return items
 
     def _grouped(self, t: torch.Tensor) -> bool:
-        """Whether blocks cut below ``max_rank`` move in groups of one shape (one stack and one pad
-        or narrowing copy per group: on a GPU, where a strided copy per block costs a launch from
-        the host) or each on its own (on a CPU, where the launches are free and the group's whole
-        rows would be more bytes to move)."""
+        """Whether a restore writes blocks cut below ``max_rank`` in groups of one shape (one stack
+        and one pad per group: on a GPU, where a strided copy per block costs a launch from the
+        host) or each on its own (on a CPU, where the launches are free and the group's whole rows
+        would be more bytes to move)."""
         return self.group_cut_blocks if self.group_cut_blocks is not None else t.is_cuda
 
     def _shaped_rows(self, slot: int) -> dict[TreePath, torch.Tensor]:

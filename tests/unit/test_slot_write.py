@@ -167,18 +167,15 @@ def assert_same_tree(a: object, b: object, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("grouped", [False, True])  # cut blocks one by one, or by shape (as on a GPU)
 @pytest.mark.parametrize(("adapter_rank", "targets"), [(8, None), (4, None), (4, ["attn"])])
 def test_a_park_as_rows_reads_back_as_the_general_park_s_tree(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     adapter_rank: int,
     targets: list[str] | None,
-    grouped: bool,
 ) -> None:
     """What a spill or any reader of a parked state sees does not depend on how it was packed."""
     rank = rank_with(tmp_path, 2)
-    rank.slot_rows.group_cut_blocks = grouped
     try:
         rank.open_slot(0, adapter_rank, 16.0, 7, OptimizerSpec(lr=1e-2), "a", targets=targets)
         tokens = [3, 14, 15, 92, 65, 35, 89, 79]
