@@ -208,9 +208,9 @@ class _LinearWithLoRA(torch.autograd.Function):
             grad_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)  # every slot is written
             _weight_grad(h, g2d, rows, grad_b, (grad_b.stride(0), grad_b.stride(2), grad_b.stride(1)), plan)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-            grad_h = _shrink(g2d, rows, b, (b.stride(0), b.stride(2), b.stride(1)), b.shape[2], plan)
-            row_scale = scale.index_select(0, plan.sorted_slots).unsqueeze(1)
-            grad_z = (grad_h.float() * row_scale).to(x2d.dtype).contiguous()
+            # scale_s * (dy @ B_s): the shrink scales its fp32 sums before it rounds (no extra passes)
+            b_t = (b.stride(0), b.stride(2), b.stride(1))
+            grad_z = _shrink(g2d, rows, b, b_t, b.shape[2], plan, scale)
             if ctx.needs_input_grad[0]:
                 a_t = (a.stride(0), a.stride(2), a.stride(1))
                 if ctx.fp8 is None:
