@@ -191,3 +191,24 @@ def test_a_model_without_the_chunked_lm_head_pads(rank: TrainerRank, monkeypatch
     monkeypatch.setattr("miles_multilora.trainer.primitives.lm_head_weight", lambda model: None)
     _train(rank, pack=True)
     assert not calls
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value"),
+    [
+        ("num_moe_experts", 4),
+        ("multi_latent_attention", True),
+        ("position_embedding_type", "learned_absolute"),
+    ],
+)
+def test_models_packing_was_not_checked_on_pad(rank: TrainerRank, attribute: str, value: object) -> None:
+    """MoE token dispatch, latent attention and learned positions are not checked packed: padded."""
+    gpt = packed_rows._gpt(rank.model)
+    owner = gpt if attribute == "position_embedding_type" else gpt.config
+    saved = getattr(owner, attribute)
+    assert packed_rows.packing_applies(rank.model)
+    setattr(owner, attribute, value)
+    try:
+        assert not packed_rows.packing_applies(rank.model)
+    finally:
+        setattr(owner, attribute, saved)
