@@ -130,34 +130,17 @@ def row_routing_plan(
     """:func:`build_routing_plan`'s plan for ``len(row_slots)`` rows of ``seq`` tokens, every token of
     row ``b`` routed to ``row_slots[b]`` (training rows): built from the host's slot list, so the
     GPU is never waited for; the tensors reach ``device`` without a host sync."""
-    n, batch = num_slots, len(row_slots)
+    batch = len(row_slots)
     if batch == 0 or seq <= 0:
         raise ConfigError("slot_ids", "is empty")
-    bad = [s for s in row_slots if s < -1 or s >= n]
-    if bad:
-        raise _out_of_range(bad[0], n)
+    _check_slots(row_slots, num_slots)
     slots = torch.tensor(list(row_slots), dtype=torch.long)
-    counts = [0] * n
-    pieces, keys = [], []
-    for slot in sorted({s for s in row_slots if s >= 0}):
+    pieces = {}
+    for slot in {s for s in row_slots if s >= 0}:
         rows = (slots == slot).nonzero().view(-1)
         # seq-first flat indices (position-major, then row), as a stable sort of every token by slot
-        pieces.append((torch.arange(seq).view(-1, 1) * batch + rows.view(1, -1)).view(-1))
-        counts[slot] = seq * rows.numel()
-        keys.append(torch.full((counts[slot],), slot, dtype=torch.long))
-    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-    sorted_slots = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.long)
-    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return RoutingPlan(
-        num_slots=n,
-        batch=batch,
-        seq=seq,
-        order=to_device(order, device),
-        sorted_slots=to_device(sorted_slots, device),
-        counts=tuple(counts),
-        offsets=to_device(offsets, device),
-        seq_slots=to_device(slots, device),
-    )
+        pieces[slot] = [(torch.arange(seq).view(-1, 1) * batch + rows.view(1, -1)).view(-1)]
+    return _host_plan(num_slots, batch, seq, pieces, to_device(slots, device), device)
 
 
 def packed_routing_plan(
@@ -166,37 +149,54 @@ def packed_routing_plan(
     """:func:`build_routing_plan`'s plan for rows packed back to back into one sequence (``[1, T]``,
     ``models.packed_rows``): row ``i``'s ``lengths[i]`` tokens routed to ``row_slots[i]``. Built on
     the host, without a wait for the GPU."""
-    n = num_slots
     if not row_slots or len(row_slots) != len(lengths) or min(lengths) <= 0:
         raise ConfigError("slot_ids", "is empty (or the rows' slots and lengths differ in number)")
-    bad = [s for s in row_slots if s < -1 or s >= n]
+    _check_slots(row_slots, num_slots)
+    pieces: dict[int, list[torch.Tensor]] = {}
+    start = 0
+    for slot, length in zip(row_slots, lengths, strict=True):  # each slot's rows in order: a stable sort
+        if slot >= 0:
+            pieces.setdefault(slot, []).append(torch.arange(start, start + length))
+        start += length
+    one_slot = len(set(row_slots)) == 1
+    seq_slots = to_device(torch.tensor(row_slots[:1], dtype=torch.long), device) if one_slot else None
+    return _host_plan(num_slots, 1, start, pieces, seq_slots, device)
+
+
+def _check_slots(row_slots: Sequence[int], num_slots: int) -> None:
+    bad = [s for s in row_slots if s < -1 or s >= num_slots]
     if bad:
-        raise _out_of_range(bad[0], n)
-    starts = [0]
-    for length in lengths:
-        starts.append(starts[-1] + length)
-    counts = [0] * n
-    pieces, keys = [], []
-    for slot in sorted({s for s in row_slots if s >= 0}):  # a stable sort of every token by slot
-        for i, s in enumerate(row_slots):
-            if s == slot:
-                pieces.append(torch.arange(starts[i], starts[i + 1]))
-                counts[slot] += lengths[i]
+        raise _out_of_range(bad[0], num_slots)
+
+
+def _host_plan(
+    num_slots: int,
+    batch: int,
+    seq: int,
+    pieces: dict[int, list[torch.Tensor]],
+    seq_slots: torch.Tensor | None,
+    device: torch.device | str,
+) -> RoutingPlan:
+    """The plan of tokens grouped by slot, from each routed slot's token indices in order
+    (``pieces``, on the host): counts on the host, tensors copied to ``device`` without a sync."""
+    counts = [0] * num_slots
+    order, keys = [], []
+    for slot in sorted(pieces):
+        tokens = torch.cat(pieces[slot])
+        counts[slot] = tokens.numel()
+        order.append(tokens)
         keys.append(torch.full((counts[slot],), slot, dtype=torch.long))
-    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-    sorted_slots = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.long)
     offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     return RoutingPlan(
-        num_slots=n,
-        batch=1,
-        seq=starts[-1],
-        order=to_device(order, device),
-        sorted_slots=to_device(sorted_slots, device),
+        num_slots=num_slots,
+        batch=batch,
+        seq=seq,
+        order=to_device(torch.cat(order) if order else none, device),
+        sorted_slots=to_device(torch.cat(keys) if keys else none, device),
         counts=tuple(counts),
         offsets=to_device(offsets, device),
-        seq_slots=to_device(torch.tensor(row_slots[:1], dtype=torch.long), device)
-        if len(set(row_slots)) == 1
-        else None,
+        seq_slots=seq_slots,
     )
 
 

@@ -89,12 +89,22 @@ def packing_applies(model: torch.nn.Module) -> bool:
         return False  # MoE token dispatch and latent attention are not checked packed
     if getattr(gpt, "position_embedding_type", None) not in ("rope", "none"):
         return False
-    attentions = [
-        m
-        for m in gpt.modules()
-        if isinstance(m, DotProductAttention) or type(m).__name__.endswith("DotProductAttention")
-    ]  # Megatron's own core attention and Transformer Engine's: neither sees row boundaries
+    attentions = _core_attentions(gpt)
     return bool(attentions) and all(isinstance(m, SDPAttention) and m.fused for m in attentions)
+
+
+def _core_attentions(gpt: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every core attention of ``gpt`` (found once per model: a traversal per micro-batch is host
+    time): Megatron's own and Transformer Engine's, which see no row boundaries, and ours."""
+    found = getattr(gpt, "_miles_core_attentions", None)
+    if found is None:
+        found = [
+            m
+            for m in gpt.modules()
+            if isinstance(m, DotProductAttention) or type(m).__name__.endswith("DotProductAttention")
+        ]
+        gpt._miles_core_attentions = found  # a plain attribute: not a submodule, not in the state dict
+    return found
 
 
 @contextmanager
@@ -105,7 +115,7 @@ def packed_rows(model: torch.nn.Module, packed: PackedRows) -> Iterator[None]:
     if not packing_applies(model):
         raise RuntimeError("this model cannot run packed rows (packing_applies is False): pad the rows")
     gpt = _gpt(model)
-    attentions = [m for m in gpt.modules() if isinstance(m, SDPAttention)]
+    attentions = [m for m in _core_attentions(gpt) if isinstance(m, SDPAttention)]
     hook = None
     rotary = getattr(gpt, "rotary_pos_emb", None)
     if rotary is not None:

@@ -137,13 +137,10 @@ def _slot_micro_batches(
 
 @contextmanager
 def _routed(
-    model: torch.nn.Module,
-    batch: list[ScoredRow],
-    slots: list[int],
-    packed: PackedRows | None,
-    ids: torch.Tensor,
+    model: torch.nn.Module, slots: list[int], packed: PackedRows | None, ids: torch.Tensor
 ) -> Iterator[None]:
-    """``model`` routed for ``batch`` (each row to ``slots[i]``), in the packed layout when ``packed``."""
+    """``model`` routed for the rows of ``ids`` (row ``i`` to ``slots[i]``), in the packed layout
+    when ``packed``."""
     if packed is None:
         with token_slots(model, row_routing_plan(slots, ids.shape[1], model_num_slots(model), ids.device)):
             yield
@@ -193,13 +190,13 @@ def forward_backward_rows(
         mask = to_device(mask, input_ids.device)
         ref = None
         if reference:
-            with torch.no_grad(), _routed(model, batch, [-1] * len(batch), packed, input_ids):
+            with torch.no_grad(), _routed(model, [-1] * len(batch), packed, input_ids):
                 ref = row_logprobs(
                     model, input_ids, batch, [-1] * len(batch), vocab_size, chunk, False, packed
                 )
         # routing (and the packed layout) kept through the backward: activation recompute runs the
         # forward again there
-        with _routed(model, batch, slots, packed, input_ids), torch.set_grad_enabled(backward):
+        with _routed(model, slots, packed, input_ids), torch.set_grad_enabled(backward):
             lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, False, packed)
             loss, metrics = loss_fn(MicroBatch(batch, lp, mask, ref))
             if backward:
