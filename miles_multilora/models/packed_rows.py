@@ -23,6 +23,7 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from miles_multilora.host_tensors import to_device
+from miles_multilora.models.provider import gpt_module
 from miles_multilora.models.sdpa_attention import SDPAttention
 
 
@@ -70,16 +71,10 @@ def pack_rows(
     return to_device(ids, device), packed
 
 
-def _gpt(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def packing_applies(model: torch.nn.Module) -> bool:
     """Whether ``model`` can run :func:`packed_rows`: every core attention is the fused causal one
     (:class:`SDPAttention` with ``fused`` on), the positions are plain RoPE (or none), no MoE."""
-    gpt = _gpt(model)
+    gpt = gpt_module(model)
     config = getattr(gpt, "config", None)
     if (
         config is None
@@ -114,7 +109,7 @@ def packed_rows(model: torch.nn.Module, packed: PackedRows) -> Iterator[None]:
     activations are recomputed (the recompute runs the forward again)."""
     if not packing_applies(model):
         raise RuntimeError("this model cannot run packed rows (packing_applies is False): pad the rows")
-    gpt = _gpt(model)
+    gpt = gpt_module(model)
     attentions = [m for m in _core_attentions(gpt) if isinstance(m, SDPAttention)]
     hook = None
     rotary = getattr(gpt, "rotary_pos_emb", None)

@@ -106,6 +106,13 @@ def _embedding_output_requires_grad(
     return output.requires_grad_(True) if module.training and not output.requires_grad else output
 
 
+def gpt_module(model: torch.nn.Module) -> Any:
+    """The ``GPTModel`` inside ``model``'s wrappers (DDP, Float16Module: each has ``.module``)."""
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
 def _finish(model: GPTModel, dtype: torch.dtype) -> GPTModel:
     model = model.to(device=compat.default_device(), dtype=dtype)
     use_fused_mlp(model)  # SwiGLU in one Triton kernel each way when the activations are on a GPU

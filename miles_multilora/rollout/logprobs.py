@@ -22,6 +22,7 @@ from miles_multilora.algo.chunked_logprobs import (
 )
 from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.models.provider import gpt_module
 from miles_multilora.rollout.routing import check_servable_slots, row_routing
 from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
 
@@ -89,12 +90,6 @@ def compute_logprobs(
     return [out[i, : int(n) - 1] for i, n in enumerate(lengths)]
 
 
-def _gpt(model: torch.nn.Module) -> Any:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 @contextmanager
 def _hidden_states_only(gpt: Any) -> Iterator[None]:
     """Make ``gpt``'s forward return the final hidden states (after the last norm, before the LM head)."""
@@ -109,7 +104,7 @@ def _hidden_states_only(gpt: Any) -> Iterator[None]:
 def lm_head_weight(model: torch.nn.Module) -> Tensor | None:
     """This rank's LM-head weight shard ``[V_local, H]``, or None when the chunked path cannot serve the
     head (a LoRA-adapted or biased output layer needs the module's own forward)."""
-    gpt = _gpt(model)
+    gpt = gpt_module(model)
     head = gpt.output_layer
     if isinstance(head, MultiLoRALinear) or getattr(head, "bias", None) is not None:
         return None
@@ -153,27 +148,27 @@ def selected_logprobs(
         if targets is not None and not bool((targets == input_ids[rows, positions + 1]).all()):
             raise ValueError("targets other than the next input token need the chunked LM head")
         return sequence_logprobs(model, input_ids, slots, temps, vocab_size)[rows, positions]
-    if packed is not None:
-        flat = packed.row_starts[rows] + positions  # (row, position) -> its token in the packed sequence
-        if targets is None:
-            targets = input_ids[0, flat + 1]
-        with _hidden_states_only(_gpt(model)):
-            hidden = model(input_ids, packed.positions.view(1, -1), None)[flat, 0]  # of [T, 1, H]
-    else:
-        if targets is None:
-            targets = input_ids[rows, positions + 1]
-        hidden = _selected_hidden(model, input_ids, slots, rows, positions, route)
+    at_rows, at = rows, positions
+    if packed is not None:  # (row, position) -> (0, its token in the packed sequence)
+        at_rows, at = torch.zeros_like(rows), packed.row_starts[rows] + positions
+    if targets is None:
+        targets = input_ids[at_rows, at + 1]
+    hidden = _selected_hidden(model, input_ids, slots, at_rows, at, route, packed)
     return chunked_token_logprobs(hidden, weight, targets, temps[rows], vocab_size, chunk)
 
 
 def _selected_hidden(
     model: torch.nn.Module, input_ids: Tensor, slots: Tensor | Sequence[int], rows: Tensor,
-    positions: Tensor, route: bool,
+    positions: Tensor, route: bool, packed: PackedRows | None = None,
 ) -> Tensor:  # fmt: skip
-    """``[N, H]``: the final hidden states (the LM head's input) at the selected pairs."""
-    gpt = _gpt(model)
+    """``[N, H]``: the final hidden states (the LM head's input) at the selected pairs (``packed``:
+    ``input_ids`` is one packed sequence, each token at its position within its row)."""
+    gpt = gpt_module(model)
     batch, seq_len = input_ids.shape
-    position_ids = torch.arange(seq_len, device=input_ids.device).view(1, -1).expand(batch, -1)
+    if packed is not None:
+        position_ids = packed.positions.view(1, -1)
+    else:
+        position_ids = torch.arange(seq_len, device=input_ids.device).view(1, -1).expand(batch, -1)
     slot_list = slots.tolist() if isinstance(slots, Tensor) else list(slots)
     routed = route and check_servable_slots(model, slot_list)
     with row_routing(model, slot_list, seq_len, input_ids.device, routed):

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.row_delta import RowDelta, RowShrink
+from miles_multilora.models.provider import gpt_module
 from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
@@ -31,17 +32,11 @@ from miles_multilora.rollout.paged_attention import paged_decode_attention, writ
 from miles_multilora.rollout.rope_kv import fused_rope_kv_supported, rope_and_write_kv
 
 
-def _unwrap(model: torch.nn.Module) -> Any:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 class PagedModel:
     """Prefill and decode of ``model`` (a GPTModel, TP-sharded or not) against a :class:`PagedKVCache`."""
 
     def __init__(self, model: torch.nn.Module, max_seq_len: int) -> None:
-        self.model = gpt = _unwrap(model)
+        self.model = gpt = gpt_module(model)
         cfg = gpt.config
         problems = [
             (getattr(gpt, "position_embedding_type", None) != "rope", "only RoPE position embeddings"),

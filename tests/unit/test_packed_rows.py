@@ -15,6 +15,7 @@ from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora import build_routing_plan, multi_lora_layers
 from miles_multilora.lora.routing import packed_routing_plan
 from miles_multilora.models import compat, packed_rows
+from miles_multilora.models.provider import gpt_module
 from miles_multilora.models.sdpa_attention import set_fused_attention
 from miles_multilora.rl.train import rl_loss
 from miles_multilora.testing.lora import randomize_slots
@@ -143,7 +144,7 @@ def test_packed_rows_turn_each_token_by_its_position_in_its_row(rank: TrainerRan
     """RoPE is relative, so a row shifted in the packed sequence attends alike in exact arithmetic;
     each token still gets its in-row angle, so bf16's rounding of the angles matches the padded rows."""
     ids, packed = packed_rows.pack_rows([[5, 6, 7], [8, 9], [10, 11, 12, 13]], compat.default_device())
-    rotary = packed_rows._gpt(rank.model).rotary_pos_emb
+    rotary = gpt_module(rank.model).rotary_pos_emb
     table = rotary(ids.shape[1])
     with packed_rows.packed_rows(rank.model, packed):
         turned = rotary(ids.shape[1])
@@ -203,7 +204,7 @@ def test_a_model_without_the_chunked_lm_head_pads(rank: TrainerRank, monkeypatch
 )
 def test_models_packing_was_not_checked_on_pad(rank: TrainerRank, attribute: str, value: object) -> None:
     """MoE token dispatch, latent attention and learned positions are not checked packed: padded."""
-    gpt = packed_rows._gpt(rank.model)
+    gpt = gpt_module(rank.model)
     owner = gpt if attribute == "position_embedding_type" else gpt.config
     saved = getattr(owner, attribute)
     assert packed_rows.packing_applies(rank.model)
