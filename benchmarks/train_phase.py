@@ -5,13 +5,15 @@ A fixed RL-shaped row set (``--adapters`` x ``--prompts`` x ``--samples`` rows o
 prompt and a response whose length is geometric with mean ``--mean-len``, capped at
 ``--new-tokens``: EOS at random points) goes through the trainer's own ``forward_backward`` with the
 GRPO loss and ``optim_step``, exactly as in :func:`miles_multilora.rl.train.train`. Each setting
-``KERNELS:TOKENS:ROWS`` (``fused``: the fused attention, RoPE, SwiGLU and LM-head reductions;
-``megatron``: Megatron's attention, RoPE and MLP and PyTorch LM-head reductions, the path before them;
-a ``+stacked`` suffix: the base weights are views of the embedded engine's stacked buffers, as after
-a generation on a GPU, ``lora/stacked_shrink.py``; ``fused+fp8``: ``fused`` with the base GEMMs on FP8
-copies of the base weights, ``model.base_precision=fp8``; a ``+padded`` suffix: right-padded rows
-instead of the micro-batch's rows packed into one sequence (``trainer.pack_rows=false``);
-``trainer.max_tokens_per_micro_batch``, 0 = none; ``trainer.micro_batch_size``) runs once per round, rounds interleaved; medians. The first
+``KERNELS[+FLAG...]:TOKENS:ROWS`` runs once per round, rounds interleaved; medians. ``KERNELS``:
+``fused`` (the fused attention, RoPE, SwiGLU and LM-head reductions) or ``megatron`` (Megatron's
+attention, RoPE and MLP and PyTorch LM-head reductions, the path before them). Flags: ``+stacked``,
+the base weights are views of the embedded engine's stacked buffers, as after a generation on a GPU
+(``lora/stacked_shrink.py``); ``+fp8``, the base GEMMs on FP8 copies of the base weights
+(``model.base_precision=fp8``); ``+padded``, right-padded rows instead of the micro-batch's rows
+packed into one sequence (``trainer.pack_rows=false``); ``+triton-launch``, the LoRA kernels
+launched by Triton's own ``kernel[grid](...)`` instead of ``lora/triton_launch.py``. ``TOKENS``:
+``trainer.max_tokens_per_micro_batch`` (0 = none); ``ROWS``: ``trainer.micro_batch_size``. The first
 setting is the control row of the ratios. Every round draws new lengths (as every RL step does), so
 per-shape costs (kernel selection, compilation) show up as they would in a run. Peak memory is the train phase's own (``torch.cuda``'s
 peak during the round, the weights and optimizer state included).
@@ -42,7 +44,7 @@ import rl_step  # noqa: E402  (the shared model shape and workload flags)
 
 from miles_multilora.algo import chunked_logprobs  # noqa: E402
 from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
-from miles_multilora.lora import stacked_shrink  # noqa: E402
+from miles_multilora.lora import stacked_shrink, triton_launch  # noqa: E402
 from miles_multilora.lora.inject import multi_lora_layers, use_fp8_base  # noqa: E402
 from miles_multilora.models import provider  # noqa: E402
 from miles_multilora.rl.train import rl_loss, step_normalizers  # noqa: E402
@@ -50,15 +52,20 @@ from miles_multilora.rollout import compute_logprobs  # noqa: E402
 from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
 from miles_multilora.trainer.rank import TrainerRank  # noqa: E402
 
-KERNELS = ("fused", "megatron", "fused+stacked", "megatron+stacked", "fused+fp8", "fused+padded")
+KERNELS = ("fused", "megatron")
+FLAGS = ("stacked", "fp8", "padded", "triton-launch")
 
 
 def parse_settings(text: str) -> list[tuple[str, int, int]]:
     settings = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in KERNELS:
-            raise SystemExit(f"--settings: {item!r} is not KERNELS:TOKENS:ROWS (kernels {'|'.join(KERNELS)})")
+        kernels, *flags = parts[0].split("+")
+        if len(parts) != 3 or kernels not in KERNELS or not set(flags) <= set(FLAGS):
+            raise SystemExit(
+                f"--settings: {item!r} is not KERNELS[+FLAG...]:TOKENS:ROWS "
+                f"(kernels {'|'.join(KERNELS)}, flags {'|'.join(FLAGS)})"
+            )
         settings.append((parts[0], int(parts[1]), int(parts[2])))
     return settings
 
@@ -103,12 +110,11 @@ def train_once(rank: TrainerRank, rows: list[ScoredRow], normalizers: dict[int, 
 
 
 def apply_setting(rank: TrainerRank, setting: tuple[str, int, int]) -> None:
-    kernels, tokens, micro_rows = setting
-    fp8 = kernels.endswith("+fp8")
-    kernels = kernels.removesuffix("+fp8")
-    kernels, stacked = kernels.removesuffix("+stacked"), kernels.endswith("+stacked")
-    rank.cfg.trainer.pack_rows = not kernels.endswith("+padded")
-    kernels = kernels.removesuffix("+padded")
+    name, tokens, micro_rows = setting
+    kernels, *flags = name.split("+")
+    fp8, stacked = "fp8" in flags, "stacked" in flags
+    rank.cfg.trainer.pack_rows = "padded" not in flags
+    triton_launch.ENABLED = "triton-launch" not in flags
     layers = multi_lora_layers(rank.model)
     set_fp8(rank, fp8)
     if stacked:  # the base weights as views of the rollout's stacked buffers (lora/stacked_shrink.py)
@@ -249,7 +255,7 @@ def main() -> None:
         print(f"  round {round_index + 1}: " + ", ".join(f"{times[i][-1]:.2f} s" if times[i] else "warm-up"
                                                       for i in range(len(settings))))  # fmt: skip
 
-    header = f"{'kernels':>10} {'tokens':>7} {'rows':>5} {'train s':>8} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'speedup':>8}"
+    header = f"{'kernels':>20} {'tokens':>7} {'rows':>5} {'train s':>8} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'speedup':>8}"
     print(
         f"\ntrain phase, {args.steps} interleaved rounds ({rows} rows, {tokens} tokens in all): median "
         "seconds; tokens/s over all rounds"
@@ -261,7 +267,7 @@ def main() -> None:
         seconds, rate = statistics.median(times[i]), tokens / sum(times[i])
         mfu = 4 * base_params * rate / (args.peak_tflops * 1e12)
         peak = f"{peaks[i]:.1f}" if i in peaks else "-"
-        print(f"{kernels:>10} {budget or '-':>7} {micro_rows:>5} {seconds:>8.2f} {rate:>9.0f} "
+        print(f"{kernels:>20} {budget or '-':>7} {micro_rows:>5} {seconds:>8.2f} {rate:>9.0f} "
               f"{mfu:>6.1%} {peak:>8} {control / seconds:>7.2f}x")  # fmt: skip
     if args.drift:
         mean, worst, count = logprob_drift(rank, rounds[0][0], args.drift)

@@ -24,6 +24,7 @@ import torch
 
 from miles_multilora._triton import HAVE_TRITON, tl, triton
 from miles_multilora.errors import ConfigError
+from miles_multilora.lora.triton_launch import Launcher
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -31,7 +32,11 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _pad_rank(r: int) -> int:
-    return max(16, triton.next_power_of_2(r))
+    return max(16, 1 << (r - 1).bit_length())  # plain ints: triton's helpers cost ~6 us a call
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 if HAVE_TRITON:
@@ -245,6 +250,12 @@ if HAVE_TRITON:
             mask=mask,
         )
 
+    # launched through a Launcher (lora.triton_launch): less host work per launch
+    _launch_gather_shrink = Launcher(_gather_shrink_kernel)
+    _launch_split_shrink = Launcher(_split_shrink_kernel)
+    _launch_scatter_expand = Launcher(_scatter_expand_kernel)
+    _launch_segment_weight_grad = Launcher(_segment_weight_grad_kernel)
+    _launch_reduce_partials = Launcher(_reduce_partials_kernel)
 
 # Launch configurations (block shapes, warps, pipeline stages) of the memory-bound skinny GEMMs,
 # per kernel and LoRA rank bucket, measured on an H100 by ``benchmarks/tune_lora_kernels.py``
@@ -328,7 +339,8 @@ def gather_shrink(
     y = x.new_empty(num_routed, rank)
     if tiles.shape[1] == 0:
         return y
-    _gather_shrink_kernel[(tiles.shape[1],)](
+    _launch_gather_shrink(
+        (tiles.shape[1],),
         x, rows, weight, scale if scale is not None else y, y,
         tiles[0], tiles[1], tiles[2],
         k_dim, rank,
@@ -355,10 +367,11 @@ def split_shrink(
     over ``cdiv(K, K_CHUNK)`` chunks of the K dim (``[parts, num_rows, rank]``; :func:`scatter_expand`
     sums them). Every tile of the fixed-length schedule may be empty (its programs return at once)."""
     k_dim = x.shape[1]
-    parts = triton.cdiv(k_dim, cfg["K_CHUNK"])
+    parts = _cdiv(k_dim, cfg["K_CHUNK"])
     # every routed row of every part is written by its tile's program; other rows are never read
     y = torch.empty(parts, num_rows, rank, device=x.device, dtype=torch.float32)
-    _split_shrink_kernel[(tiles.shape[1], parts)](
+    _launch_split_shrink(
+        (tiles.shape[1], parts),
         x, rows, weight, scale, y,
         tiles[0], tiles[1], tiles[2],
         k_dim, rank, cfg["K_CHUNK"],
@@ -399,9 +412,10 @@ def scatter_expand(
         return out
     parts, rank, stride_part, stride_row, num_parts = expand_input(h, weight, dense_scale is not None)
     n_out = out.shape[1]
-    split_n = min(cfg["SPLIT_N"], triton.cdiv(n_out, cfg["BLOCK_N"]))
+    split_n = min(cfg["SPLIT_N"], _cdiv(n_out, cfg["BLOCK_N"]))
     grid = (tiles.shape[1], split_n)
-    _scatter_expand_kernel[grid](
+    _launch_scatter_expand(
+        grid,
         parts, rows, weight, out, dense_scale if dense_scale is not None else out,
         tiles[0], tiles[1], tiles[2],
         n_out, rank,
@@ -451,8 +465,9 @@ def segment_weight_grad(
     if chunks.shape[1] == 0:
         return out
     ws = torch.empty(max(num_partials, 1), p_dim, q_dim, device=p.device, dtype=torch.float32)
-    grid = (chunks.shape[1], triton.cdiv(q_dim, cfg["BLOCK_Q"]))
-    _segment_weight_grad_kernel[grid](
+    grid = (chunks.shape[1], _cdiv(q_dim, cfg["BLOCK_Q"]))
+    _launch_segment_weight_grad(
+        grid,
         p, x, rows, out, ws,
         chunks[0], chunks[1], chunks[2], chunks[3],
         p_dim, q_dim,
@@ -461,8 +476,9 @@ def segment_weight_grad(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if reductions.shape[1]:
-        grid = (reductions.shape[1], triton.cdiv(p_dim * q_dim, REDUCE_BLOCK))
-        _reduce_partials_kernel[grid](
+        grid = (reductions.shape[1], _cdiv(p_dim * q_dim, REDUCE_BLOCK))
+        _launch_reduce_partials(
+            grid,
             ws, out, reductions[0], reductions[1], reductions[2],
             p_dim, q_dim, out_strides[0], out_strides[1], out_strides[2],
             BLOCK=REDUCE_BLOCK,

@@ -177,6 +177,42 @@ def test_bf16_cuda_matches_fp32_reference():
         assert rel < 1e-2, f"{name}: relative error {rel:.2e}"
 
 
+@pytest.mark.gpu
+def test_launcher_equals_triton_launch_bit_for_bit():
+    """lora.triton_launch's direct launches give Triton's own launches' bits (forward, input and
+    weight gradients with multi-chunk reductions, odd strides and sizes) and do reach its cache."""
+    from miles_multilora.lora import triton_launch
+    from miles_multilora.lora.routing import packed_routing_plan
+
+    torch.manual_seed(0)
+    n, r, K, M = 6, 16, 1032, 520  # sizes not multiples of 16: other specializations
+    lengths = [2600, 7, 300, 1, 45]  # slot 0 spans several weight-gradient chunks
+    plan = packed_routing_plan([0, 1, 2, 4, 2], lengths, n, "cuda")
+    order = plan.token_order(False)
+    dt = torch.bfloat16
+    x0 = torch.randn(sum(lengths), K, device="cuda", dtype=dt)
+    w = torch.randn(M, K, device="cuda", dtype=dt) / K**0.5
+    a0 = torch.randn(n, r, K, device="cuda", dtype=dt) / K**0.5
+    b0 = torch.randn(n, M, r, device="cuda", dtype=dt) / r**0.5
+    scale = torch.linspace(0.5, 2.0, n, device="cuda")
+    g = torch.randn(sum(lengths), M, device="cuda", dtype=dt)
+    results = {}
+    try:
+        for enabled in (False, True, True):  # the second direct call runs from the cache
+            triton_launch.ENABLED = enabled
+            x, a, b = (t.clone().requires_grad_() for t in (x0, a0, b0))
+            out = routed_ops.linear_with_lora(x, w, a, b, scale, plan, order)
+            out.backward(g)
+            results[enabled] = [out.detach(), x.grad, a.grad, b.grad]
+    finally:
+        triton_launch.ENABLED = True
+    for name, ref, got in zip(("y", "dx", "dA", "dB"), results[False], results[True], strict=True):
+        assert torch.equal(ref, got), name
+    for launcher in (tk._launch_gather_shrink, tk._launch_scatter_expand,
+                     tk._launch_segment_weight_grad, tk._launch_reduce_partials):  # fmt: skip
+        assert launcher._compiled, launcher.kernel
+
+
 def test_kernels_choice_is_validated():
     with pytest.raises(ConfigError, match="kernels"):
         check_kernels("cuda")
