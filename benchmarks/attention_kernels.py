@@ -1,6 +1,8 @@
 """Causal attention kernels at the train phase's micro-batch shapes: PyTorch's flash kernel (FA2, the
 trainer's default) against cuDNN's fused attention, exact and with the sequence padded to a bucket,
-and the packed (variable-length) flash kernel over the same rows without padding.
+the packed (variable-length) flash kernel over the same rows without padding, and cuDNN's on the
+packed rows as ragged tensors (``models/cudnn_attention.py``, the trainer's ``trainer.attention``
+choice for long rows; needs ``nvidia-cudnn-frontend``).
 
 Each case is a right-padded micro-batch as ``trainer/microbatch.py`` builds them (rows x longest <=
 the token budget), grouped-query heads as the 1.7 B model has them. Per kernel it prints the first
@@ -24,6 +26,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from miles_multilora.models import cudnn_attention
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -153,6 +157,13 @@ def run_case(
         )
     except (RuntimeError, TypeError) as err:
         print(f"{case} {'flash varlen':>12}  unavailable: {str(err).splitlines()[0][:80]}")
+    if cudnn_attention.cudnn is None:
+        return
+    packed = partial(cudnn_attention.packed_attention, cu_seqlens=cu, longest=max(lengths), scale=scale)
+    first, device, host = timed(lambda: packed(qp, kp, vp).float().mean(), args.repeats)
+    print(
+        f"{case} {'cudnn varlen':>12} {first:>9.2f} {device:>10.3f} {host:>8.3f} {flops / device / 1e9:>8.0f}"
+    )
 
 
 def mean_of(kernel: Callable[..., torch.Tensor], *inputs: torch.Tensor, scale: float) -> torch.Tensor:

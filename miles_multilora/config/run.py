@@ -113,6 +113,10 @@ class TrainerConfig:
     # a micro-batch's rows run packed into one sequence (no padding; attention within each row) where
     # the model allows it (models/packed_rows.py: fused attention, RoPE, no MoE); false: right-padded rows
     pack_rows: bool = True
+    # the packed rows' attention kernel on a GPU: auto (cuDNN's fused attention for micro-batches whose
+    # longest row has >= 2048 tokens, where it is faster, when nvidia-cudnn-frontend is installed and the
+    # GPU is Hopper or newer; else the flash kernel) | flash | cudnn (models/cudnn_attention.py)
+    attention: str = "auto"
     # activation recompute in backward: none | selective (core attention) | full | auto (on a GPU: none
     # when a sample of the whole context fits in a micro-batch, else full, trainer/memory_plan.py; CPU: none)
     recompute: str = "auto"
@@ -413,6 +417,11 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         t.recompute in ("auto", "none", "selective", "full"),
         "trainer.recompute",
         f"must be auto, none, selective or full; got {t.recompute!r}",
+    )
+    _check(
+        t.attention in ("auto", "flash", "cudnn"),
+        "trainer.attention",
+        f"must be auto, flash or cudnn; got {t.attention!r}",
     )
     _check(t.max_prompt_chars >= 1, "trainer.max_prompt_chars", "must be >= 1")
     _check(t.max_skipped_steps >= 0, "trainer.max_skipped_steps", "must be >= 0 (0: never fail for it)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -37,6 +37,9 @@ class PackedRows:
     cu_seqlens: torch.Tensor
     positions: torch.Tensor
     row_starts: torch.Tensor  # [rows] long: ``starts`` on the device (maps (row, position) to a token)
+    attention: str = "auto"  # the attention kernel on a GPU (trainer.attention)
+    # per micro-batch tensors the attention kernel derives from ``cu_seqlens`` (shared by every layer)
+    attention_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def total(self) -> int:
@@ -48,9 +51,10 @@ class PackedRows:
 
 
 def pack_rows(
-    sequences: Sequence[Sequence[int]], device: torch.device | str
+    sequences: Sequence[Sequence[int]], device: torch.device | str, attention: str = "auto"
 ) -> tuple[torch.Tensor, PackedRows]:
-    """``input_ids`` ``[1, T]`` of ``sequences`` back to back, and where each row sits."""
+    """``input_ids`` ``[1, T]`` of ``sequences`` back to back, and where each row sits (``attention``:
+    the attention kernel on a GPU, ``trainer.attention``)."""
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("pack_rows needs at least one sequence and no empty sequence")
     lengths = tuple(len(s) for s in sequences)
@@ -67,6 +71,7 @@ def pack_rows(
         cu_seqlens=to_device(cu, device),
         positions=to_device(positions, device),
         row_starts=to_device(torch.tensor(starts, dtype=torch.long), device),
+        attention=attention,
     )
     return to_device(ids, device), packed
 

@@ -25,6 +25,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from miles_multilora.errors import ConfigError
+from miles_multilora.models import cudnn_attention
+
 if TYPE_CHECKING:
     from miles_multilora.models.packed_rows import PackedRows
 
@@ -115,9 +118,14 @@ def packed_causal_attention(
     ``[T, groups, d]`` -> ``[T, heads, d]``. On a GPU in 16-bit floats PyTorch's variable-length flash
     kernel (one launch over every row); otherwise the fused kernel row by row."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        longest, cu = packed.longest, packed.cu_seqlens
+        if _use_cudnn(q, packed):
+            return cudnn_attention.packed_attention(
+                q, k, v, cu, longest, scale if scale is not None else q.shape[-1] ** -0.5,
+                packed.attention_cache,
+            )  # fmt: skip
         # ATen's op itself (its backward is ATen's too): torch.nn.attention.varlen wraps it in a
         # Python custom op, whose dispatch costs host time at every layer, forward and backward
-        longest, cu = packed.longest, packed.cu_seqlens
         out = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale
         )
@@ -127,6 +135,27 @@ def packed_causal_attention(
         row = [t[start : start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, n, d]
         rows.append(causal_attention(*row, scale)[0].transpose(0, 1))
     return torch.cat(rows)
+
+
+# cuDNN's kernels beat the flash kernel on micro-batches of long rows and lose on many short ones
+# (H200, forward + backward: 1.55x at 4 rows x 4000 tokens, 1.21x at 6 x 2700, 0.97x at 16 x 1000,
+# 0.59x at 40 x 400; docs/benchmarks.md): ``auto`` takes cuDNN from this longest row on
+CUDNN_MIN_LONGEST = 2048
+
+
+def _use_cudnn(q: torch.Tensor, packed: PackedRows) -> bool:
+    """Whether ``packed``'s attention runs on cuDNN (``trainer.attention``; see CUDNN_MIN_LONGEST)."""
+    if packed.attention == "flash":
+        return False
+    if not cudnn_attention.available(q):
+        if packed.attention == "cudnn":
+            raise ConfigError(
+                "trainer.attention",
+                "cudnn needs the cuDNN frontend (pip install nvidia-cudnn-frontend) and a Hopper or newer "
+                "GPU; use auto or flash",
+            )
+        return False
+    return packed.attention == "cudnn" or packed.longest >= CUDNN_MIN_LONGEST
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:

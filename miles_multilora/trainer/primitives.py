@@ -179,7 +179,7 @@ def forward_backward_rows(
         tokens = [r.tokens for r in batch]
         packed = None
         if pack:
-            input_ids, packed = pack_rows(tokens, device)
+            input_ids, packed = pack_rows(tokens, device, attention=settings.attention)
         else:
             input_ids, _ = right_pad(tokens, pad_id, device)
         slots = [r.slot for r in batch]

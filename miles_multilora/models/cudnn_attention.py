@@ -1,0 +1,296 @@
+"""Causal attention within packed rows on cuDNN's fused attention (ragged ``[T, heads, d]`` layout).
+
+The packed train path (``models.packed_rows``) runs each micro-batch's rows back to back as one
+sequence; ATen's variable-length flash kernel (FA2) runs its attention at ~300 TFLOP/s in the
+backward on Hopper. cuDNN's fused attention has faster Hopper kernels, but builds a graph per shape
+(tens of milliseconds): PyTorch's own cuDNN path keys its graphs on the exact shape, and its ragged
+(nested-tensor) path builds one on every call, so neither suits micro-batches that change shape
+every step. Here a graph is keyed on *bounds*: the row count, the longest row and the total tokens
+each rounded up to a power of two (rows past the micro-batch's have length 0), with the heads, the
+groups, the head dim, the dtype and the strides. A run meets a handful of keys; each builds once.
+
+Needs the ``cudnn`` module (``pip install nvidia-cudnn-frontend``), a Hopper or newer GPU and 16-bit
+floats; :func:`available` says whether this process has them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:  # the optional cuDNN frontend
+    import cudnn  # type: ignore[import-not-found]
+except (ImportError, OSError):  # not installed, or no cuDNN library to load
+    cudnn = None
+
+_LOCK = threading.Lock()
+_GRAPHS: dict[tuple, Any] = {}
+_HANDLES: dict[int, Any] = {}
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether cuDNN's ragged attention can run ``q``'s attention here."""
+    return (
+        cudnn is not None
+        and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and torch.cuda.get_device_capability(q.device)[0] >= 9
+    )
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _handle(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HANDLES:
+        with torch.cuda.device(index):
+            _HANDLES[index] = cudnn.create_handle()
+    handle = _HANDLES[index]
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(index).cuda_stream)
+    return handle
+
+
+def _io_type(dtype: torch.dtype) -> Any:
+    return cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
+
+
+@dataclass
+class _Bounds:
+    rows: int  # b of the graph: rows past the real ones have length 0
+    longest: int  # s of the graph
+    tokens: int  # the most tokens the graph's backward sizes its workspace for
+
+
+def _dims(t: torch.Tensor, bounds: _Bounds) -> tuple[list[int], list[int]]:
+    """A contiguous ``[T, heads, d]`` as cuDNN's ``[b, heads, s, d]`` (rows by ragged offsets)."""
+    heads, d = t.shape[1], t.shape[2]
+    return [bounds.rows, heads, bounds.longest, d], [bounds.longest * heads * d, d, heads * d, 1]
+
+
+def _offset_type() -> torch.dtype:
+    return torch.int64 if cudnn.backend_version() >= 90600 else torch.int32
+
+
+class _Forward:
+    """A built forward graph and its tensors."""
+
+    def __init__(self, q, k, v, bounds: _Bounds, scale: float, handle) -> None:
+        g = cudnn.pygraph(
+            io_data_type=_io_type(q.dtype),
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+            handle=handle,
+        )
+        self.graph = g
+        off = lambda name: g.tensor(  # noqa: E731
+            name=name, dim=[bounds.rows + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+            data_type=cudnn.data_type.INT64 if _offset_type() == torch.int64 else cudnn.data_type.INT32,
+        )  # fmt: skip
+        lens = lambda name: g.tensor(  # noqa: E731
+            name=name, dim=[bounds.rows, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32
+        )
+        self.q_off, self.k_off, self.v_off, self.o_off, self.s_off = (
+            off(n) for n in ("q_off", "k_off", "v_off", "o_off", "stats_off")
+        )
+        self.lens = lens("seq_len")
+        self.lens_kv = lens("seq_len_kv")
+        tensors = []
+        for name, t, offset in (("q", q, self.q_off), ("k", k, self.k_off), ("v", v, self.v_off)):
+            dim, stride = _dims(t, bounds)
+            tensor = g.tensor(name=name, dim=dim, stride=stride, data_type=_io_type(t.dtype))
+            tensor.set_ragged_offset(offset)
+            tensors.append(tensor)
+        self.q, self.k, self.v = tensors
+        o, stats = g.sdpa(
+            name="sdpa", q=self.q, k=self.k, v=self.v, generate_stats=True, attn_scale=scale,
+            use_causal_mask=True, use_padding_mask=True, seq_len_q=self.lens, seq_len_kv=self.lens_kv,
+        )  # fmt: skip
+        heads, d = q.shape[1], q.shape[2]
+        o.set_output(True).set_dim([bounds.rows, heads, bounds.longest, d]).set_stride(
+            [bounds.longest * heads * d, d, heads * d, 1]
+        )
+        o.set_ragged_offset(self.o_off)
+        stats.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(
+            [bounds.rows, heads, bounds.longest, 1]
+        ).set_stride([bounds.longest * heads, 1, heads, 1])
+        stats.set_ragged_offset(self.s_off)
+        self.o, self.stats = o, stats
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.workspace = g.get_workspace_size()
+
+
+class _Backward:
+    """A built backward graph and its tensors."""
+
+    def __init__(self, q, k, v, bounds: _Bounds, scale: float, handle) -> None:
+        g = cudnn.pygraph(
+            io_data_type=_io_type(q.dtype),
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+            handle=handle,
+        )
+        self.graph = g
+        offset_type = cudnn.data_type.INT64 if _offset_type() == torch.int64 else cudnn.data_type.INT32
+        off = lambda name: g.tensor(  # noqa: E731
+            name=name, dim=[bounds.rows + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=offset_type
+        )
+        lens = lambda name: g.tensor(  # noqa: E731
+            name=name, dim=[bounds.rows, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32
+        )
+        self.q_off, self.k_off, self.v_off, self.o_off, self.s_off = (
+            off(n) for n in ("q_off", "k_off", "v_off", "o_off", "stats_off")
+        )
+        self.lens, self.lens_kv = lens("seq_len"), lens("seq_len_kv")
+        heads, d = q.shape[1], q.shape[2]
+        io = _io_type(q.dtype)
+        made = {}
+        for name, t, offset in (("q", q, self.q_off), ("k", k, self.k_off), ("v", v, self.v_off)):
+            dim, stride = _dims(t, bounds)
+            made[name] = g.tensor(name=name, dim=dim, stride=stride, data_type=io)
+            made[name].set_ragged_offset(offset)
+        o_dim, o_stride = (
+            [bounds.rows, heads, bounds.longest, d],
+            [bounds.longest * heads * d, d, heads * d, 1],
+        )
+        for name in ("o", "do"):
+            made[name] = g.tensor(name=name, dim=o_dim, stride=o_stride, data_type=io)
+            made[name].set_ragged_offset(self.o_off)
+        made["stats"] = g.tensor(
+            name="stats", dim=[bounds.rows, heads, bounds.longest, 1],
+            stride=[bounds.longest * heads, 1, heads, 1], data_type=cudnn.data_type.FLOAT,
+        )  # fmt: skip
+        made["stats"].set_ragged_offset(self.s_off)
+        self.q, self.k, self.v, self.o, self.do, self.stats = (
+            made[n] for n in ("q", "k", "v", "o", "do", "stats")
+        )
+        dq, dk, dv = g.sdpa_backward(
+            name="sdpa_backward", q=self.q, k=self.k, v=self.v, o=self.o, dO=self.do, stats=self.stats,
+            attn_scale=scale, use_causal_mask=True, use_padding_mask=True, seq_len_q=self.lens,
+            seq_len_kv=self.lens_kv, max_total_seq_len_q=bounds.tokens, max_total_seq_len_kv=bounds.tokens,
+        )  # fmt: skip
+        for grad, t, offset in ((dq, q, self.q_off), (dk, k, self.k_off), (dv, v, self.v_off)):
+            dim, stride = _dims(t, bounds)
+            grad.set_output(True).set_dim(dim).set_stride(stride)
+            grad.set_ragged_offset(offset)
+        self.dq, self.dk, self.dv = dq, dk, dv
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.workspace = g.get_workspace_size()
+
+
+def _key(kind: str, q, k, v, bounds: _Bounds, scale: float) -> tuple:
+    return (kind, q.device.index, q.dtype, scale, bounds.rows, bounds.longest, bounds.tokens,
+            tuple(q.shape[1:]), tuple(k.shape[1:]))  # fmt: skip
+
+
+def _graph(kind: str, q, k, v, bounds: _Bounds, scale: float, handle) -> Any:
+    key = _key(kind, q, k, v, bounds, scale)
+    with _LOCK:
+        graph = _GRAPHS.get(key)
+        if graph is None:
+            graph = (_Forward if kind == "fwd" else _Backward)(q, k, v, bounds, scale, handle)
+            _GRAPHS[key] = graph
+    return graph
+
+
+def _ragged(cu_seqlens: torch.Tensor, rows: int, scale_by: int) -> torch.Tensor:
+    """Element offsets of each row (``cu_seqlens * scale_by``), rows past the real ones at the end."""
+    real = cu_seqlens.to(_offset_type()) * scale_by
+    pad = rows + 1 - real.shape[0]
+    if pad:
+        real = torch.cat([real, real[-1:].expand(pad)])
+    return real.view(-1, 1, 1, 1)
+
+
+def _lengths(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    pad = rows - lens.shape[0]
+    if pad:
+        lens = torch.cat([lens, lens.new_zeros(pad)])
+    return lens.view(-1, 1, 1, 1)
+
+
+def _row_tensors(cu_seqlens: torch.Tensor, bounds: _Bounds, q, k, cache: dict) -> dict[str, torch.Tensor]:
+    """The row lengths and each tensor's ragged offsets (elements), made once per micro-batch."""
+    heads, groups, d = q.shape[1], k.shape[1], q.shape[2]
+    key = (bounds.rows, heads, groups, d)
+    if key not in cache:
+        cache[key] = {
+            "lens": _lengths(cu_seqlens, bounds.rows),
+            "q": _ragged(cu_seqlens, bounds.rows, heads * d),
+            "kv": _ragged(cu_seqlens, bounds.rows, groups * d),
+            "stats": _ragged(cu_seqlens, bounds.rows, heads),
+        }
+    return cache[key]
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, bounds: _Bounds, scale: float, cache: dict):  # type: ignore[override]
+        handle = _handle(q.device)
+        graph = _graph("fwd", q, k, v, bounds, scale, handle)
+        rows = _row_tensors(cu_seqlens, bounds, q, k, cache)
+        o = torch.empty_like(q)
+        stats = torch.empty(q.shape[0], q.shape[1], 1, device=q.device, dtype=torch.float32)
+        pack = {
+            graph.q: q, graph.k: k, graph.v: v, graph.o: o, graph.stats: stats,
+            graph.lens: rows["lens"], graph.lens_kv: rows["lens"],
+            graph.q_off: rows["q"], graph.k_off: rows["kv"], graph.v_off: rows["kv"],
+            graph.o_off: rows["q"], graph.s_off: rows["stats"],
+        }  # fmt: skip
+        workspace = torch.empty(graph.workspace, device=q.device, dtype=torch.uint8)
+        graph.graph.execute(pack, workspace, handle=handle)
+        ctx.save_for_backward(q, k, v, o, stats, cu_seqlens)
+        ctx.bounds, ctx.scale, ctx.cache = bounds, scale, cache
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):  # type: ignore[override]
+        q, k, v, o, stats, cu_seqlens = ctx.saved_tensors
+        bounds: _Bounds = ctx.bounds
+        handle = _handle(q.device)
+        graph = _graph("bwd", q, k, v, bounds, ctx.scale, handle)
+        rows = _row_tensors(cu_seqlens, bounds, q, k, ctx.cache)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        pack = {
+            graph.q: q, graph.k: k, graph.v: v, graph.o: o, graph.do: grad_o.contiguous(),
+            graph.stats: stats, graph.dq: dq, graph.dk: dk, graph.dv: dv,
+            graph.lens: rows["lens"], graph.lens_kv: rows["lens"],
+            graph.q_off: rows["q"], graph.k_off: rows["kv"], graph.v_off: rows["kv"],
+            graph.o_off: rows["q"], graph.s_off: rows["stats"],
+        }  # fmt: skip
+        workspace = torch.empty(graph.workspace, device=q.device, dtype=torch.uint8)
+        graph.graph.execute(pack, workspace, handle=handle)
+        return dq, dk, dv, None, None, None, None
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    longest: int,
+    scale: float,
+    cache: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention within each row: ``q`` ``[T, heads, d]`` over ``k``/``v`` ``[T, groups, d]``,
+    rows at ``cu_seqlens`` (int32, ``[rows + 1]``, on the GPU); the inputs are made contiguous.
+    ``cache``: a dict kept for the micro-batch (its layers share the row tensors made from
+    ``cu_seqlens``)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    bounds = _Bounds(
+        rows=_pow2(cu_seqlens.shape[0] - 1), longest=_pow2(longest, 64), tokens=_pow2(q.shape[0], 1024)
+    )
+    return _PackedAttention.apply(q, k, v, cu_seqlens, bounds, scale, {} if cache is None else cache)
