@@ -7,7 +7,9 @@ backward on Hopper. cuDNN's fused attention has faster Hopper kernels, but build
 (nested-tensor) path builds one on every call, so neither suits micro-batches that change shape
 every step. Here a graph is keyed on *bounds*: the row count, the longest row and the total tokens
 each rounded up to a power of two (rows past the micro-batch's have length 0), with the heads, the
-groups, the head dim, the dtype and the strides. A run meets a handful of keys; each builds once.
+groups, the head dim and the dtype (the inputs are made contiguous). A run meets a handful of keys;
+each builds once, before the call computes anything, and a key cuDNN refuses raises
+:class:`NotSupported` (``trainer.attention=auto`` then runs the flash kernel).
 
 Needs the ``cudnn`` module (``pip install nvidia-cudnn-frontend``), a Hopper or newer GPU and 16-bit
 floats; :func:`available` says whether this process has them.
@@ -28,6 +30,7 @@ except (ImportError, OSError):  # not installed, or no cuDNN library to load
 
 _LOCK = threading.Lock()
 _GRAPHS: dict[tuple, Any] = {}
+_REFUSED: dict[tuple, str] = {}  # graph keys cuDNN could not build, with its reason
 _HANDLES: dict[int, Any] = {}
 
 
@@ -191,7 +194,8 @@ class _Backward:
 
 
 def _key(kind: str, q, k, v, bounds: _Bounds, scale: float) -> tuple:
-    return (kind, q.device.index, q.dtype, scale, bounds.rows, bounds.longest, bounds.tokens,
+    tokens = bounds.tokens if kind == "bwd" else 0  # only the backward sizes a workspace by it
+    return (kind, q.device.index, q.dtype, scale, bounds.rows, bounds.longest, tokens,
             tuple(q.shape[1:]), tuple(k.shape[1:]))  # fmt: skip
 
 
@@ -203,6 +207,25 @@ def _graph(kind: str, q, k, v, bounds: _Bounds, scale: float, handle) -> Any:
             graph = (_Forward if kind == "fwd" else _Backward)(q, k, v, bounds, scale, handle)
             _GRAPHS[key] = graph
     return graph
+
+
+class NotSupported(RuntimeError):
+    """cuDNN cannot build the attention's graph for these shapes (head dim, heads, GPU, version)."""
+
+
+def _prepare(q, k, v, bounds: _Bounds, scale: float, backward: bool) -> None:
+    """Build (or find) the graphs a call needs before it runs, so a shape cuDNN refuses is known
+    before anything is computed; raises :class:`NotSupported` (remembered per key)."""
+    kinds = ("fwd", "bwd") if backward else ("fwd",)
+    for kind in kinds:
+        key = _key(kind, q, k, v, bounds, scale)
+        if key in _REFUSED:
+            raise NotSupported(_REFUSED[key])
+        try:
+            _graph(kind, q, k, v, bounds, scale, _handle(q.device))
+        except Exception as exc:  # the frontend raises its own and plain runtime errors
+            _REFUSED[key] = f"{type(exc).__name__}: {exc}"
+            raise NotSupported(_REFUSED[key]) from exc
 
 
 def _ragged(cu_seqlens: torch.Tensor, rows: int, scale_by: int) -> torch.Tensor:
@@ -288,9 +311,12 @@ def packed_attention(
     """Causal attention within each row: ``q`` ``[T, heads, d]`` over ``k``/``v`` ``[T, groups, d]``,
     rows at ``cu_seqlens`` (int32, ``[rows + 1]``, on the GPU); the inputs are made contiguous.
     ``cache``: a dict kept for the micro-batch (its layers share the row tensors made from
-    ``cu_seqlens``)."""
+    ``cu_seqlens``). Raises :class:`NotSupported` before computing anything where cuDNN cannot
+    build the graphs."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     bounds = _Bounds(
         rows=_pow2(cu_seqlens.shape[0] - 1), longest=_pow2(longest, 64), tokens=_pow2(q.shape[0], 1024)
     )
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    _prepare(q, k, v, bounds, scale, backward)
     return _PackedAttention.apply(q, k, v, cu_seqlens, bounds, scale, {} if cache is None else cache)

@@ -115,15 +115,14 @@ def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedRows, scale: float | None
 ) -> torch.Tensor:
     """Causal attention within each packed row: ``q`` ``[T, heads, d]`` over ``k``/``v``
-    ``[T, groups, d]`` -> ``[T, heads, d]``. On a GPU in 16-bit floats PyTorch's variable-length flash
-    kernel (one launch over every row); otherwise the fused kernel row by row."""
+    ``[T, groups, d]`` -> ``[T, heads, d]``. On a GPU in 16-bit floats cuDNN's fused attention where
+    ``trainer.attention`` takes it (:func:`_use_cudnn`), else PyTorch's variable-length flash kernel
+    (one launch over every row); otherwise the fused kernel row by row."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         longest, cu = packed.longest, packed.cu_seqlens
-        if _use_cudnn(q, packed):
-            return cudnn_attention.packed_attention(
-                q, k, v, cu, longest, scale if scale is not None else q.shape[-1] ** -0.5,
-                packed.attention_cache,
-            )  # fmt: skip
+        out = _cudnn_attention(q, k, v, packed, scale)
+        if out is not None:
+            return out
         # ATen's op itself (its backward is ATen's too): torch.nn.attention.varlen wraps it in a
         # Python custom op, whose dispatch costs host time at every layer, forward and backward
         out = torch.ops.aten._flash_attention_forward(
@@ -156,6 +155,24 @@ def _use_cudnn(q: torch.Tensor, packed: PackedRows) -> bool:
             )
         return False
     return packed.attention == "cudnn" or packed.longest >= CUDNN_MIN_LONGEST
+
+
+def _cudnn_attention(q, k, v, packed: PackedRows, scale: float | None) -> torch.Tensor | None:
+    """cuDNN's attention of the packed rows, or None where the flash kernel runs them (not chosen,
+    or, with ``auto``, a shape cuDNN cannot build)."""
+    if not _use_cudnn(q, packed):
+        return None
+    try:
+        return cudnn_attention.packed_attention(
+            q, k, v, packed.cu_seqlens, packed.longest,
+            scale if scale is not None else q.shape[-1] ** -0.5, packed.attention_cache,
+        )  # fmt: skip
+    except cudnn_attention.NotSupported as exc:
+        if packed.attention == "cudnn":
+            raise ConfigError(
+                "trainer.attention", f"cuDNN cannot run this model's attention ({exc}); use auto or flash"
+            ) from exc
+        return None
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:

@@ -47,6 +47,22 @@ def test_the_attention_choice(monkeypatch) -> None:
     assert not sdpa_attention._use_cudnn(q, long)
 
 
+def test_a_shape_cudnn_refuses(monkeypatch) -> None:
+    """Where cuDNN cannot build the graphs, auto runs the flash kernel and cudnn says what to change."""
+    q = torch.zeros(4, 2, 80)
+    packed = pack_rows([[1] * sdpa_attention.CUDNN_MIN_LONGEST], "cpu", attention="auto")[1]
+    monkeypatch.setattr(cudnn_attention, "available", lambda q: True)
+
+    def refuse(*args, **kwargs):
+        raise cudnn_attention.NotSupported("head dim 80")
+
+    monkeypatch.setattr(cudnn_attention, "packed_attention", refuse)
+    assert sdpa_attention._cudnn_attention(q, q, q, packed, None) is None
+    packed.attention = "cudnn"
+    with pytest.raises(ConfigError, match="head dim 80.*use auto or flash"):
+        sdpa_attention._cudnn_attention(q, q, q, packed, None)
+
+
 @pytest.mark.gpu
 @needs_cudnn
 def test_cudnn_packed_attention_equals_the_flash_kernel() -> None:
