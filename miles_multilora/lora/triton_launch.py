@@ -41,14 +41,19 @@ class Launcher:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple, Any] = {}
+        self._direct = True  # off for good once this Triton lacks the internals used here
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if not ENABLED or _INTERPRET or not args[0].is_cuda or _hooked():
+        if not (ENABLED and self._direct) or _INTERPRET or not args[0].is_cuda or _hooked():
             self.kernel[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
-        binder = self.kernel.device_caches[device][4]
-        bound, specialization, _ = binder(*args, **kwargs)
+        try:
+            bound, specialization, _ = self.kernel.device_caches[device][4](*args, **kwargs)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            self._direct = False  # another Triton version (or bad arguments: its launch says which)
+            self.kernel[grid](*args, **kwargs)
+            return
         key = (device, kwargs.get("num_warps"), kwargs.get("num_stages"), *specialization)
         compiled = self._compiled.get(key)
         if compiled is None:  # compile (or find Triton's cached kernel) and launch the usual way

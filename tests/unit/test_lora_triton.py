@@ -177,6 +177,30 @@ def test_bf16_cuda_matches_fp32_reference():
         assert rel < 1e-2, f"{name}: relative error {rel:.2e}"
 
 
+def test_launcher_takes_tritons_launch_without_its_internals(monkeypatch):
+    """A Triton without the 3.6 binder cache the direct launch reads: every launch goes through
+    ``kernel[grid]`` (the same grid and arguments), and the launcher stops trying."""
+    from miles_multilora.lora import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls = []
+
+    class Kernel:  # a JIT function of another Triton: no device_caches
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    class CudaArgument:
+        is_cuda = True
+
+    launcher = triton_launch.Launcher(Kernel())
+    arg = CudaArgument()
+    launcher((3,), arg, 7, num_warps=4)
+    launcher((5, 2), arg, 8, num_warps=4)
+    assert calls == [((3,), (arg, 7), {"num_warps": 4}), ((5, 2), (arg, 8), {"num_warps": 4})]
+    assert not launcher._direct
+
+
 @pytest.mark.gpu
 def test_launcher_equals_triton_launch_bit_for_bit():
     """lora.triton_launch's direct launches give Triton's own launches' bits (forward, input and
