@@ -84,23 +84,40 @@ def weight_grad_schedule(
     return plan.schedules[key]
 
 
+def _tile_rows(plan: RoutingPlan, block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`tile_schedule`'s rows, split once per plan (not at every launch)."""
+    key = ("tile rows", block_m, device)
+    if key not in plan.schedules:
+        plan.schedules[key] = tile_schedule(plan, block_m, device).unbind(0)
+    return plan.schedules[key]
+
+
+def _weight_grad_rows(plan: RoutingPlan, cfg: dict, device: torch.device) -> tuple:
+    """:func:`weight_grad_schedule` with its chunks and reductions split into rows once per plan."""
+    key = ("chunk rows", cfg["BLOCK_T"], cfg["MIN_CHUNK"], cfg["CHUNKS_PER_SLOT"], device)
+    if key not in plan.schedules:
+        chunks, reductions, partials = weight_grad_schedule(plan, cfg, device)
+        plan.schedules[key] = (chunks.unbind(0), reductions.unbind(0), partials)
+    return plan.schedules[key]
+
+
 def _weight_grad(
     p: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, strides, plan
 ) -> None:
     cfg = tk.launch_config(tk.WGRAD_CONFIGS, p.shape[1])
-    chunks, reductions, partials = weight_grad_schedule(plan, cfg, p.device)
+    chunks, reductions, partials = _weight_grad_rows(plan, cfg, p.device)
     tk.segment_weight_grad(p, x, rows, grad, strides, chunks, reductions, partials, cfg)
 
 
 def _shrink(x, rows, weight, strides, rank: int, plan: RoutingPlan, scale=None) -> torch.Tensor:
     cfg = tk.launch_config(tk.SHRINK_CONFIGS, rank)
-    tiles = tile_schedule(plan, cfg["BLOCK_M"], x.device)
+    tiles = _tile_rows(plan, cfg["BLOCK_M"], x.device)
     return tk.gather_shrink(x, rows, weight, strides, rank, tiles, cfg, plan.num_routed, scale)
 
 
 def _expand(out, h, rows, weight, strides, plan: RoutingPlan, accumulate: bool) -> None:
     cfg = tk.launch_config(tk.EXPAND_CONFIGS, h.shape[1])
-    tiles = tile_schedule(plan, cfg["BLOCK_M"], out.device)
+    tiles = _tile_rows(plan, cfg["BLOCK_M"], out.device)
     tk.scatter_expand(out, h, rows, weight, strides, tiles, cfg, accumulate)
 
 

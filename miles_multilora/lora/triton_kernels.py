@@ -39,6 +39,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _rows(schedule: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A schedule's rows: a ``[k, n]`` tensor's, or the rows themselves (split once by the caller)."""
+    return schedule if isinstance(schedule, tuple) else schedule.unbind(0)
+
+
 if HAVE_TRITON:
 
     @triton.jit
@@ -325,7 +330,7 @@ def gather_shrink(
     weight: torch.Tensor,
     weight_strides: tuple[int, int, int],
     rank: int,
-    tiles: torch.Tensor,
+    tiles: torch.Tensor | tuple[torch.Tensor, ...],
     cfg: dict,
     num_routed: int,
     scale: torch.Tensor | None = None,
@@ -337,12 +342,13 @@ def gather_shrink(
     """
     k_dim = x.shape[1]
     y = x.new_empty(num_routed, rank)
-    if tiles.shape[1] == 0:
+    tile_slot, tile_start, tile_end = _rows(tiles)
+    if tile_slot.shape[0] == 0:
         return y
     _launch_gather_shrink(
-        (tiles.shape[1],),
+        (tile_slot.shape[0],),
         x, rows, weight, scale if scale is not None else y, y,
-        tiles[0], tiles[1], tiles[2],
+        tile_slot, tile_start, tile_end,
         k_dim, rank,
         x.stride(0), weight_strides[0], weight_strides[1], weight_strides[2], y.stride(0),
         HAS_SCALE=scale is not None, EVEN_K=k_dim % cfg["BLOCK_K"] == 0,
@@ -358,7 +364,7 @@ def split_shrink(
     weight: torch.Tensor,
     weight_strides: tuple[int, int, int],
     rank: int,
-    tiles: torch.Tensor,
+    tiles: torch.Tensor | tuple[torch.Tensor, ...],
     cfg: dict,
     num_rows: int,
     scale: torch.Tensor,
@@ -370,10 +376,11 @@ def split_shrink(
     parts = _cdiv(k_dim, cfg["K_CHUNK"])
     # every routed row of every part is written by its tile's program; other rows are never read
     y = torch.empty(parts, num_rows, rank, device=x.device, dtype=torch.float32)
+    tile_slot, tile_start, tile_end = _rows(tiles)
     _launch_split_shrink(
-        (tiles.shape[1], parts),
+        (tile_slot.shape[0], parts),
         x, rows, weight, scale, y,
-        tiles[0], tiles[1], tiles[2],
+        tile_slot, tile_start, tile_end,
         k_dim, rank, cfg["K_CHUNK"],
         x.stride(0), weight_strides[0], weight_strides[1], weight_strides[2], y.stride(0), y.stride(1),
         BLOCK_R=_pad_rank(rank), PRECISION=_precision(x.dtype), **_meta(cfg),
@@ -399,7 +406,7 @@ def scatter_expand(
     rows: torch.Tensor,
     weight: torch.Tensor,
     weight_strides: tuple[int, int, int],
-    tiles: torch.Tensor,
+    tiles: torch.Tensor | tuple[torch.Tensor, ...],
     cfg: dict,
     accumulate: bool,
     dense_scale: torch.Tensor | None = None,
@@ -408,16 +415,17 @@ def scatter_expand(
     ``h`` is ``[T, R]``, or ``[parts, T, R]`` fp32 partial sums from :func:`split_shrink`, or with
     ``dense_scale`` (per-slot scales) ``[T, slots * R]``: every slot's unscaled shrink of every
     activation row (one dense GEMM), of which row ``rows[i]`` takes its slot's ``R`` columns."""
-    if tiles.shape[1] == 0:
+    tile_slot, tile_start, tile_end = _rows(tiles)
+    if tile_slot.shape[0] == 0:
         return out
     parts, rank, stride_part, stride_row, num_parts = expand_input(h, weight, dense_scale is not None)
     n_out = out.shape[1]
     split_n = min(cfg["SPLIT_N"], _cdiv(n_out, cfg["BLOCK_N"]))
-    grid = (tiles.shape[1], split_n)
+    grid = (tile_slot.shape[0], split_n)
     _launch_scatter_expand(
         grid,
         parts, rows, weight, out, dense_scale if dense_scale is not None else out,
-        tiles[0], tiles[1], tiles[2],
+        tile_slot, tile_start, tile_end,
         n_out, rank,
         stride_part, stride_row, weight_strides[0], weight_strides[1], weight_strides[2], out.stride(0),
         ACCUMULATE=accumulate, SPLIT_N=split_n, NUM_PARTS=num_parts,
@@ -452,8 +460,8 @@ def segment_weight_grad(
     rows: torch.Tensor,
     out: torch.Tensor,
     out_strides: tuple[int, int, int],
-    chunks: torch.Tensor,
-    reductions: torch.Tensor,
+    chunks: torch.Tensor | tuple[torch.Tensor, ...],
+    reductions: torch.Tensor | tuple[torch.Tensor, ...],
     num_partials: int,
     cfg: dict,
 ) -> torch.Tensor:
@@ -462,24 +470,26 @@ def segment_weight_grad(
     ``reductions`` ``[3, m]`` (slot, first partial, count). A chunk with no tokens writes zeros.
     """
     p_dim, q_dim = p.shape[1], x.shape[1]
-    if chunks.shape[1] == 0:
+    chunk_slot, chunk_start, chunk_end, chunk_dest = _rows(chunks)
+    if chunk_slot.shape[0] == 0:
         return out
     ws = torch.empty(max(num_partials, 1), p_dim, q_dim, device=p.device, dtype=torch.float32)
-    grid = (chunks.shape[1], _cdiv(q_dim, cfg["BLOCK_Q"]))
+    grid = (chunk_slot.shape[0], _cdiv(q_dim, cfg["BLOCK_Q"]))
     _launch_segment_weight_grad(
         grid,
         p, x, rows, out, ws,
-        chunks[0], chunks[1], chunks[2], chunks[3],
+        chunk_slot, chunk_start, chunk_end, chunk_dest,
         p_dim, q_dim,
         p.stride(0), x.stride(0), out_strides[0], out_strides[1], out_strides[2],
         BLOCK_P=_pad_rank(p_dim), PRECISION=_precision(x.dtype), **_meta(cfg),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if reductions.shape[1]:
-        grid = (reductions.shape[1], _cdiv(p_dim * q_dim, REDUCE_BLOCK))
+    red_slot, red_first, red_count = _rows(reductions)
+    if red_slot.shape[0]:
+        grid = (red_slot.shape[0], _cdiv(p_dim * q_dim, REDUCE_BLOCK))
         _launch_reduce_partials(
             grid,
-            ws, out, reductions[0], reductions[1], reductions[2],
+            ws, out, red_slot, red_first, red_count,
             p_dim, q_dim, out_strides[0], out_strides[1], out_strides[2],
             BLOCK=REDUCE_BLOCK,
         )  # fmt: skip
