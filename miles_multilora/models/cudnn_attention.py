@@ -79,118 +79,109 @@ def _offset_type() -> torch.dtype:
     return torch.int64 if cudnn.backend_version() >= 90600 else torch.int32
 
 
-class _Forward:
-    """A built forward graph and its tensors."""
+class _Graph:
+    """A cuDNN graph over packed rows: its row lengths, ragged offsets and ``q``/``k``/``v`` inputs
+    (every ``[T, heads, d]`` tensor seen as ``[rows, heads, longest, d]``, rows placed by offsets)."""
 
-    def __init__(self, q, k, v, bounds: _Bounds, scale: float, handle) -> None:
+    def __init__(self, q, k, v, bounds: _Bounds, handle) -> None:
         g = cudnn.pygraph(
             io_data_type=_io_type(q.dtype),
             intermediate_data_type=cudnn.data_type.FLOAT,
             compute_data_type=cudnn.data_type.FLOAT,
             handle=handle,
         )
-        self.graph = g
-        off = lambda name: g.tensor(  # noqa: E731
-            name=name, dim=[bounds.rows + 1, 1, 1, 1], stride=[1, 1, 1, 1],
-            data_type=cudnn.data_type.INT64 if _offset_type() == torch.int64 else cudnn.data_type.INT32,
-        )  # fmt: skip
-        lens = lambda name: g.tensor(  # noqa: E731
-            name=name, dim=[bounds.rows, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32
-        )
-        self.q_off, self.k_off, self.v_off, self.o_off, self.s_off = (
-            off(n) for n in ("q_off", "k_off", "v_off", "o_off", "stats_off")
-        )
-        self.lens = lens("seq_len")
-        self.lens_kv = lens("seq_len_kv")
-        tensors = []
-        for name, t, offset in (("q", q, self.q_off), ("k", k, self.k_off), ("v", v, self.v_off)):
-            dim, stride = _dims(t, bounds)
-            tensor = g.tensor(name=name, dim=dim, stride=stride, data_type=_io_type(t.dtype))
-            tensor.set_ragged_offset(offset)
-            tensors.append(tensor)
-        self.q, self.k, self.v = tensors
-        o, stats = g.sdpa(
-            name="sdpa", q=self.q, k=self.k, v=self.v, generate_stats=True, attn_scale=scale,
-            use_causal_mask=True, use_padding_mask=True, seq_len_q=self.lens, seq_len_kv=self.lens_kv,
-        )  # fmt: skip
-        heads, d = q.shape[1], q.shape[2]
-        o.set_output(True).set_dim([bounds.rows, heads, bounds.longest, d]).set_stride(
-            [bounds.longest * heads * d, d, heads * d, 1]
-        )
-        o.set_ragged_offset(self.o_off)
-        stats.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(
-            [bounds.rows, heads, bounds.longest, 1]
-        ).set_stride([bounds.longest * heads, 1, heads, 1])
-        stats.set_ragged_offset(self.s_off)
-        self.o, self.stats = o, stats
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        self.workspace = g.get_workspace_size()
-
-
-class _Backward:
-    """A built backward graph and its tensors."""
-
-    def __init__(self, q, k, v, bounds: _Bounds, scale: float, handle) -> None:
-        g = cudnn.pygraph(
-            io_data_type=_io_type(q.dtype),
-            intermediate_data_type=cudnn.data_type.FLOAT,
-            compute_data_type=cudnn.data_type.FLOAT,
-            handle=handle,
-        )
-        self.graph = g
+        self.graph, self.bounds = g, bounds
         offset_type = cudnn.data_type.INT64 if _offset_type() == torch.int64 else cudnn.data_type.INT32
-        off = lambda name: g.tensor(  # noqa: E731
-            name=name, dim=[bounds.rows + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=offset_type
-        )
-        lens = lambda name: g.tensor(  # noqa: E731
-            name=name, dim=[bounds.rows, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32
-        )
         self.q_off, self.k_off, self.v_off, self.o_off, self.s_off = (
-            off(n) for n in ("q_off", "k_off", "v_off", "o_off", "stats_off")
+            g.tensor(name=n, dim=[bounds.rows + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=offset_type)
+            for n in ("q_off", "k_off", "v_off", "o_off", "stats_off")
         )
-        self.lens, self.lens_kv = lens("seq_len"), lens("seq_len_kv")
-        heads, d = q.shape[1], q.shape[2]
-        io = _io_type(q.dtype)
-        made = {}
-        for name, t, offset in (("q", q, self.q_off), ("k", k, self.k_off), ("v", v, self.v_off)):
-            dim, stride = _dims(t, bounds)
-            made[name] = g.tensor(name=name, dim=dim, stride=stride, data_type=io)
-            made[name].set_ragged_offset(offset)
-        o_dim, o_stride = (
-            [bounds.rows, heads, bounds.longest, d],
-            [bounds.longest * heads * d, d, heads * d, 1],
+        self.lens, self.lens_kv = (
+            g.tensor(name=n, dim=[bounds.rows, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+            for n in ("seq_len", "seq_len_kv")
         )
-        for name in ("o", "do"):
-            made[name] = g.tensor(name=name, dim=o_dim, stride=o_stride, data_type=io)
-            made[name].set_ragged_offset(self.o_off)
-        made["stats"] = g.tensor(
-            name="stats", dim=[bounds.rows, heads, bounds.longest, 1],
-            stride=[bounds.longest * heads, 1, heads, 1], data_type=cudnn.data_type.FLOAT,
-        )  # fmt: skip
-        made["stats"].set_ragged_offset(self.s_off)
-        self.q, self.k, self.v, self.o, self.do, self.stats = (
-            made[n] for n in ("q", "k", "v", "o", "do", "stats")
+        self.q, self.k, self.v = (
+            self.rows_tensor(name, t, offset)
+            for name, t, offset in (("q", q, self.q_off), ("k", k, self.k_off), ("v", v, self.v_off))
         )
-        dq, dk, dv = g.sdpa_backward(
-            name="sdpa_backward", q=self.q, k=self.k, v=self.v, o=self.o, dO=self.do, stats=self.stats,
-            attn_scale=scale, use_causal_mask=True, use_padding_mask=True, seq_len_q=self.lens,
-            seq_len_kv=self.lens_kv, max_total_seq_len_q=bounds.tokens, max_total_seq_len_kv=bounds.tokens,
-        )  # fmt: skip
-        for grad, t, offset in ((dq, q, self.q_off), (dk, k, self.k_off), (dv, v, self.v_off)):
-            dim, stride = _dims(t, bounds)
-            grad.set_output(True).set_dim(dim).set_stride(stride)
-            grad.set_ragged_offset(offset)
-        self.dq, self.dk, self.dv = dq, dk, dv
+        self.masks = dict(
+            use_causal_mask=True, use_padding_mask=True, seq_len_q=self.lens, seq_len_kv=self.lens_kv
+        )
+
+    def rows_tensor(self, name: str, like: torch.Tensor, offset: Any) -> Any:
+        """An input shaped and placed like ``like`` (``[T, heads, d]``)."""
+        dim, stride = _dims(like, self.bounds)
+        tensor = self.graph.tensor(name=name, dim=dim, stride=stride, data_type=_io_type(like.dtype))
+        tensor.set_ragged_offset(offset)
+        return tensor
+
+    def output(self, tensor: Any, like: torch.Tensor, offset: Any) -> Any:
+        """Mark ``tensor`` an output shaped and placed like ``like``."""
+        dim, stride = _dims(like, self.bounds)
+        tensor.set_output(True).set_dim(dim).set_stride(stride)
+        tensor.set_ragged_offset(offset)
+        return tensor
+
+    def stats_dims(self, heads: int) -> tuple[list[int], list[int]]:
+        """The softmax statistics, fp32 ``[T, heads, 1]``, as cuDNN's ``[rows, heads, longest, 1]``."""
+        b = self.bounds
+        return [b.rows, heads, b.longest, 1], [b.longest * heads, 1, heads, 1]
+
+    def run(self, handle: Any, rows: dict[str, torch.Tensor], **tensors: torch.Tensor) -> None:
+        """Execute on ``tensors`` (by attribute name: ``q``, ``o``, ``dq``, ...) and the micro-batch's
+        row tensors (:func:`_row_tensors`)."""
+        pack = {getattr(self, name): t for name, t in tensors.items()}
+        pack.update({
+            self.lens: rows["lens"], self.lens_kv: rows["lens"], self.q_off: rows["q"],
+            self.k_off: rows["kv"], self.v_off: rows["kv"], self.o_off: rows["q"], self.s_off: rows["stats"],
+        })  # fmt: skip
+        workspace = torch.empty(self.workspace, device=tensors["q"].device, dtype=torch.uint8)
+        self.graph.execute(pack, workspace, handle=handle)
+
+    def build(self) -> None:
+        g = self.graph
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans()
         self.workspace = g.get_workspace_size()
+
+
+class _Forward(_Graph):
+    """The forward: output and softmax statistics."""
+
+    def __init__(self, q, k, v, bounds: _Bounds, scale: float, handle) -> None:
+        super().__init__(q, k, v, bounds, handle)
+        o, stats = self.graph.sdpa(
+            name="sdpa", q=self.q, k=self.k, v=self.v, generate_stats=True, attn_scale=scale, **self.masks
+        )
+        self.o = self.output(o, q, self.o_off)
+        dim, stride = self.stats_dims(q.shape[1])
+        stats.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(dim).set_stride(stride)
+        stats.set_ragged_offset(self.s_off)
+        self.stats = stats
+        self.build()
+
+
+class _Backward(_Graph):
+    """The backward: ``dq``, ``dk``, ``dv`` from the output, its gradient and the statistics."""
+
+    def __init__(self, q, k, v, bounds: _Bounds, scale: float, handle) -> None:
+        super().__init__(q, k, v, bounds, handle)
+        self.o, self.do = (self.rows_tensor(n, q, self.o_off) for n in ("o", "do"))
+        dim, stride = self.stats_dims(q.shape[1])
+        self.stats = self.graph.tensor(name="stats", dim=dim, stride=stride, data_type=cudnn.data_type.FLOAT)
+        self.stats.set_ragged_offset(self.s_off)
+        dq, dk, dv = self.graph.sdpa_backward(
+            name="sdpa_backward", q=self.q, k=self.k, v=self.v, o=self.o, dO=self.do, stats=self.stats,
+            attn_scale=scale, max_total_seq_len_q=bounds.tokens, max_total_seq_len_kv=bounds.tokens,
+            **self.masks,
+        )  # fmt: skip
+        self.dq = self.output(dq, q, self.q_off)
+        self.dk = self.output(dk, k, self.k_off)
+        self.dv = self.output(dv, v, self.v_off)
+        self.build()
 
 
 def _key(kind: str, q, k, v, bounds: _Bounds, scale: float) -> tuple:
@@ -267,14 +258,7 @@ class _PackedAttention(torch.autograd.Function):
         rows = _row_tensors(cu_seqlens, bounds, q, k, cache)
         o = torch.empty_like(q)
         stats = torch.empty(q.shape[0], q.shape[1], 1, device=q.device, dtype=torch.float32)
-        pack = {
-            graph.q: q, graph.k: k, graph.v: v, graph.o: o, graph.stats: stats,
-            graph.lens: rows["lens"], graph.lens_kv: rows["lens"],
-            graph.q_off: rows["q"], graph.k_off: rows["kv"], graph.v_off: rows["kv"],
-            graph.o_off: rows["q"], graph.s_off: rows["stats"],
-        }  # fmt: skip
-        workspace = torch.empty(graph.workspace, device=q.device, dtype=torch.uint8)
-        graph.graph.execute(pack, workspace, handle=handle)
+        graph.run(handle, rows, q=q, k=k, v=v, o=o, stats=stats)
         ctx.save_for_backward(q, k, v, o, stats, cu_seqlens)
         ctx.bounds, ctx.scale, ctx.cache = bounds, scale, cache
         return o
@@ -287,15 +271,7 @@ class _PackedAttention(torch.autograd.Function):
         graph = _graph("bwd", q, k, v, bounds, ctx.scale, handle)
         rows = _row_tensors(cu_seqlens, bounds, q, k, ctx.cache)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        pack = {
-            graph.q: q, graph.k: k, graph.v: v, graph.o: o, graph.do: grad_o.contiguous(),
-            graph.stats: stats, graph.dq: dq, graph.dk: dk, graph.dv: dv,
-            graph.lens: rows["lens"], graph.lens_kv: rows["lens"],
-            graph.q_off: rows["q"], graph.k_off: rows["kv"], graph.v_off: rows["kv"],
-            graph.o_off: rows["q"], graph.s_off: rows["stats"],
-        }  # fmt: skip
-        workspace = torch.empty(graph.workspace, device=q.device, dtype=torch.uint8)
-        graph.graph.execute(pack, workspace, handle=handle)
+        graph.run(handle, rows, q=q, k=k, v=v, o=o, do=grad_o.contiguous(), stats=stats, dq=dq, dk=dk, dv=dv)
         return dq, dk, dv, None, None, None, None
 
 

@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.config.run import config_from_container
 from miles_multilora.errors import ConfigError
-from miles_multilora.lora import multi_lora_layers
 from miles_multilora.models import compat, cudnn_attention, sdpa_attention
 from miles_multilora.models.packed_rows import pack_rows
-from miles_multilora.testing.lora import randomize_slots
-from miles_multilora.trainer.rank import TrainerRank
-from tests.e2e.conftest import tiny_run_config
-from tests.unit.test_packed_rows import SLOTS, _train
+from tests.unit.test_packed_rows import _train, bf16_rank
 
 needs_cudnn = pytest.mark.skipif(cudnn_attention.cudnn is None, reason="needs nvidia-cudnn-frontend")
 
@@ -103,16 +98,8 @@ def test_cudnn_packed_attention_equals_the_flash_kernel() -> None:
 def test_packed_training_on_cudnn_equals_the_flash_kernel(tmp_path: Path) -> None:
     """The trainer's packed bf16 rows with trainer.attention=cudnn against =flash: logprobs and LoRA
     gradients to bf16's precision."""
-    cfg = tiny_run_config(
-        tmp_path / "run", [], model={"dtype": "bfloat16"}, lora={"num_slots": SLOTS, "max_rank": 8},
-        trainer={"micro_batch_size": 4},
-    )  # fmt: skip
-    rank = TrainerRank(cfg)
+    rank = bf16_rank(tmp_path)
     try:
-        for slot in range(SLOTS):
-            rank.open_slot(slot, 8, 16.0, slot, OptimizerSpec(lr=1e-3), f"a{slot}")
-        for i, layer in enumerate(multi_lora_layers(rank.model)):
-            randomize_slots(layer, [8] * SLOTS, [16.0] * SLOTS, seed=i)
         runs = {}
         for attention in ("flash", "cudnn"):
             rank.cfg.trainer.attention = attention

@@ -153,20 +153,26 @@ def test_packed_rows_turn_each_token_by_its_position_in_its_row(rank: TrainerRan
     assert torch.equal(rotary(ids.shape[1]), table)  # the hook is gone after the context
 
 
-@pytest.mark.gpu
-def test_packed_bf16_rows_on_the_variable_length_flash_kernel(tmp_path: Path) -> None:
-    """bf16 on a GPU: the packed rows run PyTorch's variable-length flash kernel, the padded rows the
-    fixed-length one; logprobs and gradients agree to bf16's precision."""
+def bf16_rank(tmp_path: Path) -> TrainerRank:
+    """The tiny model in bf16 with ``SLOTS`` open slots of random weights (GPU tests)."""
     cfg = tiny_run_config(
         tmp_path / "run", [], model={"dtype": "bfloat16"}, lora={"num_slots": SLOTS, "max_rank": 8},
         trainer={"micro_batch_size": 4},
     )  # fmt: skip
-    bf16 = TrainerRank(cfg)
+    rank = TrainerRank(cfg)
+    for slot in range(SLOTS):
+        rank.open_slot(slot, 8, 16.0, slot, OptimizerSpec(lr=1e-3), f"a{slot}")
+    for i, layer in enumerate(multi_lora_layers(rank.model)):
+        randomize_slots(layer, [8] * SLOTS, [16.0] * SLOTS, seed=i)
+    return rank
+
+
+@pytest.mark.gpu
+def test_packed_bf16_rows_on_the_variable_length_flash_kernel(tmp_path: Path) -> None:
+    """bf16 on a GPU: the packed rows run PyTorch's variable-length flash kernel, the padded rows the
+    fixed-length one; logprobs and gradients agree to bf16's precision."""
+    bf16 = bf16_rank(tmp_path)
     try:
-        for slot in range(SLOTS):
-            bf16.open_slot(slot, 8, 16.0, slot, OptimizerSpec(lr=1e-3), f"a{slot}")
-        for i, layer in enumerate(multi_lora_layers(bf16.model)):
-            randomize_slots(layer, [8] * SLOTS, [16.0] * SLOTS, seed=i)
         (packed_lp, packed_grads), (padded_lp, padded_grads) = _train(bf16, True), _train(bf16, False)
     finally:
         compat.destroy_distributed()
