@@ -127,7 +127,7 @@ class _Graph:
         b = self.bounds
         return [b.rows, heads, b.longest, 1], [b.longest * heads, 1, heads, 1]
 
-    def run(self, handle: Any, rows: dict[str, torch.Tensor], **tensors: torch.Tensor) -> None:
+    def run(self, rows: dict[str, torch.Tensor], **tensors: torch.Tensor) -> None:
         """Execute on ``tensors`` (by attribute name: ``q``, ``o``, ``dq``, ...) and the micro-batch's
         row tensors (:func:`_row_tensors`)."""
         pack = {getattr(self, name): t for name, t in tensors.items()}
@@ -135,8 +135,9 @@ class _Graph:
             self.lens: rows["lens"], self.lens_kv: rows["lens"], self.q_off: rows["q"],
             self.k_off: rows["kv"], self.v_off: rows["kv"], self.o_off: rows["q"], self.s_off: rows["stats"],
         })  # fmt: skip
-        workspace = torch.empty(self.workspace, device=tensors["q"].device, dtype=torch.uint8)
-        self.graph.execute(pack, workspace, handle=handle)
+        device = tensors["q"].device
+        workspace = torch.empty(self.workspace, device=device, dtype=torch.uint8)
+        self.graph.execute(pack, workspace, handle=_handle(device))
 
     def build(self) -> None:
         g = self.graph
@@ -190,12 +191,13 @@ def _key(kind: str, q, k, v, bounds: _Bounds, scale: float) -> tuple:
             tuple(q.shape[1:]), tuple(k.shape[1:]))  # fmt: skip
 
 
-def _graph(kind: str, q, k, v, bounds: _Bounds, scale: float, handle) -> Any:
+def _graph(kind: str, q, k, v, bounds: _Bounds, scale: float) -> Any:
+    """The built graph of ``kind`` for these shapes (built here the first time)."""
     key = _key(kind, q, k, v, bounds, scale)
     with _LOCK:
         graph = _GRAPHS.get(key)
         if graph is None:
-            graph = (_Forward if kind == "fwd" else _Backward)(q, k, v, bounds, scale, handle)
+            graph = (_Forward if kind == "fwd" else _Backward)(q, k, v, bounds, scale, _handle(q.device))
             _GRAPHS[key] = graph
     return graph
 
@@ -213,7 +215,7 @@ def _prepare(q, k, v, bounds: _Bounds, scale: float, backward: bool) -> None:
         if key in _REFUSED:
             raise NotSupported(_REFUSED[key])
         try:
-            _graph(kind, q, k, v, bounds, scale, _handle(q.device))
+            _graph(kind, q, k, v, bounds, scale)
         except Exception as exc:  # the frontend raises its own and plain runtime errors
             _REFUSED[key] = f"{type(exc).__name__}: {exc}"
             raise NotSupported(_REFUSED[key]) from exc
@@ -253,12 +255,11 @@ def _row_tensors(cu_seqlens: torch.Tensor, bounds: _Bounds, q, k, cache: dict) -
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, bounds: _Bounds, scale: float, cache: dict):  # type: ignore[override]
-        handle = _handle(q.device)
-        graph = _graph("fwd", q, k, v, bounds, scale, handle)
+        graph = _graph("fwd", q, k, v, bounds, scale)
         rows = _row_tensors(cu_seqlens, bounds, q, k, cache)
         o = torch.empty_like(q)
         stats = torch.empty(q.shape[0], q.shape[1], 1, device=q.device, dtype=torch.float32)
-        graph.run(handle, rows, q=q, k=k, v=v, o=o, stats=stats)
+        graph.run(rows, q=q, k=k, v=v, o=o, stats=stats)
         ctx.save_for_backward(q, k, v, o, stats, cu_seqlens)
         ctx.bounds, ctx.scale, ctx.cache = bounds, scale, cache
         return o
@@ -267,11 +268,10 @@ class _PackedAttention(torch.autograd.Function):
     def backward(ctx, grad_o):  # type: ignore[override]
         q, k, v, o, stats, cu_seqlens = ctx.saved_tensors
         bounds: _Bounds = ctx.bounds
-        handle = _handle(q.device)
-        graph = _graph("bwd", q, k, v, bounds, ctx.scale, handle)
+        graph = _graph("bwd", q, k, v, bounds, ctx.scale)
         rows = _row_tensors(cu_seqlens, bounds, q, k, ctx.cache)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        graph.run(handle, rows, q=q, k=k, v=v, o=o, do=grad_o.contiguous(), stats=stats, dq=dq, dk=dk, dv=dv)
+        graph.run(rows, q=q, k=k, v=v, o=o, do=grad_o.contiguous(), stats=stats, dq=dq, dk=dk, dv=dv)
         return dq, dk, dv, None, None, None, None
 
 

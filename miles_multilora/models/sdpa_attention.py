@@ -119,10 +119,10 @@ def packed_causal_attention(
     ``trainer.attention`` takes it (:func:`_use_cudnn`), else PyTorch's variable-length flash kernel
     (one launch over every row); otherwise the fused kernel row by row."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        longest, cu = packed.longest, packed.cu_seqlens
         out = _cudnn_attention(q, k, v, packed, scale)
         if out is not None:
             return out
+        longest, cu = packed.longest, packed.cu_seqlens
         # ATen's op itself (its backward is ATen's too): torch.nn.attention.varlen wraps it in a
         # Python custom op, whose dispatch costs host time at every layer, forward and backward
         out = torch.ops.aten._flash_attention_forward(
