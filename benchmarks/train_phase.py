@@ -14,7 +14,9 @@ the base weights are views of the embedded engine's stacked buffers, as after a 
 packed into one sequence (``trainer.pack_rows=false``); ``+triton-launch``, the LoRA kernels
 launched by Triton's own ``kernel[grid](...)`` instead of ``lora/triton_launch.py``; ``+flash``, the
 packed rows' attention always on the flash kernel (``trainer.attention=flash``; without it ``auto``,
-cuDNN's for long rows where installed, ``models/cudnn_attention.py``). ``TOKENS``:
+cuDNN's for long rows where installed, ``models/cudnn_attention.py``); ``+cudnn``, always on cuDNN's
+(``trainer.attention=cudnn``); ``+split-qkv``, Megatron's QKV split then RoPE instead of the one
+kernel of ``models/fused_qkv_rope.py``. ``TOKENS``:
 ``trainer.max_tokens_per_micro_batch`` (0 = none); ``ROWS``: ``trainer.micro_batch_size``. The first
 setting is the control row of the ratios. Every round draws new lengths (as every RL step does), so
 per-shape costs (kernel selection, compilation) show up as they would in a run. Peak memory is the train phase's own (``torch.cuda``'s
@@ -55,7 +57,7 @@ from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
 from miles_multilora.trainer.rank import TrainerRank  # noqa: E402
 
 KERNELS = ("fused", "megatron")
-FLAGS = ("stacked", "fp8", "padded", "triton-launch", "flash")
+FLAGS = ("stacked", "fp8", "padded", "triton-launch", "flash", "cudnn", "split-qkv")
 
 
 def parse_settings(text: str) -> list[tuple[str, int, int]]:
@@ -117,7 +119,7 @@ def apply_setting(rank: TrainerRank, setting: tuple[str, int, int]) -> None:
     fp8, stacked = "fp8" in flags, "stacked" in flags
     rank.cfg.trainer.pack_rows = "padded" not in flags
     triton_launch.ENABLED = "triton-launch" not in flags
-    rank.cfg.trainer.attention = "flash" if "flash" in flags else "auto"
+    rank.cfg.trainer.attention = next((a for a in ("flash", "cudnn") if a in flags), "auto")
     layers = multi_lora_layers(rank.model)
     set_fp8(rank, fp8)
     if stacked:  # the base weights as views of the rollout's stacked buffers (lora/stacked_shrink.py)
@@ -125,6 +127,8 @@ def apply_setting(rank: TrainerRank, setting: tuple[str, int, int]) -> None:
     else:
         stacked_shrink.unstack(layers)
     provider.set_fused_kernels(rank.model, kernels == "fused")
+    if "split-qkv" in flags:
+        provider.use_fused_qkv_rope(rank.model, False)
     chunked_logprobs.FUSED = kernels == "fused"
     rank.cfg.trainer.max_tokens_per_micro_batch = tokens
     rank.cfg.trainer.micro_batch_size = micro_rows

@@ -105,6 +105,23 @@ def install_fused_rope() -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
+# 13. Megatron skips its QKV split (``config.fused_single_qkv_rope``) only through Transformer Engine's
+#     ``apply_fused_qkv_rotary_pos_emb``; without TE that hook is missing. On a GPU with Triton we fill
+#     it with our kernel (models/fused_qkv_rope); on CPU the split and the unfused RoPE run. Returns
+#     whether the hook is there (the config flag may then be set for an eligible model).
+def install_fused_qkv_rope() -> bool:
+    if is_cpu():
+        return False
+    from megatron.core.transformer import attention
+
+    from miles_multilora.models import fused_qkv_rope
+
+    if not attention.HAVE_FUSED_QKV_ROPE and fused_qkv_rope.HAVE_TRITON:
+        attention.apply_fused_qkv_rotary_pos_emb = fused_qkv_rope.apply_fused_qkv_rope
+        attention.HAVE_FUSED_QKV_ROPE = True
+    return attention.HAVE_FUSED_QKV_ROPE
+
+
 # 10. megatron-core 0.16's MoE router names Transformer Engine's GEMM (``te_general_gemm``) in its
 #     gating function but defines it only when TE imports; without TE (this project's local spec,
 #     CPU or GPU) the name is missing. We define it as None, the value its own check expects.

@@ -81,19 +81,26 @@ class _FusedRoPE(torch.autograd.Function):
 
 def applies(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> bool:
     """Whether :func:`apply_rope`'s kernel handles ``t`` ``[s, b, h, d]`` with ``freqs``."""
-    dim = t.shape[-1]
     return (
         HAVE_TRITON
         and t.is_cuda
         and not interleaved
         and t.dim() == 4
-        and freqs.dim() == 4
-        and freqs.shape[0] >= t.shape[0]
+        and rotates(freqs, t.shape[0], t.shape[-1])
+    )
+
+
+def rotates(freqs: torch.Tensor, seq: int, dim: int) -> bool:
+    """Whether the kernels take ``freqs``: one ``[>= seq, 1, 1, dim]`` table for the whole batch,
+    rotating whole heads of ``dim`` (whose half is a power of two: the kernels' lanes)."""
+    return (
+        freqs.dim() == 4
+        and freqs.shape[0] >= seq
         and freqs.shape[1] == 1
         and freqs.shape[2] == 1
         and freqs.shape[-1] == dim
         and dim % 2 == 0
-        and (dim // 2) & (dim // 2 - 1) == 0  # a power of two: the kernel's lanes
+        and (dim // 2) & (dim // 2 - 1) == 0
     )
 
 

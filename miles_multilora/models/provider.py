@@ -20,7 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from miles_multilora.errors import ConfigError
-from miles_multilora.models import compat
+from miles_multilora.models import compat, fused_qkv_rope
 from miles_multilora.models.fused_mlp import FusedMLP, use_fused_mlp
 from miles_multilora.models.sdpa_attention import set_fused_attention, with_sdpa_attention
 
@@ -116,6 +116,7 @@ def gpt_module(model: torch.nn.Module) -> Any:
 def _finish(model: GPTModel, dtype: torch.dtype) -> GPTModel:
     model = model.to(device=compat.default_device(), dtype=dtype)
     use_fused_mlp(model)  # SwiGLU in one Triton kernel each way when the activations are on a GPU
+    use_fused_qkv_rope(model, True)
     if getattr(model.config, "recompute_granularity", None) == "full" and model.pre_process:
         model.embedding.register_forward_hook(_embedding_output_requires_grad)
     return model
@@ -207,6 +208,18 @@ def set_fused_kernels(model: torch.nn.Module, enabled: bool) -> None:
         if isinstance(module, FusedMLP):
             module.fused = enabled
     model.config.apply_rope_fusion = enabled and compat.install_fused_rope()
+    use_fused_qkv_rope(model, enabled)
+
+
+def use_fused_qkv_rope(model: torch.nn.Module, enabled: bool) -> bool:
+    """The QKV split and RoPE in one kernel each way (``models/fused_qkv_rope``) where the model's
+    attention allows it on every call and the hook is installed (a GPU with Triton); returns whether
+    it is on."""
+    gpt = gpt_module(model)
+    on = enabled and fused_qkv_rope.eligible(gpt) and compat.install_fused_qkv_rope()
+    if getattr(gpt, "config", None) is not None:
+        gpt.config.fused_single_qkv_rope = on
+    return on
 
 
 def _bridge_layer_spec(config: Any, vp_stage: int | None = None) -> Any:

@@ -153,10 +153,11 @@ def test_packed_rows_turn_each_token_by_its_position_in_its_row(rank: TrainerRan
     assert torch.equal(rotary(ids.shape[1]), table)  # the hook is gone after the context
 
 
-def bf16_rank(tmp_path: Path) -> TrainerRank:
-    """The tiny model in bf16 with ``SLOTS`` open slots of random weights (GPU tests)."""
+def bf16_rank(tmp_path: Path, dtype: str = "bfloat16") -> TrainerRank:
+    """The tiny model (bf16 unless ``dtype`` says otherwise) with ``SLOTS`` open slots of random
+    weights (GPU tests)."""
     cfg = tiny_run_config(
-        tmp_path / "run", [], model={"dtype": "bfloat16"}, lora={"num_slots": SLOTS, "max_rank": 8},
+        tmp_path / "run", [], model={"dtype": dtype}, lora={"num_slots": SLOTS, "max_rank": 8},
         trainer={"micro_batch_size": 4},
     )  # fmt: skip
     rank = TrainerRank(cfg)
