@@ -194,6 +194,16 @@ def apply_fused_qkv_rope(
     return _FusedQKVRoPE.apply(qkv, _last_dim_contiguous(flat), split[0] // split[1])
 
 
+# config flags under which Megatron's attention splits the QKV output itself (or asserts)
+_SPLIT_FLAGS = (
+    "rotary_interleaved",
+    "multi_latent_attention",
+    "attention_output_gate",
+    "test_mode",
+    "flash_decode",
+)
+
+
 def eligible(model: torch.nn.Module) -> bool:
     """Whether every self-attention call of ``model`` can take Megatron's unsplit QKV path: plain
     non-interleaved RoPE, no query/key norms, no output gate, whole query groups on each TP rank."""
@@ -208,11 +218,7 @@ def eligible(model: torch.nn.Module) -> bool:
         return False
     tp = config.tensor_model_parallel_size or 1
     return (
-        not config.rotary_interleaved
-        and not config.multi_latent_attention
-        and not getattr(config, "attention_output_gate", False)
-        and not config.test_mode
-        and not config.flash_decode
+        not any(getattr(config, flag, False) for flag in _SPLIT_FLAGS)
         and (config.num_query_groups or config.num_attention_heads) >= tp
         and all(
             (a.q_layernorm is None or isinstance(a.q_layernorm, IdentityOp))
