@@ -25,18 +25,7 @@ from miles_multilora._triton import HAVE_TRITON, tl, triton
 from miles_multilora.models import fused_rope
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _angles(freqs_ptr, s, stride_f, lo, hi, dtype: tl.constexpr):
-        """The token's cos and sin, low and high halves, rounded to the activation dtype (as
-        Megatron rounds its tables) and widened to fp32, each ``[1, HALF]``."""
-        f_lo = tl.load(freqs_ptr + s * stride_f + lo).to(tl.float32)
-        f_hi = tl.load(freqs_ptr + s * stride_f + hi).to(tl.float32)
-        c_lo = tl.cos(f_lo).to(dtype).to(tl.float32)[None, :]
-        c_hi = tl.cos(f_hi).to(dtype).to(tl.float32)[None, :]
-        s_lo = tl.sin(f_lo).to(dtype).to(tl.float32)[None, :]
-        s_hi = tl.sin(f_hi).to(dtype).to(tl.float32)[None, :]
-        return c_lo, c_hi, s_lo, s_hi
+    from miles_multilora.models.fused_rope import token_angles
 
     @triton.jit
     def _qkv_rope_kernel(
@@ -46,26 +35,20 @@ if HAVE_TRITON:
         """One token (``row = s * BATCH + b``): its ``GROUPS x (QPG + 2)`` heads (each group's
         query heads, then its key, then its value) into ``q`` ``[rows, GROUPS * QPG, D]`` and
         ``k``/``v`` ``[rows, GROUPS, D]``, query and key rotated."""
-        row = tl.program_id(0)
-        s = row // BATCH
-        b = row % BATCH
-        lo = tl.arange(0, HALF)
-        hi = lo + HALF
         dtype = q_ptr.dtype.element_ty
-        c_lo, c_hi, s_lo, s_hi = _angles(freqs_ptr, s, stride_f, lo, hi, dtype)
+        row, s, b, lo, hi, c_lo, c_hi, s_lo, s_hi = token_angles(freqs_ptr, stride_f, BATCH, HALF, dtype)
         head = tl.arange(0, HEADS_P2)[:, None]
         valid = head < GROUPS * (QPG + 2)
         g = head // (QPG + 2)
         j = head % (QPG + 2)  # < QPG: a query head; QPG: the key; QPG + 1: the value
-        src = qkv_ptr + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b + g * stride_g + j * (2 * HALF)
+        src = qkv_ptr + s * stride_s + b * stride_b + g * stride_g + j * (2 * HALF)
         x_lo = tl.load(src + lo[None, :], mask=valid).to(tl.float32)
         x_hi = tl.load(src + hi[None, :], mask=valid).to(tl.float32)
         rotate = j <= QPG
         y_lo = tl.where(rotate, x_lo * c_lo - x_hi * s_lo, x_lo).to(dtype)
         y_hi = tl.where(rotate, x_hi * c_hi + x_lo * s_hi, x_hi).to(dtype)
-        row64 = row.to(tl.int64)
-        q_dst = q_ptr + ((row64 * GROUPS + g) * QPG + j) * (2 * HALF)
-        kv_off = (row64 * GROUPS + g) * (2 * HALF)
+        q_dst = q_ptr + ((row * GROUPS + g) * QPG + j) * (2 * HALF)
+        kv_off = (row * GROUPS + g) * (2 * HALF)
         is_q = valid & (j < QPG)
         is_k = valid & (j == QPG)
         is_v = valid & (j == QPG + 1)
@@ -84,15 +67,8 @@ if HAVE_TRITON:
     ):  # fmt: skip
         """The backward of :func:`_qkv_rope_kernel` for one token: the query and key gradients
         rotated back and the value gradient, into the QKV row's layout."""
-        row = tl.program_id(0)
-        s = row // BATCH
-        b = row % BATCH
-        lo = tl.arange(0, HALF)
-        hi = lo + HALF
         dtype = out_ptr.dtype.element_ty
-        c_lo, c_hi, s_lo, s_hi = _angles(freqs_ptr, s, stride_f, lo, hi, dtype)
-        s = s.to(tl.int64)
-        b = b.to(tl.int64)
+        row, s, b, lo, hi, c_lo, c_hi, s_lo, s_hi = token_angles(freqs_ptr, stride_f, BATCH, HALF, dtype)
         head = tl.arange(0, HEADS_P2)[:, None]
         valid = head < GROUPS * (QPG + 2)
         g = head // (QPG + 2)
@@ -116,7 +92,7 @@ if HAVE_TRITON:
         rotate = j <= QPG  # the transposed rotation
         y_lo = tl.where(rotate, x_lo * c_lo + x_hi * s_hi, x_lo)
         y_hi = tl.where(rotate, x_hi * c_hi - x_lo * s_lo, x_hi)
-        dst = out_ptr + (row.to(tl.int64) * GROUPS * (QPG + 2) + head) * (2 * HALF)
+        dst = out_ptr + (row * GROUPS * (QPG + 2) + head) * (2 * HALF)
         tl.store(dst + lo[None, :], y_lo.to(dtype), mask=valid)
         tl.store(dst + hi[None, :], y_hi.to(dtype), mask=valid)
 

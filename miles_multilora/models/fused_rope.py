@@ -20,27 +20,35 @@ from miles_multilora._triton import HAVE_TRITON, tl, triton
 if HAVE_TRITON:
 
     @triton.jit
-    def _rope_kernel(
-        x_ptr, freqs_ptr, out_ptr, stride_s, stride_b, stride_h, stride_f, BATCH,
-        HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr, TRANSPOSE: tl.constexpr,
-    ):  # fmt: skip
-        """One token (``row = s * BATCH + b``), every head: the angles' cos and sin are taken once
-        per token and shared by its heads."""
+    def token_angles(freqs_ptr, stride_f, BATCH, HALF: tl.constexpr, dtype: tl.constexpr):
+        """This program's token (``row = s * BATCH + b``): ``row, s, b`` (int64), the half-head lanes
+        ``lo, hi`` and its angles' cos and sin for each half, rounded to the activation dtype (as
+        Megatron rounds its tables) and widened to fp32, each ``[1, HALF]``."""
         row = tl.program_id(0)
         s = row // BATCH
         b = row % BATCH
         lo = tl.arange(0, HALF)
         hi = lo + HALF
-        heads = tl.arange(0, HEADS_P2)[:, None]
-        mask = heads < HEADS
-        dtype = out_ptr.dtype.element_ty  # cos and sin rounded to the activation dtype, as Megatron does
         f_lo = tl.load(freqs_ptr + s * stride_f + lo).to(tl.float32)
         f_hi = tl.load(freqs_ptr + s * stride_f + hi).to(tl.float32)
         c_lo = tl.cos(f_lo).to(dtype).to(tl.float32)[None, :]
         c_hi = tl.cos(f_hi).to(dtype).to(tl.float32)[None, :]
         s_lo = tl.sin(f_lo).to(dtype).to(tl.float32)[None, :]
         s_hi = tl.sin(f_hi).to(dtype).to(tl.float32)[None, :]
-        src = x_ptr + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b + heads * stride_h
+        return row.to(tl.int64), s.to(tl.int64), b.to(tl.int64), lo, hi, c_lo, c_hi, s_lo, s_hi
+
+    @triton.jit
+    def _rope_kernel(
+        x_ptr, freqs_ptr, out_ptr, stride_s, stride_b, stride_h, stride_f, BATCH,
+        HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr, TRANSPOSE: tl.constexpr,
+    ):  # fmt: skip
+        """One token (``row = s * BATCH + b``), every head: the angles' cos and sin are taken once
+        per token and shared by its heads."""
+        dtype = out_ptr.dtype.element_ty
+        row, s, b, lo, hi, c_lo, c_hi, s_lo, s_hi = token_angles(freqs_ptr, stride_f, BATCH, HALF, dtype)
+        heads = tl.arange(0, HEADS_P2)[:, None]
+        mask = heads < HEADS
+        src = x_ptr + s * stride_s + b * stride_b + heads * stride_h
         x_lo = tl.load(src + lo[None, :], mask=mask).to(tl.float32)
         x_hi = tl.load(src + hi[None, :], mask=mask).to(tl.float32)
         if TRANSPOSE:  # the backward: the transposed rotation
@@ -49,7 +57,7 @@ if HAVE_TRITON:
         else:
             y_lo = x_lo * c_lo - x_hi * s_lo
             y_hi = x_hi * c_hi + x_lo * s_hi
-        dst = out_ptr + (row.to(tl.int64) * HEADS + heads) * (2 * HALF)
+        dst = out_ptr + (row * HEADS + heads) * (2 * HALF)
         tl.store(dst + lo[None, :], y_lo.to(dtype), mask=mask)
         tl.store(dst + hi[None, :], y_hi.to(dtype), mask=mask)
 
