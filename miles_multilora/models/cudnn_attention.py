@@ -206,19 +206,21 @@ class NotSupported(RuntimeError):
     """cuDNN cannot build the attention's graph for these shapes (head dim, heads, GPU, version)."""
 
 
-def _prepare(q, k, v, bounds: _Bounds, scale: float, backward: bool) -> None:
-    """Build (or find) the graphs a call needs before it runs, so a shape cuDNN refuses is known
-    before anything is computed; raises :class:`NotSupported` (remembered per key)."""
-    kinds = ("fwd", "bwd") if backward else ("fwd",)
-    for kind in kinds:
+def _prepare(q, k, v, bounds: _Bounds, scale: float, backward: bool) -> tuple[Any, Any]:
+    """The forward graph and (where a backward will run) the backward graph, built or found before
+    the call computes anything, so a shape cuDNN refuses is known first; raises
+    :class:`NotSupported` (remembered per key)."""
+    graphs = []
+    for kind in ("fwd", "bwd") if backward else ("fwd",):
         key = _key(kind, q, k, v, bounds, scale)
         if key in _REFUSED:
             raise NotSupported(_REFUSED[key])
         try:
-            _graph(kind, q, k, v, bounds, scale)
+            graphs.append(_graph(kind, q, k, v, bounds, scale))
         except Exception as exc:  # the frontend raises its own and plain runtime errors
             _REFUSED[key] = f"{type(exc).__name__}: {exc}"
             raise NotSupported(_REFUSED[key]) from exc
+    return graphs[0], graphs[1] if backward else None
 
 
 def _ragged(cu_seqlens: torch.Tensor, rows: int, scale_by: int) -> torch.Tensor:
@@ -254,24 +256,23 @@ def _row_tensors(cu_seqlens: torch.Tensor, bounds: _Bounds, q, k, cache: dict) -
 
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, bounds: _Bounds, scale: float, cache: dict):  # type: ignore[override]
-        graph = _graph("fwd", q, k, v, bounds, scale)
+    def forward(ctx, q, k, v, cu_seqlens, bounds: _Bounds, graphs: tuple[Any, Any], cache: dict):  # type: ignore[override]
         rows = _row_tensors(cu_seqlens, bounds, q, k, cache)
         o = torch.empty_like(q)
         stats = torch.empty(q.shape[0], q.shape[1], 1, device=q.device, dtype=torch.float32)
-        graph.run(rows, q=q, k=k, v=v, o=o, stats=stats)
+        graphs[0].run(rows, q=q, k=k, v=v, o=o, stats=stats)
         ctx.save_for_backward(q, k, v, o, stats, cu_seqlens)
-        ctx.bounds, ctx.scale, ctx.cache = bounds, scale, cache
+        ctx.bounds, ctx.backward_graph, ctx.cache = bounds, graphs[1], cache
         return o
 
     @staticmethod
     def backward(ctx, grad_o):  # type: ignore[override]
         q, k, v, o, stats, cu_seqlens = ctx.saved_tensors
-        bounds: _Bounds = ctx.bounds
-        graph = _graph("bwd", q, k, v, bounds, ctx.scale)
-        rows = _row_tensors(cu_seqlens, bounds, q, k, ctx.cache)
+        rows = _row_tensors(cu_seqlens, ctx.bounds, q, k, ctx.cache)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        graph.run(rows, q=q, k=k, v=v, o=o, do=grad_o.contiguous(), stats=stats, dq=dq, dk=dk, dv=dv)
+        ctx.backward_graph.run(
+            rows, q=q, k=k, v=v, o=o, do=grad_o.contiguous(), stats=stats, dq=dq, dk=dk, dv=dv
+        )
         return dq, dk, dv, None, None, None, None
 
 
@@ -294,5 +295,5 @@ def packed_attention(
         rows=_pow2(cu_seqlens.shape[0] - 1), longest=_pow2(longest, 64), tokens=_pow2(q.shape[0], 1024)
     )
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    _prepare(q, k, v, bounds, scale, backward)
-    return _PackedAttention.apply(q, k, v, cu_seqlens, bounds, scale, {} if cache is None else cache)
+    graphs = _prepare(q, k, v, bounds, scale, backward)
+    return _PackedAttention.apply(q, k, v, cu_seqlens, bounds, graphs, {} if cache is None else cache)

@@ -146,7 +146,7 @@ def _kernel_applies(
         and qkv.is_cuda
         and qkv.shape[-1] == sum(split)
         and qkv.stride(-1) == 1
-        and (q_freqs is k_freqs or torch.equal(q_freqs, k_freqs))
+        and q_freqs is k_freqs  # Megatron passes one table twice (comparing values would sync the GPU)
         and fused_rope.rotates(q_freqs, qkv.shape[0], split[1])
     )
 

@@ -12,7 +12,7 @@ from miles_multilora.config.run import config_from_container
 from miles_multilora.errors import ConfigError
 from miles_multilora.models import compat, cudnn_attention, sdpa_attention
 from miles_multilora.models.packed_rows import pack_rows
-from tests.unit.test_packed_rows import _train, bf16_rank
+from tests.unit.test_packed_rows import _train, slots_rank
 
 needs_cudnn = pytest.mark.skipif(cudnn_attention.cudnn is None, reason="needs nvidia-cudnn-frontend")
 
@@ -98,7 +98,7 @@ def test_cudnn_packed_attention_equals_the_flash_kernel() -> None:
 def test_packed_training_on_cudnn_equals_the_flash_kernel(tmp_path: Path) -> None:
     """The trainer's packed bf16 rows with trainer.attention=cudnn against =flash: logprobs and LoRA
     gradients to bf16's precision."""
-    rank = bf16_rank(tmp_path)
+    rank = slots_rank(tmp_path)
     try:
         runs = {}
         for attention in ("flash", "cudnn"):

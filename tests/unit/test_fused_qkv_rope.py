@@ -118,7 +118,7 @@ def test_training_on_the_unsplit_path_equals_training_on_the_split(tmp_path: Pat
     logprobs and LoRA gradients agree. On a GPU the kernels run (bf16: the same rounding, only the
     summation order may differ); on the CPU the hook is forced in and runs its split fallback (fp32:
     equal)."""
-    from tests.unit.test_packed_rows import _train, bf16_rank
+    from tests.unit.test_packed_rows import _train, slots_rank
 
     on_gpu = not compat.is_cpu()
     if on_gpu:
@@ -131,7 +131,7 @@ def test_training_on_the_unsplit_path_equals_training_on_the_split(tmp_path: Pat
     calls = []
     real = attention.apply_fused_qkv_rotary_pos_emb
     monkeypatch.setattr(attention, "apply_fused_qkv_rotary_pos_emb", lambda *a: calls.append(1) or real(*a))
-    rank = bf16_rank(tmp_path, "bfloat16" if on_gpu else "float32")
+    rank = slots_rank(tmp_path, "bfloat16" if on_gpu else "float32")
     try:
         config = gpt_module(rank.model).config
         runs = {}

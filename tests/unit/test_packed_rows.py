@@ -153,7 +153,7 @@ def test_packed_rows_turn_each_token_by_its_position_in_its_row(rank: TrainerRan
     assert torch.equal(rotary(ids.shape[1]), table)  # the hook is gone after the context
 
 
-def bf16_rank(tmp_path: Path, dtype: str = "bfloat16") -> TrainerRank:
+def slots_rank(tmp_path: Path, dtype: str = "bfloat16") -> TrainerRank:
     """The tiny model (bf16 unless ``dtype`` says otherwise) with ``SLOTS`` open slots of random
     weights (GPU tests)."""
     cfg = tiny_run_config(
@@ -172,7 +172,7 @@ def bf16_rank(tmp_path: Path, dtype: str = "bfloat16") -> TrainerRank:
 def test_packed_bf16_rows_on_the_variable_length_flash_kernel(tmp_path: Path) -> None:
     """bf16 on a GPU: the packed rows run PyTorch's variable-length flash kernel, the padded rows the
     fixed-length one; logprobs and gradients agree to bf16's precision."""
-    bf16 = bf16_rank(tmp_path)
+    bf16 = slots_rank(tmp_path)
     try:
         (packed_lp, packed_grads), (padded_lp, padded_grads) = _train(bf16, True), _train(bf16, False)
     finally:
