@@ -111,6 +111,32 @@ def aggregate_per_slot(
     return ids, numer / denom.clamp(min=1e-8)
 
 
+def sampler_drift(
+    log_ratio: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, groups: SlotGroups
+) -> dict[str, torch.Tensor]:
+    """How far the sampler's logprobs are from the trainer's, per slot, over the masked tokens of
+    ``log_ratio`` = trainer logprob - sampler logprob (the trainer's first forward of the step, before
+    any update: on tokens the current version sampled this is numerics alone, on older ones it adds
+    the policy's lag). ``logprob_diff_mean`` / ``logprob_diff_max``: mean and largest absolute
+    difference; ``kl_sample_train_v1`` / ``_v2``: the tinker-cookbook's sampler-trainer KL estimates,
+    ``mean(sampler - trainer)`` and ``mean((sampler - trainer)^2) / 2``."""
+    diff = -log_ratio.float()
+    absolute = diff.abs()
+    out = {
+        name: aggregate_per_slot(values, mask, slots, "token_mean", groups=groups)[1]
+        for name, values in (
+            ("logprob_diff_mean", absolute),
+            ("kl_sample_train_v1", diff),
+            ("kl_sample_train_v2", 0.5 * diff**2),
+        )
+    }
+    masked = torch.where(mask > 0, absolute, torch.zeros_like(absolute)).amax(dim=1)
+    out["logprob_diff_max"] = torch.zeros(len(groups.id_list), device=diff.device).scatter_reduce(
+        0, groups.inverse, masked, reduce="amax", include_self=True
+    )
+    return out
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -184,6 +210,7 @@ def policy_loss(
             columns[name] = aggregate_per_slot(values, mask_f, slots, "token_mean", groups=groups)[1]
         if kl is not None:
             columns["kl"] = aggregate_per_slot(kl.detach(), mask_f, slots, "token_mean", groups=groups)[1]
+        columns.update(sampler_drift(log_ratio.detach(), mask_f, slots, groups))
         columns["num_tokens"] = aggregate_per_slot(
             mask_f, mask_f, slots, "token_mean", dict.fromkeys(groups.id_list, 1.0), groups
         )[1]

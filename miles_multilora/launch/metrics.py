@@ -33,7 +33,16 @@ CONSOLE_COLUMNS = (
     "grad_norm",
     "lr",
     "tokens_per_s",
+    "logprob_diff_mean",
+    "logprob_diff_max",
+    "kl_sample_train_v1",
 )
+# short headers for long metric names (the sampler-trainer drift: docs/design.md)
+CONSOLE_HEADERS = {
+    "logprob_diff_mean": "|dlp| mean",
+    "logprob_diff_max": "|dlp| max",
+    "kl_sample_train_v1": "kl s-t",
+}
 EVAL_PREFIX = "eval/"
 
 
@@ -136,7 +145,7 @@ class MetricsLogger:
         table = Table(title=title, title_justify="left")
         table.add_column("adapter", no_wrap=True)
         for col in CONSOLE_COLUMNS:
-            table.add_column(col, justify="right")
+            table.add_column(CONSOLE_HEADERS.get(col, col), justify="right")
         for adapter, m in trained.items():
             table.add_row(adapter, *(_fmt(m.get(col)) for col in CONSOLE_COLUMNS))
         return table

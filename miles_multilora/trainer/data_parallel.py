@@ -105,8 +105,12 @@ def balance(costs: Sequence[int], dp_size: int) -> list[int]:
     return owner
 
 
+MAXED_METRICS = ("logprob_diff_max",)  # per-slot largest values: the largest over micro-batches and ranks
+
+
 def sum_metrics(per_slot: dict[int, dict[str, float]], layout: DPLayout) -> dict[int, dict[str, float]]:
-    """Per-slot metric sums of every DP rank, summed (every rank gets the total)."""
+    """Per-slot metric sums of every DP rank, summed (every rank gets the total; the largest of a
+    :data:`MAXED_METRICS` one)."""
     if layout.dp_size == 1:
         return per_slot
     gathered: list[Any] = [None] * layout.dp_size
@@ -116,7 +120,7 @@ def sum_metrics(per_slot: dict[int, dict[str, float]], layout: DPLayout) -> dict
         for slot, metrics in part.items():
             acc = total.setdefault(int(slot), {})
             for k, v in metrics.items():
-                acc[k] = acc.get(k, 0.0) + float(v)
+                acc[k] = max(acc.get(k, 0.0), float(v)) if k in MAXED_METRICS else acc.get(k, 0.0) + float(v)
     return total
 
 

@@ -24,6 +24,7 @@ from miles_multilora.lora.routing import packed_routing_plan, row_routing_plan
 from miles_multilora.models import compat
 from miles_multilora.models.packed_rows import PackedRows, pack_rows, packed_rows, packing_applies
 from miles_multilora.rollout.logprobs import lm_head_weight, right_pad, selected_logprobs, selected_scores
+from miles_multilora.trainer.data_parallel import MAXED_METRICS
 from miles_multilora.trainer.microbatch import micro_batches
 
 SUMMED_METRICS = ("loss", "pg_loss")  # already normalised over the whole step: summed over micro-batches
@@ -278,6 +279,8 @@ def accumulate_metrics(acc_all: dict[int, dict[str, float]], metrics: dict[int, 
         for k, v in m.items():
             if k in SUMMED_METRICS:
                 acc[k] = acc.get(k, 0.0) + float(v)
+            elif k in MAXED_METRICS:
+                acc[k] = max(acc.get(k, 0.0), float(v))
             elif k != "num_tokens":  # token means of this micro-batch: weight by tokens
                 acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * n
 

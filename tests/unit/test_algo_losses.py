@@ -182,3 +182,30 @@ def test_bad_config_names_the_key():
 def test_shape_errors():
     with pytest.raises(ValueError, match="slots"):
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), torch.tensor([0]))
+
+
+def test_sampler_drift_per_slot_over_masked_tokens():
+    """|trainer - sampler| mean and max and the cookbook's KL estimates, each adapter over its own
+    unmasked tokens only (a padded token's difference never counts)."""
+    logprobs, old, adv, mask, ids = _batch()
+    old = old.clone()
+    old[0, 2] = -50.0  # padded: would dominate the max and the means if it counted
+    out = policy_loss(logprobs, old, adv, mask, ids, config=AlgoConfig())
+    diffs0 = [-LOG(1.5), -LOG(0.5), -LOG(0.5), -LOG(1.5), 0.0]  # sampler - trainer, adapter 0's 5 tokens
+    m = out.per_slot[0]
+    assert m["logprob_diff_mean"] == pytest.approx(sum(abs(d) for d in diffs0) / 5, abs=1e-6)
+    assert m["logprob_diff_max"] == pytest.approx(max(abs(d) for d in diffs0), abs=1e-6)
+    assert m["kl_sample_train_v1"] == pytest.approx(sum(diffs0) / 5, abs=1e-6)
+    assert m["kl_sample_train_v2"] == pytest.approx(sum(d * d for d in diffs0) / 10, abs=1e-6)
+    assert out.per_slot[7]["logprob_diff_max"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_drift_max_combines_by_max_over_micro_batches():
+    from miles_multilora.trainer.primitives import accumulate_metrics, finish_metrics
+
+    acc: dict[int, dict[str, float]] = {}
+    accumulate_metrics(acc, {3: {"num_tokens": 2.0, "logprob_diff_max": 0.5, "logprob_diff_mean": 0.1}})
+    accumulate_metrics(acc, {3: {"num_tokens": 6.0, "logprob_diff_max": 0.2, "logprob_diff_mean": 0.3}})
+    done = finish_metrics(acc[3])
+    assert done["logprob_diff_max"] == 0.5
+    assert done["logprob_diff_mean"] == pytest.approx((0.1 * 2 + 0.3 * 6) / 8)
