@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -69,6 +70,7 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or make_console()
         self.jsonl_path = metrics_path(self.output_dir)
+        self._started = time.monotonic()  # each row's wall_s: seconds since this logger started
         self._wandb = None
         if cfg.wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -97,6 +99,7 @@ class MetricsLogger:
                             {
                                 "global_step": global_step,
                                 "adapter": adapter,
+                                "wall_s": round(time.monotonic() - self._started, 3),
                                 **metrics,
                                 **{f"step/{k}": v for k, v in step_info.items()},
                             }
@@ -215,9 +218,10 @@ PANELS = (("reward_mean", "mean reward"), ("accuracy", "accuracy"))
 
 
 class EvalPoint(NamedTuple):
-    """One held-out eval of an adapter: its step, the eval mean and that mean's standard error."""
+    """One held-out eval of an adapter: its step (or wall-clock second), the eval mean and that
+    mean's standard error."""
 
-    step: int
+    step: float
     mean: float
     se: float | None
 
@@ -238,13 +242,16 @@ def train_series(rows: list[dict[str, Any]], key: str = "reward_mean") -> Series
     return out
 
 
-def eval_points(rows: list[dict[str, Any]], key: str = "eval/reward_mean") -> dict[str, list[EvalPoint]]:
-    """Per adapter, its held-out evals of ``key`` sorted by step (SE None where the row has none)."""
+def eval_points(
+    rows: list[dict[str, Any]], key: str = "eval/reward_mean", x: str = "step"
+) -> dict[str, list[EvalPoint]]:
+    """Per adapter, its held-out evals of ``key`` sorted by step (SE None where the row has none);
+    ``x="wall_s"``: placed at the run's wall-clock seconds instead (rows without them are left out)."""
     out: dict[str, list[EvalPoint]] = {}
     for row in rows:
-        value, se = row.get(key), row.get(key + SE_SUFFIX)
-        if _finite(value):
-            point = EvalPoint(int(row["step"]), float(value), float(se) if _finite(se) else None)
+        value, se, at = row.get(key), row.get(key + SE_SUFFIX), row.get(x)
+        if _finite(value) and _finite(at):
+            point = EvalPoint(at, float(value), float(se) if _finite(se) else None)
             out.setdefault(row["adapter"], []).append(point)
     for points in out.values():
         points.sort(key=lambda p: p.step)
@@ -282,10 +289,15 @@ def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     adapters = sorted({r["adapter"] for r in rows if "adapter" in r})
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.6), squeeze=False)
+    timed = wall_clock_key(rows)
+    fig, axes = plt.subplots(
+        1, len(panels) + bool(timed), figsize=(7 * (len(panels) + bool(timed)), 4.6), squeeze=False
+    )
     colors = {a: f"C{i % 10}" for i, a in enumerate(adapters)}
-    for ax, (key, label) in zip(axes[0], panels, strict=True):
+    for ax, (key, label) in zip(axes[0], panels, strict=False):
         draw_panel(ax, rows, key, label, colors, legend=False)
+    if timed:
+        draw_wall_clock_panel(axes[0][-1], rows, timed, colors)
     handles, labels = axes[0][0].get_legend_handles_labels()  # one legend for all panels, below them
     fig.legend(handles, labels, loc="lower center", ncol=max(1, len(adapters)), fontsize="small")
     rows_of_legend = -(-len(labels) // max(1, len(adapters)))
@@ -329,6 +341,25 @@ def draw_panel(
     if legend:
         ax.legend(fontsize="small")
     return True
+
+
+def wall_clock_key(rows: list[dict[str, Any]]) -> str | None:
+    """The held-out metric to draw against wall-clock seconds (accuracy where the reward reports it,
+    else the reward), or None when no held-out eval row carries ``wall_s``."""
+    for key in ("accuracy", "reward_mean"):
+        if eval_points(rows, EVAL_PREFIX + key, x="wall_s"):
+            return key
+    return None
+
+
+def draw_wall_clock_panel(ax: Any, rows: list[dict[str, Any]], key: str, colors: dict[str, str]) -> None:
+    """Each adapter's held-out ``eval/<key>`` (± SE) against the run's wall-clock seconds."""
+    for adapter, points in sorted(eval_points(rows, EVAL_PREFIX + key, x="wall_s").items()):
+        _plot_held_out(ax, points, colors.get(adapter, "C0"), f"{adapter} (held-out eval ± SE)")
+    ax.set_xlabel("wall-clock seconds since the run started")
+    ax.set_ylabel(f"held-out {key.replace('_', ' ')}")
+    ax.set_title(f"held-out {key.replace('_', ' ')} against wall-clock (± 1 SE)", fontsize="medium")
+    ax.grid(alpha=0.3)
 
 
 def _plot_held_out(ax: Any, points: list[EvalPoint], color: str, label: str) -> None:

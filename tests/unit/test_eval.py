@@ -4,6 +4,7 @@ training item), pass@k and the summary metrics, the controller's last_eval, the 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,12 @@ from miles_multilora.errors import SpecError
 from miles_multilora.launch.metrics import (
     MetricsLogger,
     draw_panel,
+    draw_wall_clock_panel,
     eval_points,
     plot_panels,
     plot_rewards,
     reward_series,
+    wall_clock_key,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -332,3 +335,43 @@ def test_the_plot_has_an_accuracy_panel_beside_the_reward_when_the_reward_knows_
         assert png is not None
         widths.append(matplotlib.image.imread(png).shape[1])
     assert widths[0] == 2 * widths[1]  # two panels side by side, then one
+
+
+def test_held_out_accuracy_is_drawn_against_wall_clock_seconds(tmp_path: Path) -> None:
+    """Rows carry the run's wall-clock seconds: the plot gets a panel of held-out accuracy against
+    them (preferred over the reward when the reward reports accuracy), at each eval's time."""
+    rows = [
+        {"adapter": "a", "step": 0, "wall_s": 3.0, "eval/accuracy": 0.2, "eval/reward_mean": 0.1},
+        {"adapter": "a", "step": 1, "wall_s": 9.5, "accuracy": 0.4},
+        {"adapter": "a", "step": 2, "wall_s": 20.0, "eval/accuracy": 0.7, "eval/accuracy_se": 0.1},
+    ]
+    assert wall_clock_key(rows) == "accuracy"
+    assert eval_points(rows, "eval/accuracy", x="wall_s")["a"] == [(3.0, 0.2, None), (20.0, 0.7, 0.1)]
+    assert wall_clock_key([{k: v for k, v in r.items() if k != "wall_s"} for r in rows]) is None
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    try:
+        draw_wall_clock_panel(ax, rows, "accuracy", {"a": "C0"})
+        assert "wall-clock" in ax.get_xlabel()
+        (line,) = ax.get_lines()[:1]
+        assert list(line.get_xdata()) == [3.0, 20.0]
+    finally:
+        plt.close(fig)
+    assert plot_rewards(path, tmp_path / "rewards.png") is not None
+
+
+def test_each_logged_row_carries_the_wall_clock(tmp_path: Path) -> None:
+    from miles_multilora.launch.metrics import read_metrics
+
+    logger = MetricsLogger(LoggingConfig(wandb_mode="disabled", console=False), tmp_path)
+    logger.log_step(0, {"a": {"step": 1, "reward_mean": 0.5}}, {"step_s": 1.0})
+    time.sleep(0.05)
+    logger.log_step(1, {"a": {"step": 2, "reward_mean": 0.6}}, {"step_s": 1.0})
+    first, second = read_metrics(tmp_path / "metrics.jsonl")
+    assert 0 <= first["wall_s"] < second["wall_s"]
