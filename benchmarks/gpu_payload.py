@@ -39,7 +39,7 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 # What an in-process run on the demo model imports (benchmarks/vs_trl.py, rl_step.py, fp8_drift.py,
-# the demo model's conversion), walked through their requirements.
+# the demo model's conversion, the GPU tests), walked through their requirements.
 ROOTS = (
     "megatron-core",
     "transformers",
