@@ -16,6 +16,7 @@ import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from miles_multilora import third_party_noise
 from miles_multilora.errors import ConfigError
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             run_service(cfg)
         return 0
     except ConfigError as exc:
-        console.print(f"[red]config error[/red] {exc.key}: {exc.message}", highlight=False)
+        console.print(f"[red]config error[/red] {escape(exc.key)}: {escape(exc.message)}", highlight=False)
         return 2
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from miles_multilora.controller.client import ControllerClient
@@ -204,14 +205,14 @@ def run_command(command: str, args: Mapping[str, Any] | Any, console: Console | 
     argparse Namespace or a DictConfig); print errors instead of raising; return an exit code."""
     console = console or Console()
     if command not in COMMANDS:
-        console.print(f"[red]unknown command {command!r}; use one of {', '.join(COMMANDS)}[/red]")
+        console.print(f"[red]unknown command {escape(repr(command))}; use one of {', '.join(COMMANDS)}[/red]")
         return 1
     values = dict(args) if isinstance(args, Mapping) else vars(args)
     kwargs: dict[str, Any] = {k: values.get(k) for k in _OPTIONS}
     if command in _POSITIONAL:
         key = _POSITIONAL[command]
         if values.get(key) in (None, "", []):
-            console.print(f"[red]{command}: missing '{key}'[/red]")
+            console.print(f"[red]{escape(command)}: missing '{escape(key)}'[/red]")
             return 1
         positional = values[key]
         if key == "specs" and isinstance(positional, str | Path):
@@ -222,12 +223,12 @@ def run_command(command: str, args: Mapping[str, Any] | Any, console: Console | 
         else:
             COMMANDS[command](positional, console=console, **kwargs)
     except ControllerUnavailableError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     except ConfigError as exc:
-        console.print(f"[red]refused: {exc.key}: {exc.message}[/red]")
+        console.print(f"[red]refused: {escape(exc.key)}: {escape(exc.message)}[/red]")
         return 1
     except MilesError as exc:
-        console.print(f"[red]refused: {exc}[/red]")
+        console.print(f"[red]refused: {escape(str(exc))}[/red]")
         return 1
     return 0

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.client import ControllerClient
@@ -371,10 +372,10 @@ def run_schedule_command(
             wait=wait, timeout_s=timeout_s
         )
     except ControllerUnavailableError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     except ConfigError as exc:
-        console.print(f"[red]schedule error {exc.key}: {exc.message}[/red]", highlight=False)
+        console.print(f"[red]schedule error {escape(exc.key)}: {escape(exc.message)}[/red]", highlight=False)
         return 1
     if result.timed_out:
         return 3

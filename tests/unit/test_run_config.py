@@ -60,6 +60,12 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert main(["show-config", "train", "model.tp=1"]) == 0
 
 
+def test_cli_prints_a_config_error_holding_brackets_as_text(capsys):
+    """A message quoting a user's list override ([a,b]) is shown as written, not read as markup."""
+    assert main(["show-config", "adapters=[/x/a.yaml,/x/b.yaml]"]) == 2
+    assert "adapters=[/x/a.yaml,/x/b.yaml]" in capsys.readouterr().out.replace("\n", "")
+
+
 @pytest.mark.parametrize(
     ("overrides", "dp", "world"),
     [
