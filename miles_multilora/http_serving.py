@@ -352,10 +352,14 @@ class GuardedProtocol(H11Protocol):
         self.close_now()
 
     def close_now(self) -> None:
-        """Close without lingering (a missed deadline, or room made for another connection)."""
+        """Close without lingering (a missed deadline, or room made for another connection): with
+        nothing left to send an orderly close, else at once (a client that does not read loses it)."""
         self._unset_keepalive_if_required()
-        if self._raw is not None:
-            self._raw.abort()
+        raw = self._raw
+        if raw is not None and raw.get_write_buffer_size() == 0:
+            raw.close()
+        elif raw is not None:
+            raw.abort()
 
     def close(self) -> None:
         """Close after an answer: at once, unless the client may still be sending this request's
