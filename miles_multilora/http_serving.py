@@ -10,7 +10,8 @@ head within ``head_timeout_s`` (of connecting, or of the head's first byte) what
 connection of the peer holding most is closed to make room (the new one is refused with 503 only
 when nothing is idle). Requests in flight are the scarce resource: at most ``max_requests`` at once,
 of which requests without credentials (open routes) may take only ``max_anonymous_requests``, so the
-rest is reserved for authenticated callers (past either: 503 with ``Retry-After``).
+rest is reserved for authenticated callers, and those of one principal (an API key's tenant, the
+bearer token) only ``max_requests_per_key`` (past any: 503 with ``Retry-After``).
 
 - :class:`Guard` (ASGI middleware): authentication by a callable (the principal goes to
   ``request.state.principal``), the requests-in-flight caps, a body limit on every transfer
@@ -39,6 +40,7 @@ import resource
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +114,7 @@ class Guard:
         self.body_timeout_s = limits.body_timeout_s
         self.authenticate, self.open_paths, self.unauthorized = authenticate, open_paths, unauthorized
         self.in_flight = self.anonymous_in_flight = 0  # requests (this event loop's only)
+        self.by_key: Counter[Any] = Counter()  # requests in flight per principal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -127,19 +130,26 @@ class Guard:
                     await self.render(401, message, type_, headers)(scope, receive, send)
                     return
         scope.setdefault("state", {})["principal"] = principal
-        busy = self._busy(anonymous)
+        key = None if anonymous or self.authenticate is None else principal  # whose share it takes
+        busy = self._busy(anonymous, key)
         if busy is not None:
             await self.render(503, busy, "Busy", {"Retry-After": "1"})(scope, receive, send)
             return
         self.in_flight += 1
         self.anonymous_in_flight += anonymous
+        if key is not None:
+            self.by_key[key] += 1
         try:
             await self._serve(scope, receive, send)
         finally:
             self.in_flight -= 1
             self.anonymous_in_flight -= anonymous
+            if key is not None:
+                self.by_key[key] -= 1
+                if not self.by_key[key]:
+                    del self.by_key[key]
 
-    def _busy(self, anonymous: bool) -> str | None:
+    def _busy(self, anonymous: bool, key: Any | None) -> str | None:
         """Why this request cannot be taken now (None: it can)."""
         limits = self.limits
         if self.in_flight >= limits.max_requests:
@@ -148,6 +158,11 @@ class Guard:
             return (
                 f"{self.anonymous_in_flight} requests without credentials are in flight, their limit "
                 "(max_anonymous_requests); retry"
+            )
+        if key is not None and self.by_key[key] >= limits.max_requests_per_key:
+            return (
+                f"{self.by_key[key]} requests with these credentials are in flight, their limit "
+                "(max_requests_per_key); retry"
             )
         return None
 

@@ -285,9 +285,10 @@ def _sends(conn: socket.socket, data: bytes) -> bool:
     return True
 
 
-def test_requests_without_credentials_cannot_take_the_share_kept_for_keyed_ones() -> None:
-    """max_requests=5, max_anonymous_requests=2: two anonymous requests in flight leave three
-    for keyed ones; past either cap a request gets 503 with Retry-After, naming the cap."""
+def test_requests_in_flight_are_shared_anonymous_ones_cannot_take_the_keyed_share() -> None:
+    """max_requests=6, max_anonymous_requests=2, max_requests_per_key=3: two anonymous requests in
+    flight leave four for keyed ones, of which one key takes three; past any cap a request gets 503
+    with Retry-After, naming the cap."""
     release, entered = threading.Event(), []
     app = FastAPI()
 
@@ -300,15 +301,16 @@ def test_requests_without_credentials_cannot_take_the_share_kept_for_keyed_ones(
     app.get("/open/wait")(wait)
     app.get("/wait")(wait)
     app.get("/hello")(lambda: {"ok": True})
-    limits = replace(HTTPLimits(), max_requests=5, max_anonymous_requests=2)
+    limits = replace(HTTPLimits(), max_requests=6, max_anonymous_requests=2, max_requests_per_key=3)
+    tenants = {KEY.encode(): "a", b"tml-tenant-b": "b"}
     app.add_middleware(
         Guard, render=render, logger=logger, limits=limits, open_paths=("/open/wait",),
-        authenticate=lambda scope: "t" if dict(scope["headers"]).get(b"x-api-key") == KEY.encode() else None,
+        authenticate=lambda scope: tenants.get(dict(scope["headers"]).get(b"x-api-key", b"")),
     )  # fmt: skip
     server = BackgroundServer(
         app, "127.0.0.1", 0, name="guarded", port_key="port", logger=logger, limits=limits
     )
-    url, keyed = server.start(), {"X-API-Key": KEY}
+    url, key_a, key_b = server.start(), {"X-API-Key": KEY}, {"X-API-Key": "tml-tenant-b"}
     statuses: list[int] = []
 
     def call(path: str, headers: dict[str, str] | None = None) -> None:
@@ -325,20 +327,24 @@ def test_requests_without_credentials_cannot_take_the_share_kept_for_keyed_ones(
         assert len(entered) == goal
         return threads
 
+    def refused(path: str, headers: dict[str, str] | None, cap: str) -> None:
+        response = requests.get(f"{url}{path}", headers=headers, timeout=5)
+        assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+        assert f"({cap})" in response.json()["detail"]
+
     try:
         threads = in_flight("/open/wait", 2)
-        refused = requests.get(f"{url}/open/wait", timeout=5)
-        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
-        assert "max_anonymous_requests" in refused.json()["detail"]
-        assert requests.get(f"{url}/hello", headers=keyed, timeout=5).status_code == 200  # kept for keys
-        threads += in_flight("/wait", 3, keyed)
-        refused = requests.get(f"{url}/hello", headers=keyed, timeout=5)
-        assert refused.status_code == 503 and "max_requests" in refused.json()["detail"]
+        refused("/open/wait", None, "max_anonymous_requests")
+        assert requests.get(f"{url}/hello", headers=key_a, timeout=5).status_code == 200  # kept for keys
+        threads += in_flight("/wait", 3, key_a)
+        refused("/hello", key_a, "max_requests_per_key")
+        threads += in_flight("/wait", 1, key_b)  # another key still has room
+        refused("/hello", key_b, "max_requests")
         release.set()
         for thread in threads:
             thread.join(timeout=10)
-        assert statuses == [200] * 5
-        assert requests.get(f"{url}/hello", headers=keyed, timeout=5).status_code == 200
+        assert statuses == [200] * 6
+        assert requests.get(f"{url}/hello", headers=key_a, timeout=5).status_code == 200
     finally:
         release.set()
         server.stop()
