@@ -1,12 +1,28 @@
-"""One hardened way to serve a FastAPI app to untrusted clients, shared by both front doors.
+"""One hardened way to serve a FastAPI app to untrusted clients, shared by both front doors (the
+controller's API and ``tinker-serve``), under the limits of
+:class:`~miles_multilora.config.http_limits.HTTPLimits` (each door's config section).
+
+Capacity model. Open connections are cheap: idle ones cost a socket, so a server holds thousands
+(``max_connections``; the open-file limit is raised to fit), and no peer can hold many of them
+(``max_connections_per_peer``, by address; IPv6 per /64). A connection must send a complete request
+head within ``head_timeout_s`` (of connecting, or of the head's first byte) whatever
+``keep_alive_s`` says, so silent or trickling sockets go quickly; when a cap is reached, an idle
+connection of the peer holding most is closed to make room (the new one is refused with 503 only
+when nothing is idle). Requests in flight are the scarce resource: at most ``max_requests`` at once,
+of which requests without credentials (open routes) may take only ``max_anonymous_requests``, so the
+rest is reserved for authenticated callers, and those of one principal (an API key's tenant, the
+bearer token) only ``max_requests_per_key`` (past any: 503 with ``Retry-After``).
 
 - :class:`Guard` (ASGI middleware): authentication by a callable (the principal goes to
-  ``request.state.principal``), a body limit on every transfer encoding (a declared length over the
-  limit is refused before a byte is read; a chunked body as soon as it passes the limit), a deadline
-  for the whole body, and a rendered 500 for anything unexpected (logged; the server keeps serving).
+  ``request.state.principal``), the requests-in-flight caps, a body limit on every transfer
+  encoding (a declared length over the limit is refused before a byte is read; a chunked body as
+  soon as it passes the limit), a deadline for the whole body, and a rendered 500 for anything
+  unexpected (logged; the server keeps serving).
+- :class:`GuardedProtocol` and :class:`Connections`: the connection rules above; an answer sent
+  before the body was read (413, ...) reaches the client before the connection closes (lingering
+  close).
 - :class:`BackgroundServer`: uvicorn in a daemon thread on a socket bound here, with a listen
-  backlog, a connection cap (503 past it), keep-alive that also closes connections which never send
-  a request, and no signal handlers.
+  backlog and no signal handlers.
 - :func:`read_body`: a route's whole body, with the errors above as :class:`HTTPProblem`.
 
 Each door renders errors in its own JSON shape (``render``).
@@ -15,13 +31,20 @@ Each door renders errors in its own JSON shape (``render``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import ipaddress
 import logging
+import os
+import resource
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
@@ -29,13 +52,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from miles_multilora.config.http_limits import HTTPLimits
 from miles_multilora.errors import ConfigError
 
-BODY_TIMEOUT_S = 30.0  # the whole request body must arrive within this
-KEEP_ALIVE_S = 5.0  # idle connections (before the first request too) are closed after this
-MAX_CONNECTIONS = 256  # open connections; a request on one more gets 503
 BACKLOG = 2048
 SHUTDOWN_TIMEOUT_S = 5.0
+SPARE_FILES = 256  # open files kept free beside the connections (state files, logs, ...)
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 # render(status, message, error type, extra headers) -> the door's error response
@@ -71,7 +93,9 @@ class Guard:
     """ASGI middleware in front of a whole app: auth, body limits, and a 500 for the unexpected.
 
     ``authenticate(scope)`` returns the caller's principal, or None to refuse (401); it is not
-    asked on ``open_paths``. ``render`` draws every error this guard answers itself."""
+    asked on ``open_paths`` (requests there are anonymous; without ``authenticate`` none is).
+    ``render`` draws every error this guard answers itself; ``max_body_bytes`` overrides
+    ``limits.max_body_mb``."""
 
     def __init__(
         self,
@@ -79,28 +103,70 @@ class Guard:
         *,
         render: Render,
         logger: logging.Logger,
-        max_body_bytes: int,
+        limits: HTTPLimits,
+        max_body_bytes: int | None = None,
         authenticate: Callable[[Scope], Any | None] | None = None,
         open_paths: tuple[str, ...] = (),
         unauthorized: tuple[str, str, dict[str, str]] = ("missing or wrong credentials", "AuthError", {}),
-        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
-        self.app, self.render, self.logger = app, render, logger
-        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.app, self.render, self.logger, self.limits = app, render, logger, limits
+        self.max_body_bytes = max_body_bytes if max_body_bytes is not None else limits.max_body_mb << 20
+        self.body_timeout_s = limits.body_timeout_s
         self.authenticate, self.open_paths, self.unauthorized = authenticate, open_paths, unauthorized
+        self.in_flight = self.anonymous_in_flight = 0  # requests (this event loop's only)
+        self.by_key: Counter[Any] = Counter()  # requests in flight per principal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        principal = None
-        if self.authenticate is not None and scope["path"] not in self.open_paths:
-            principal = self.authenticate(scope)
-            if principal is None:
-                message, type_, headers = self.unauthorized
-                await self.render(401, message, type_, headers)(scope, receive, send)
-                return
+        principal, anonymous = None, False
+        if self.authenticate is not None:
+            anonymous = scope["path"] in self.open_paths
+            if not anonymous:
+                principal = self.authenticate(scope)
+                if principal is None:
+                    message, type_, headers = self.unauthorized
+                    await self.render(401, message, type_, headers)(scope, receive, send)
+                    return
         scope.setdefault("state", {})["principal"] = principal
+        key = None if anonymous or self.authenticate is None else principal  # whose share it takes
+        busy = self._busy(anonymous, key)
+        if busy is not None:
+            await self.render(503, busy, "Busy", {"Retry-After": "1"})(scope, receive, send)
+            return
+        self.in_flight += 1
+        self.anonymous_in_flight += anonymous
+        if key is not None:
+            self.by_key[key] += 1
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            self.anonymous_in_flight -= anonymous
+            if key is not None:
+                self.by_key[key] -= 1
+                if not self.by_key[key]:
+                    del self.by_key[key]
+
+    def _busy(self, anonymous: bool, key: Any | None) -> str | None:
+        """Why this request cannot be taken now (None: it can)."""
+        limits = self.limits
+        if self.in_flight >= limits.max_requests:
+            return f"the server has {self.in_flight} requests in flight, its limit (max_requests); retry"
+        if anonymous and self.anonymous_in_flight >= limits.max_anonymous_requests:
+            return (
+                f"{self.anonymous_in_flight} requests without credentials are in flight, their limit "
+                "(max_anonymous_requests); retry"
+            )
+        if key is not None and self.by_key[key] >= limits.max_requests_per_key:
+            return (
+                f"{self.by_key[key]} requests with these credentials are in flight, their limit "
+                "(max_requests_per_key); retry"
+            )
+        return None
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and int(length) > self.max_body_bytes:  # h11 has checked it is a number
             message = f"body of {int(length)} bytes is larger than the limit of {self.max_body_bytes} bytes"
@@ -153,25 +219,213 @@ class Guard:
         return limited
 
 
-class KeepAliveProtocol(H11Protocol):
-    """uvicorn's h11 protocol, plus: the keep-alive timer also runs until a request's headers are
-    complete, so a connection that sends nothing (or trickles headers) is closed too."""
+def peer_of(host: str) -> str:
+    """Whom a connection counts toward: its address (an IPv4-mapped one as IPv4; IPv6 per /64, the
+    block one host usually holds)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler
+
+class Connections:
+    """The open connections of one server, by peer (used on the server's event loop only).
+
+    A new connection past ``max_connections_per_peer`` closes its peer's oldest idle connection,
+    one past ``max_connections`` the oldest idle one of the peer holding most; with nothing idle to
+    close, the new one is refused (503). Idle: no request in flight and nothing left to send."""
+
+    def __init__(self, limits: HTTPLimits) -> None:
+        self.limits = limits
+        self.peers: dict[str, dict[GuardedProtocol, None]] = {}  # each peer's, oldest first
+        self.count = 0
+
+    def admit(self, conn: GuardedProtocol) -> bool:
+        mine = self.peers.setdefault(conn.peer, {})
+        if len(mine) >= self.limits.max_connections_per_peer:
+            if not self._evict(mine):
+                self._forget(conn.peer)
+                return False
+        elif self.count >= self.limits.max_connections:
+            holders = sorted(self.peers.values(), key=len, reverse=True)
+            if not any(self._evict(held) for held in holders):
+                self._forget(conn.peer)
+                return False
+        self.peers.setdefault(conn.peer, {})[conn] = None  # (an eviction may have dropped its empty dict)
+        self.count += 1
+        return True
+
+    def release(self, conn: GuardedProtocol) -> None:
+        held = self.peers.get(conn.peer)
+        if held is not None and held.pop(conn, False) is None:
+            self.count -= 1
+            self._forget(conn.peer)
+
+    def _forget(self, peer: str) -> None:
+        if not self.peers.get(peer, True):
+            del self.peers[peer]
+
+    def _evict(self, held: dict[GuardedProtocol, None]) -> bool:
+        victim = next((c for c in held if c.idle), None)
+        if victim is None:
+            return False
+        self.release(victim)
+        victim.close_now()
+        return True
+
+
+class _Transport:
+    """A connection's transport as uvicorn's request cycle sees it: ``close`` may linger
+    (:meth:`GuardedProtocol.close`)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedProtocol) -> None:
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+
+class GuardedProtocol(H11Protocol):
+    """uvicorn's h11 protocol under the connection rules of :class:`HTTPLimits`:
+
+    - admission by :class:`Connections` (per-peer and total caps);
+    - a request head (request line and headers) must be complete ``head_timeout_s`` after the
+      connection opened or after the head's first byte, else the connection closes, whatever
+      ``keep_alive_s`` says; between requests an idle connection closes after ``keep_alive_s``;
+    - a connection closed after an answer sent before the request body was read (413, 401, ...)
+      first sends its end (FIN) and drops what the client still sends for up to ``linger_s``, so the
+      client can finish sending and read the answer (closing at once would reset the connection)."""
+
+    def __init__(self, *args: Any, limits: HTTPLimits, peers: Connections, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits, self.peers = limits, peers  # (uvicorn's self.connections: the server's set)
+        self.peer = ""
+        self.lingering = False
+        self._head_pending = True
+        self._raw: asyncio.Transport | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No request in flight and nothing left to send (closing it loses nothing)."""
+        raw = self._raw
+        return (
+            (self.cycle is None or self.cycle.response_complete)
+            and raw is not None
+            and not raw.is_closing()
+            and raw.get_write_buffer_size() == 0
         )
 
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._raw = transport
+        super().connection_made(_Transport(transport, self))  # type: ignore[arg-type]
+        self.peer = peer_of(self.client[0]) if self.client else ""
+        if not self.peers.admit(self):
+            self.peer = ""  # never counted
+            body = b"too many connections from this address or to this server; retry later"
+            transport.write(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            transport.close()
+            return
+        self._arm(self.limits.head_timeout_s)  # the first request's head
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.peers.release(self)
+        super().connection_lost(exc)
+        self._unset_keepalive_if_required()
+
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # the rest of a request already answered: dropped
+        if not self._head_pending and (self.cycle is None or self.cycle.response_complete):
+            self._head_pending = True  # a new request's head starts
+            self._arm(self.limits.head_timeout_s)
         self.conn.receive_data(data)
         self.handle_events()
-        if self.cycle is not None and not self.cycle.response_complete:
-            self._unset_keepalive_if_required()  # a request is being served
+
+    def on_response_complete(self) -> None:
+        self._head_pending = False  # idle: keep_alive_s until the next head's first byte
+        super().on_response_complete()
+
+    def _arm(self, delay: float) -> None:
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(delay, self.close_now)
+
+    def timeout_keep_alive_handler(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Close without lingering (a missed deadline, or room made for another connection): with
+        nothing left to send an orderly close, else at once (a client that does not read loses it)."""
+        self._unset_keepalive_if_required()
+        raw = self._raw
+        if raw is not None and raw.get_write_buffer_size() == 0:
+            raw.close()
+        elif raw is not None:
+            raw.abort()
+
+    def close(self) -> None:
+        """Close after an answer: at once, unless the client may still be sending this request's
+        body (then linger, see the class)."""
+        raw = self._raw
+        if raw is None or raw.is_closing() or self.lingering:
+            return
+        self._unset_keepalive_if_required()
+        if self.limits.linger_s <= 0 or self.conn.their_state is not h11.SEND_BODY or not raw.can_write_eof():
+            raw.close()
+            return
+        self.lingering = True
+        raw.write_eof()  # after what is buffered: the client sees the answer, then our end
+        raw.resume_reading()
+        self.timeout_keep_alive_task = self.loop.call_later(self.limits.linger_s, self.close_now)
+
+
+def fit_open_files(limits: HTTPLimits, logger: logging.Logger) -> HTTPLimits:
+    """``limits`` with room for ``max_connections`` sockets: the soft open-file limit is raised
+    toward the hard one as needed; past the hard one the cap is lowered (logged), so a full server
+    refuses connections instead of failing to accept them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = SPARE_FILES
+    needed = limits.max_connections + in_use + SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    room = needed if soft == resource.RLIM_INFINITY else soft - in_use - SPARE_FILES
+    if room >= limits.max_connections:
+        return limits
+    cap = max(1, room)
+    logger.warning(
+        "max_connections=%d does not fit the open-file limit (%d, hard %d): serving at most %d "
+        "connections; raise the limit (ulimit -n) to serve more",
+        limits.max_connections, soft, hard, cap,
+    )  # fmt: skip
+    return dataclasses.replace(
+        limits, max_connections=cap, max_connections_per_peer=min(cap, limits.max_connections_per_peer)
+    )
 
 
 class BackgroundServer:
-    """Serves ``app`` from a daemon thread of this process (no signal handlers are installed).
+    """Serves ``app`` from a daemon thread of this process (no signal handlers are installed),
+    under the connection rules of ``limits`` (:class:`GuardedProtocol`).
 
     ``start()`` binds, waits until the server accepts connections and returns the URL
     (``http://host:port``; ``port=0`` picks a free port; a bind failure is a :class:`ConfigError`
@@ -187,11 +441,10 @@ class BackgroundServer:
         name: str,
         port_key: str,
         logger: logging.Logger,
-        keep_alive_s: float = KEEP_ALIVE_S,
-        max_connections: int = MAX_CONNECTIONS,
+        limits: HTTPLimits,
     ) -> None:
         self.app, self.host, self.port, self.name, self.port_key = app, host, port, name, port_key
-        self.logger, self.keep_alive_s, self.max_connections = logger, keep_alive_s, max_connections
+        self.logger, self.limits = logger, limits
         self.url: str | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -199,10 +452,12 @@ class BackgroundServer:
     def start(self, timeout_s: float = 30.0) -> str:
         if self.url is not None:
             return self.url
+        limits = fit_open_files(self.limits, self.logger)
         sock = self._bind()
+        protocol = functools.partial(GuardedProtocol, limits=limits, peers=Connections(limits))
         config = uvicorn.Config(
             self.app,
-            http=KeepAliveProtocol,
+            http=protocol,  # type: ignore[arg-type]
             ws="none",
             lifespan="off",
             loop="asyncio",
@@ -212,8 +467,8 @@ class BackgroundServer:
             server_header=False,
             proxy_headers=False,
             backlog=BACKLOG,
-            timeout_keep_alive=self.keep_alive_s,  # type: ignore[arg-type]  (a float works)
-            limit_concurrency=self.max_connections + 1,  # uvicorn counts the asking connection
+            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            limit_concurrency=None,  # the caps are GuardedProtocol's (connections) and Guard's (requests)
             timeout_graceful_shutdown=int(SHUTDOWN_TIMEOUT_S),
         )
         server = uvicorn.Server(config)

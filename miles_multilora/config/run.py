@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from miles_multilora.algo.config import AlgoConfig
 from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
+from miles_multilora.config.http_limits import HTTPLimits, check_http_limits
 from miles_multilora.config.quotas import TenantQuota, check_tenant_quotas, parse_tenant_quotas
 from miles_multilora.errors import ConfigError, SpecError
 
@@ -163,10 +164,10 @@ class LoggingConfig:
 
 
 @dataclass
-class ControllerConfig:
-    """The controller and its HTTP API. The bearer token is never part of the config (it would be
-    written to ``config.yaml`` and show on command lines): it comes from ``$MILES_MULTILORA_TOKEN``
-    or from the file ``token_file`` (readable by its owner only)."""
+class ControllerConfig(HTTPLimits):
+    """The controller and its HTTP API (its HTTP limits: :class:`HTTPLimits`). The bearer token is
+    never part of the config (it would be written to ``config.yaml`` and show on command lines): it
+    comes from ``$MILES_MULTILORA_TOKEN`` or from the file ``token_file`` (readable by its owner only)."""
 
     name: str = "multilora_controller"
     namespace: str = "miles_multilora"
@@ -195,14 +196,15 @@ class ControllerConfig:
     # reasoning-gym generation (dataset.task_params) and compiling reward.format_regex.
     spec_check_timeout_s: float = 10.0
     spec_check_memory_mb: int = 512
+    max_body_mb: int = 1  # an adapter spec's JSON body (413 past it)
 
 
 @dataclass
-class TinkerConfig:
-    """``tinker-serve``: the Tinker-protocol server (``docs/tinker.md``). Its API keys (``tml-`` keys, as
-    the SDK sends them; one per line, each its own tenant) come from ``api_key_file`` (readable by its
-    owner only), never from the config itself. Every limit below is per server unless it says
-    "per tenant"."""
+class TinkerConfig(HTTPLimits):
+    """``tinker-serve``: the Tinker-protocol server (``docs/tinker.md``; its HTTP limits:
+    :class:`HTTPLimits`). Its API keys (``tml-`` keys, as the SDK sends them; one per line, each its
+    own tenant) come from ``api_key_file`` (readable by its owner only), never from the config itself.
+    Every limit below is per server unless it says "per tenant"."""
 
     host: str = "127.0.0.1"  # a non-loopback host requires an API key file
     port: int = 8500
@@ -215,11 +217,6 @@ class TinkerConfig:
     batch_window_s: float = 0.02  # forward/backward requests of different clients within it run as one batch
     batch_window_alone_s: float = 1.0  # a client alone on the server this long skips the window
     state_dir: str | None = None  # saved states, <state_dir>/<tenant>/...; default <output_dir>/tinker
-    # HTTP
-    max_body_mb: int = 64  # request bodies, whatever their transfer encoding (413 past it)
-    body_timeout_s: float = 120.0  # a request body must arrive within this (408)
-    keep_alive_s: float = 5.0  # idle connections are closed after this
-    max_connections: int = 256  # open connections; more get 503
     # work per request, and how it is shared
     max_forward_backward_tokens: int = 1_048_576  # input tokens of one forward/forward_backward request
     max_sample_tokens: int = 262_144  # num_samples x max_tokens of one sample request
@@ -437,7 +434,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(tk.batch_window_s >= 0, "tinker.batch_window_s", "must be >= 0")
     _check(tk.batch_window_alone_s >= 0, "tinker.batch_window_alone_s", "must be >= 0")
     _check(0 <= tk.port < 65536, "tinker.port", "must be a TCP port (0: any free one)")
-    for key in ("max_body_mb", "max_connections", "max_forward_backward_tokens", "max_sample_tokens",
+    check_http_limits(tk, "tinker")
+    for key in ("max_forward_backward_tokens", "max_sample_tokens",
                 "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
                 "max_held_results_mb", "max_models", "max_models_per_tenant", "max_topk_prompt_logprobs",
                 "max_sampler_copies_per_tenant", "max_unnamed_sampler_weights",
@@ -455,7 +453,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         "tinker.unembed_lora",
         f"must be one of {UNEMBED_LORA_POLICIES}, got {tk.unembed_lora!r}",
     )
-    for key in ("body_timeout_s", "keep_alive_s", "session_timeout_s", "result_ttl_s",
+    for key in ("session_timeout_s", "result_ttl_s",
                 "retrieved_result_ttl_s", "checkpoint_sweep_interval_s", "download_url_ttl_s"):  # fmt: skip
         _check(getattr(tk, key) > 0, f"tinker.{key}", "must be > 0 (seconds)")
     _check(
@@ -464,6 +462,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
         f"must be >= tinker.min_checkpoint_ttl_s ({tk.min_checkpoint_ttl_s})",
     )
     c = cfg.controller
+    check_http_limits(c, "controller")
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
     _check(c.max_running >= 0, "controller.max_running", "must be >= 0 (0: lora.num_slots)")

@@ -29,6 +29,7 @@ import ray
 from ray.actor import ActorHandle
 
 from miles_multilora import child_process
+from miles_multilora.config.http_limits import HTTPLimits
 from miles_multilora.controller.admission import AdmissionRules, ResourceValidator
 from miles_multilora.controller.core import DEFAULT_HISTORY_RETENTION, ControllerCore, SpecSource
 from miles_multilora.controller.endpoint import write_endpoint
@@ -59,6 +60,7 @@ class ControllerActor:
         rules: AdmissionRules | None = None,
         history_retention: int = DEFAULT_HISTORY_RETENTION,
         residency: ResidencyPolicy | None = None,
+        http_limits: HTTPLimits | None = None,
     ) -> None:
         child_process.warm_up()  # spec checks run in children: their forkserver preloads meanwhile
         kwargs = dict(
@@ -70,7 +72,7 @@ class ControllerActor:
         else:
             self._core = ControllerCore.restore(state_dir, num_slots, max_rank, **kwargs)
         self._state_dir = state_dir
-        self._server = ControllerHTTPServer(self._core, host=host, port=port, token=token)
+        self._server = ControllerHTTPServer(self._core, host=host, port=port, token=token, limits=http_limits)
         self._url = self._server.start()
         if state_dir is not None:
             write_endpoint(state_dir, self._url, name, namespace)
@@ -147,6 +149,7 @@ def get_or_create_controller(
     rules: AdmissionRules | None = None,
     history_retention: int = DEFAULT_HISTORY_RETENTION,
     residency: ResidencyPolicy | None = None,
+    http_limits: HTTPLimits | None = None,
     max_restarts: int | None = None,
     timeout_s: float = 120.0,
 ) -> ActorHandle:
@@ -175,6 +178,7 @@ def get_or_create_controller(
         rules=rules,
         history_retention=history_retention,
         residency=residency,
+        http_limits=http_limits,
     )
     config = ray.get(handle.config.remote(), timeout=timeout_s)
     if (config["num_slots"], config["max_rank"]) != (num_slots, max_rank):

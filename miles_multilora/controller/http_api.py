@@ -14,13 +14,14 @@ Routes (every response of the API is JSON; ``/docs`` is the Swagger UI page)::
 Errors: ``{"error": message, "type": error class}`` plus ``"field"`` (the spec key to change, or
 ``"<body>"``) on 400; 401 missing or wrong bearer token, 404 unknown adapter or route, 405 wrong
 method, 408 body too slow, 409 live duplicate name / adapter already finished, 411 no body length,
-413 body over ``max_body_bytes``, 415 body not ``application/json``, 500 unexpected (logged),
-503 over the connection cap (uvicorn's plain-text answer).
+413 body over ``controller.max_body_mb``, 415 body not ``application/json``, 500 unexpected (logged),
+503 over a cap on connections or requests in flight (with ``Retry-After``).
 
 Auth: with a token, every route except ``/health``, ``/docs`` and ``/openapi.json`` (which stay
 open) needs ``Authorization: Bearer <token>``. A non-loopback host requires a token; loopback
 without one logs a warning. Specs POSTed here are registered with ``remote=True``. The serving
-itself (auth guard, body limits, 500 guard, keep-alive, backlog, connection cap) is
+itself (auth guard, body limits, 500 guard, connection and request caps, head deadline, keep-alive:
+the ``controller`` section's :class:`~miles_multilora.config.http_limits.HTTPLimits`) is
 :mod:`miles_multilora.http_serving`, shared with ``tinker-serve``.
 """
 
@@ -39,22 +40,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
+from miles_multilora.config.http_limits import HTTPLimits
+from miles_multilora.config.run import ControllerConfig
 from miles_multilora.controller.core import ControllerCore
 from miles_multilora.controller.errors import ControllerAuthError, ControllerError
 from miles_multilora.errors import ConfigError
-from miles_multilora.http_serving import (
-    KEEP_ALIVE_S,
-    LOOPBACK_HOSTS,
-    MAX_CONNECTIONS,
-    BackgroundServer,
-    Guard,
-    HTTPProblem,
-    read_body,
-)
+from miles_multilora.http_serving import LOOPBACK_HOSTS, BackgroundServer, Guard, HTTPProblem, read_body
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20
 MAX_JSON_DEPTH = 32  # a spec nests 3 levels; deeper input is refused before the core sees it
 OPEN_PATHS = ("/health", "/docs", "/openapi.json")
 TOKEN_HINT = "set $MILES_MULTILORA_TOKEN or controller.token_file"
@@ -138,9 +132,13 @@ def _render(status: int, message: str, type_: str, headers: dict[str, str]) -> J
 
 
 def create_app(
-    core: ControllerCore, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    core: ControllerCore,
+    token: str | None = None,
+    limits: HTTPLimits | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app over ``core`` (blocking core calls run in the threadpool)."""
+    """The FastAPI app over ``core`` (blocking core calls run in the threadpool); ``limits``: the
+    ``controller`` section's defaults unless given (``max_body_bytes`` overrides its body limit)."""
     app = FastAPI(
         title="miles_multilora controller",
         description=(
@@ -156,6 +154,7 @@ def create_app(
         Guard,
         render=_render,
         logger=logger,
+        limits=limits or HTTPLimits.of(ControllerConfig()),
         max_body_bytes=max_body_bytes,
         authenticate=_authenticator(token) if token is not None else None,
         open_paths=OPEN_PATHS,
@@ -236,6 +235,8 @@ class ControllerHTTPServer:
 
     ``start()`` binds, waits until the server accepts connections and returns the URL
     (``http://host:port``; ``port=0`` picks a free port); ``stop()`` shuts it down (idempotent).
+    ``limits``: the ``controller`` section's (default: its defaults); ``max_body_bytes`` overrides
+    its body limit.
     """
 
     def __init__(
@@ -244,20 +245,15 @@ class ControllerHTTPServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
-        max_body_bytes: int = MAX_BODY_BYTES,
-        keep_alive_s: float = KEEP_ALIVE_S,
-        max_connections: int = MAX_CONNECTIONS,
+        limits: HTTPLimits | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         if token is not None and not token:
             raise ConfigError(
                 "token", "an empty bearer token is not allowed; leave it unset (None) to disable auth"
             )
         self._core, self._host, self._port, self._token = core, host, port, token
-        self._max_body_bytes, self._keep_alive_s, self._max_connections = (
-            max_body_bytes,
-            keep_alive_s,
-            max_connections,
-        )
+        self._limits, self._max_body_bytes = limits or HTTPLimits.of(ControllerConfig()), max_body_bytes
         self._server: BackgroundServer | None = None
 
     @property
@@ -282,14 +278,13 @@ class ControllerHTTPServer:
                 TOKEN_HINT,
             )
         server = BackgroundServer(
-            create_app(self._core, self._token, self._max_body_bytes),
+            create_app(self._core, self._token, self._limits, self._max_body_bytes),
             self._host,
             self._port,
             name="controller-http",
             port_key="controller.port",
             logger=logger,
-            keep_alive_s=self._keep_alive_s,
-            max_connections=self._max_connections,
+            limits=self._limits,
         )
         try:
             url = server.start()

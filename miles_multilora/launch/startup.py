@@ -13,6 +13,7 @@ from rich.console import Console
 
 from miles_multilora.api_token import read_token
 from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.config.http_limits import HTTPLimits
 from miles_multilora.config.lora_targets import families_of_modules
 from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
 from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
@@ -137,6 +138,7 @@ class Session:
                 c.min_residency_steps,
                 TenantQuotas(c.default_tenant_quota, dict(c.tenant_quotas)),
             ),
+            http_limits=HTTPLimits.of(c),
         )
         if self.group is not None:
             self.group.controller = self.controller

@@ -11,6 +11,7 @@
   Polling a released result says why it is gone; an id of an earlier server start says the server
   restarted.
 - A tenant may have ``max_pending`` requests queued or running; more are refused (:class:`Busy`).
+- An entry remembers the session whose work it is (polling its result keeps that session alive).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Entry:
     request_id: str
     tenant: str
     key: Hashable | None
+    session_id: str | None = None  # whose work it is
     ready: Future = field(default_factory=Future)  # -> Outcome, once the work is done and encoded
     size: int = 0
     settled_at: float | None = None
@@ -93,9 +95,10 @@ class FutureStore:
         key: Hashable | None,
         start: Callable[[], Future],
         encode: Callable[[Future], Outcome],
+        session_id: str | None = None,
     ) -> str:
-        """The request id of a new request (``start`` queues the work and must be quick), or of
-        the held request with the same ``key``."""
+        """The request id of a new request of ``session_id`` (``start`` queues the work and must be
+        quick), or of the held request with the same ``key``."""
         with self._lock:
             if key is not None and (rid := self._by_key.get(key)) is not None:
                 return rid
@@ -105,7 +108,7 @@ class FutureStore:
                     f"tinker.max_pending_requests allows; wait for some to finish"
                 )
             future = start()
-            entry = Entry(self.mint.new("req"), tenant, key)
+            entry = Entry(self.mint.new("req"), tenant, key, session_id)
             self._entries[entry.request_id] = entry
             if key is not None:
                 self._by_key[key] = entry.request_id

@@ -104,6 +104,13 @@ class Registry:
                 s.last_seen = self.clock()
             return s
 
+    def heard_from(self, tenant: str, session_id: str | None) -> None:
+        """The tenant's session was heard from (a client polling its results), if it is still open."""
+        with self._lock:
+            s = self.sessions.get(session_id) if session_id is not None else None
+            if s is not None and s.tenant == tenant:
+                s.last_seen = self.clock()
+
     def model(self, tenant: str, model_id: str) -> OwnedModel:
         with self._lock:
             m = self.models.get(model_id)

@@ -163,8 +163,8 @@ class Signer:
         return f"{payload}.{self._mac(payload)}"
 
     def verify(self, token: str, now: float) -> dict[str, Any]:
-        payload, _, mac = token.partition(".")
-        if not mac or not hmac.compare_digest(mac, self._mac(payload)):
+        payload, _, mac = token.partition(".")  # compared as bytes: a str compare refuses non-ASCII
+        if not mac or not hmac.compare_digest(mac.encode(), self._mac(payload).encode()):
             raise HTTPProblem(403, "not a valid download link (ask get_external_weights_urls for new ones)")
         fields = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
         if fields["e"] < now:
@@ -343,7 +343,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         key = (tenant, owned.model_id, "save_weights_external", seq) if seq is not None else None
         lane = (owned.tenant, owned.session_id)
         rid = state.futures.submit(
-            tenant, key, lambda: state.queue.submit_calls(lane, [export]), encoder("json")
+            tenant, key, lambda: state.queue.submit_calls(lane, [export]), encoder("json"), owned.session_id
         )
         return {"request_id": rid}
 

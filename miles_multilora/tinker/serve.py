@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from starlette.types import Scope
 
+from miles_multilora.config.http_limits import HTTPLimits
 from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import LOOPBACK_HOSTS, BackgroundServer
@@ -149,15 +150,9 @@ def start(cfg: RunConfig, rank: Any | None = None, port: int | None = None) -> T
     def authenticate(scope: Scope) -> str | None:
         return keys.tenant_of(dict(scope["headers"]).get(b"x-api-key"))
 
-    app = create_app(
-        state,
-        authenticate=authenticate,
-        max_body_bytes=t.max_body_mb * 2**20,
-        body_timeout_s=t.body_timeout_s,
-    )
     http = BackgroundServer(
-        app, t.host, t.port if port is None else port, name="tinker-http", port_key="tinker.port",
-        logger=logger, keep_alive_s=t.keep_alive_s, max_connections=t.max_connections,
+        create_app(state, authenticate=authenticate), t.host, t.port if port is None else port,
+        name="tinker-http", port_key="tinker.port", logger=logger, limits=HTTPLimits.of(t),
     )  # fmt: skip
     try:
         url = http.start(timeout_s=60)

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from miles_multilora.config.http_limits import HTTPLimits
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import Guard, HTTPProblem, read_body
 from miles_multilora.tinker import params, rest_routes
@@ -54,22 +55,17 @@ def render(status: int, message: str, type_: str, headers: dict[str, str]) -> JS
 
 
 def create_app(
-    state: ServerState,
-    *,
-    authenticate: Callable[[Any], str | None],
-    max_body_bytes: int = 64 * 2**20,
-    body_timeout_s: float = 120.0,
-    poll_s: float = 25.0,
+    state: ServerState, *, authenticate: Callable[[Any], str | None], poll_s: float = 25.0
 ) -> FastAPI:
-    """The app: ``authenticate(scope)`` gives the caller's tenant (or None: 401)."""
+    """The app: ``authenticate(scope)`` gives the caller's tenant (or None: 401); its HTTP limits
+    are ``state.settings``'."""
     app = FastAPI(title="miles_multilora tinker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tinker = state
     app.add_middleware(
         Guard,
         render=render,
         logger=logger,
-        max_body_bytes=max_body_bytes,
-        body_timeout_s=body_timeout_s,
+        limits=HTTPLimits.of(state.settings),
         authenticate=authenticate,
         open_paths=rest_routes.OPEN_PATHS,
         unauthorized=("missing or wrong X-API-Key", "AuthError", {}),
@@ -122,7 +118,7 @@ def create_app(
         combine: Callable[[list[Any]], Any] = lambda r: r[0], costs: list[int] | None = None,
     ) -> str:  # fmt: skip
         return futures.submit(
-            tenant, key, lambda: queue.submit_calls(lane, calls, combine, costs), encoder(kind)
+            tenant, key, lambda: queue.submit_calls(lane, calls, combine, costs), encoder(kind), lane[1]
         )
 
     # ---------------------------------------------------------------- client and session
@@ -255,7 +251,7 @@ def create_app(
         )
         rid = futures.submit(
             tenant, key, lambda: queue.submit_forward_backward(fb, _lane(owned), checked=True),
-            encoder("forward_backward"),
+            encoder("forward_backward"), owned.session_id,
         )  # fmt: skip
         return {"request_id": rid}
 
@@ -393,6 +389,7 @@ def create_app(
             return {"error": exc.message, "category": exc.category}
         ready = asyncio.wrap_future(entry.ready)
         deadline = asyncio.get_running_loop().time() + poll_s
+        registry.heard_from(entry.tenant, entry.session_id)  # a client polling keeps its session alive
         while not ready.done():  # in short waits, so that a stopping server lets go of its long polls
             if state.stopping.is_set():
                 return _problem(503, "the server is stopping; poll again", headers={"Connection": "close"})
@@ -401,6 +398,7 @@ def create_app(
                 try_again = {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"}
                 return JSONResponse(try_again, status_code=408)
             await asyncio.wait([ready], timeout=min(remaining, 0.25))
+            registry.heard_from(entry.tenant, entry.session_id)
         outcome = ready.result()
         futures.retrieved(entry)
         return Response(outcome.body, media_type=outcome.media_type)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import logging
 import socket
 import threading
 import time
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import pytest
@@ -15,6 +17,8 @@ import requests
 import yaml
 from rich.console import Console
 
+from miles_multilora.config.http_limits import HTTPLimits
+from miles_multilora.config.run import ControllerConfig
 from miles_multilora.config.safe_yaml import load_yaml_no_aliases
 from miles_multilora.controller import (
     AdapterConflictError,
@@ -31,6 +35,7 @@ from miles_multilora.controller.http_api import ControllerHTTPServer
 from miles_multilora.errors import ConfigError, SpecError
 
 TOKEN = "s3cret-token"
+LIMITS = HTTPLimits.of(ControllerConfig())
 
 
 def spec(name: str, **overrides) -> dict:
@@ -226,6 +231,35 @@ def test_oversized_body_is_413_before_it_is_read(open_server):
     assert core.list(all_runs=True) == []
 
 
+def test_an_over_limit_body_gets_a_413_the_client_can_read(open_server):
+    """A body past the limit (the controller's default, 1 MB) is answered 413 before it is read;
+    the connection then reads and drops the rest, so a client still sending reads the answer (a
+    plain http.client, which does not survive a reset connection, and requests)."""
+    core = ControllerCore(num_slots=1, max_rank=16)
+    url = open_server(core)
+    big = spec("big", prompt={"template": "y" * (8 << 20)})  # more than the socket buffers take
+    parts = urlsplit(url)
+    for _ in range(3):
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        try:
+            conn.request(
+                "POST", "/adapters", body=json.dumps(big), headers={"Content-Type": "application/json"}
+            )
+            response = conn.getresponse()
+            assert response.status == 413
+            assert "limit of 1048576 bytes" in json.loads(response.read())["error"]
+        finally:
+            conn.close()
+    chunks = (b"z" * 65536 for _ in range(128))  # chunked: refused once past the limit
+    response = requests.post(
+        f"{url}/adapters", data=chunks, headers={"Content-Type": "application/json"}, timeout=10
+    )
+    assert response.status_code == 413 and "1048576 bytes" in response.json()["error"]
+    with pytest.raises(SpecError, match="413"):
+        ControllerClient(url).submit(big)
+    assert core.list(all_runs=True) == []
+
+
 def test_twenty_concurrent_registrations_all_succeed(served, auth):
     core, url = served
     names = [f"conc{i}" for i in range(20)]
@@ -248,7 +282,7 @@ def test_twenty_concurrent_registrations_all_succeed(served, auth):
 
 
 def test_idle_connections_neither_block_requests_nor_stay_open(open_server):
-    url = open_server(keep_alive_s=0.5)
+    url = open_server(limits=replace(LIMITS, head_timeout_s=0.5))
     opened = time.monotonic()
     idle = [connect(url) for _ in range(60)]
     for conn in idle[:5]:  # headers trickled in but never finished count as idle too
@@ -257,22 +291,34 @@ def test_idle_connections_neither_block_requests_nor_stay_open(open_server):
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
         for conn in idle:
             assert conn.recv(1) == b""  # closed by the server (the timeout of connect() is 5 s)
-        assert time.monotonic() - opened < 0.5 + 10  # keep-alive, plus slack for a loaded machine
+        assert time.monotonic() - opened < 0.5 + 10  # the head deadline, plus slack for a loaded machine
     finally:
         for conn in idle:
             conn.close()
 
 
-def test_connections_over_the_cap_get_503_not_a_hang(open_server):
-    url = open_server(max_connections=3)
+def test_a_full_server_closes_idle_connections_and_refuses_with_503_only_when_none_is_idle(open_server):
+    url = open_server(limits=replace(LIMITS, max_connections=3, max_connections_per_peer=3))
     idle = [connect(url) for _ in range(3)]
+    try:  # the oldest idle connection makes room
+        assert requests.get(f"{url}/health", timeout=5).status_code == 200
+        assert idle[0].recv(1) == b""
+    finally:
+        for conn in idle:
+            conn.close()
+    time.sleep(0.3)  # the server has seen them close
+    busy = []  # requests in flight: their bodies never end
+    for _ in range(3):
+        busy.append(connect(url))
+        busy[-1].sendall(b"POST /adapters HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # fmt: skip
+        time.sleep(0.1)  # in flight before the next connection comes (else it is idle, and closed for it)
     try:
-        response = requests.get(f"{url}/health", timeout=5)
-        assert response.status_code == 503
+        assert requests.get(f"{url}/health", timeout=5).status_code == 503
         with pytest.raises(ControllerUnavailableError, match="503"):
             ControllerClient(url).health()
     finally:
-        for conn in idle:
+        for conn in busy:
             conn.close()
     deadline = time.monotonic() + 5
     while requests.get(f"{url}/health", timeout=5).status_code == 503 and time.monotonic() < deadline:
