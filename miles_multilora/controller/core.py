@@ -153,6 +153,7 @@ class ControllerCore:
         again: new run id.
         """
         spec = parse_adapter_spec(spec_source, max_rank=self.max_rank)
+        self.residency.quotas.check_priority(spec)
         self.rules.check(spec, remote=remote)
         if self._validate_resources is not None:
             self._validate_resources(spec)
@@ -582,7 +583,7 @@ class ControllerCore:
                 served, steps = served + served / max(r.step, 1), steps + 1
             candidates.append(
                 Candidate(r.run_id, r.seq, served, resident, steps, r.state is AdapterState.DRAINING,
-                          r.spec.priority, r.spec.share)
+                          self.residency.quotas.priority_of(r.spec), r.spec.share)
             )  # fmt: skip
         return candidates
 
