@@ -184,6 +184,7 @@ class ControllerConfig:
     dataset_roots: list[str] = field(default_factory=list)
     history_retention: int = 10_000  # finished runs remembered (get/list); older ones are forgotten
     max_live_adapters: int = 1000  # PENDING + RUNNING + DRAINING at once
+    max_live_adapters_per_tenant: int = 100  # the same per tenant (0: only max_live_adapters); more: 409
     # adapters RUNNING at once (0: lora.num_slots). Above the slots they take turns: the least trained
     # get the slots, the others are parked off the GPU (exactly restored) until their turn
     max_running: int = 0
@@ -476,6 +477,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     c = cfg.controller
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
+    _check(c.max_live_adapters_per_tenant >= 0, "controller.max_live_adapters_per_tenant", "must be >= 0")
     _check(c.max_running >= 0, "controller.max_running", "must be >= 0 (0: lora.num_slots)")
     _check(c.min_residency_steps >= 1, "controller.min_residency_steps", "must be >= 1")
     c.tenant_quotas = parse_tenant_quotas(c.tenant_quotas)

@@ -51,7 +51,7 @@ from miles_multilora.controller.errors import (
 )
 from miles_multilora.controller.history import RunHistory
 from miles_multilora.controller.persistence import load_state, save_state, state_path
-from miles_multilora.controller.quotas import TokenWindow, quota_note
+from miles_multilora.controller.quotas import TokenWindow, quota_note, tenant_of
 from miles_multilora.controller.record import (
     AdapterRecord,
     eval_summary,
@@ -165,10 +165,18 @@ class ControllerCore:
                     f"adapter {spec.name!r} is already {current.state.value} (run {current.run_id}); "
                     "cancel it or choose another name"
                 )
+            tenant, cap = tenant_of(spec), self.rules.max_live_adapters_per_tenant
+            held = sum(1 for r in self._runs.values() if r.tenant == tenant) if cap else 0
+            if cap and held >= cap:
+                raise AdapterConflictError(
+                    f"tenant {tenant!r} already has {held} adapters pending or training, the most "
+                    f"controller.max_live_adapters_per_tenant allows; wait for some to end or cancel some"
+                )
             if len(self._runs) >= self.rules.max_live_adapters:
                 raise AdapterConflictError(
                     f"{len(self._runs)} adapters are already pending or training (the limit is "
-                    f"{self.rules.max_live_adapters}); wait for some to end or cancel some"
+                    f"{self.rules.max_live_adapters}, controller.max_live_adapters); wait for some to end or "
+                    "cancel some"
                 )
             self._seq += 1
             now = self._clock()

@@ -39,6 +39,7 @@ def admission_rules(cfg: RunConfig) -> AdmissionRules:
         dataset_roots=tuple(c.dataset_roots),
         max_context=context_length(cfg),
         max_live_adapters=c.max_live_adapters,
+        max_live_adapters_per_tenant=c.max_live_adapters_per_tenant,
         spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),
         lora_families=families_of_modules(cfg.lora.target_modules),
     )
