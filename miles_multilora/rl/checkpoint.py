@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from miles_multilora.controller.quotas import tenant_of
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.private_files import make_private, private_dir, private_open
-from miles_multilora.rl.checkpoint_quota import DiskLimits, QuotaExceeded, usage_of
+from miles_multilora.rl.checkpoint_quota import DiskLimits, QuotaExceeded, check_free_disk, usage_of
 from miles_multilora.rl.faults import failure_reason, first_error
 
 COMPLETE_MARKER = "COMPLETE"
@@ -153,9 +153,12 @@ def write_checkpoint(
     stage = staging_dir(run, step)
     error = None
     try:
+        check_free_disk(output_dir, limits)  # before writing anything (again once it is written)
         private_dir(stage)
         rank.save_slot(assignment.slot, stage)  # one shard per TP rank, written by DP rank 0
         rank.export_peft(assignment.slot, stage / "adapter")
+    except QuotaExceeded as exc:
+        error = f"checkpoint step {step} refused: {exc}"
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = failure_reason(f"writing checkpoint step {step} on rank {rank.global_rank}", exc)
     error = first_error(rank.gather(error))

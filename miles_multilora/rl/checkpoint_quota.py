@@ -69,9 +69,7 @@ class CheckpointUsage:
     def admit(self, stage: Path, run: Path, tenant: str, keep: int, limits: DiskLimits) -> None:
         """Raise :class:`QuotaExceeded` when renaming ``stage`` into ``run`` (keeping its newest
         ``keep``) would bring ``tenant`` past ``limits``, or the disk is below their floor."""
-        why = low_disk(stage, limits.min_free_bytes, FLOOR_SETTING)
-        if why is not None:
-            raise QuotaExceeded(why)
+        check_free_disk(stage, limits)
         limit = limits.max_bytes_per_tenant
         if limit <= 0:
             return
@@ -86,6 +84,13 @@ class CheckpointUsage:
                 f"of its finished adapters under {self.root}, keep fewer (trainer.keep_checkpoints), "
                 "or ask the operator for a larger quota"
             )
+
+
+def check_free_disk(path: str | Path, limits: DiskLimits) -> None:
+    """Raise :class:`QuotaExceeded` when the disk of ``path`` is below the floor of ``limits``."""
+    why = low_disk(path, limits.min_free_bytes, FLOOR_SETTING)
+    if why is not None:
+        raise QuotaExceeded(why)
 
 
 _USAGE: dict[Path, CheckpointUsage] = {}
