@@ -188,7 +188,8 @@ class AdapterSpec:
     seed: int = 0  # LoRA init and sampling seed
     eval: EvalSpec | None = None  # optional held-out evaluation (EvalSpec)
     # when adapters take turns in the slots (controller.max_running above lora.num_slots): a higher
-    # priority gets a slot first; among equal priorities, trained tokens are shared in proportion to share
+    # priority gets a slot first; among equal priorities, trained tokens are shared in proportion to share.
+    # At most the tenant's max_priority (controller.default_tenant_quota / tenant_quotas; default 0)
     priority: int = 0
     share: float = 1.0
     # whose quotas it counts against (controller.tenant_quotas, docs/service.md); None: its own name

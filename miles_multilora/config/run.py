@@ -128,6 +128,9 @@ class TrainerConfig:
     output_dir: str = "runs/default"
     resume: bool = False
     keep_checkpoints: int = 2  # per adapter; older complete checkpoints are deleted
+    # a tenant's complete checkpoints, all its adapters' runs (0: no limit); a save past it fails its adapter
+    max_checkpoint_bytes_per_tenant: int = 100 * 2**30
+    min_free_disk_bytes: int = 2**30  # a checkpoint save finding less free disk fails its adapter (0: off)
     max_steps: int | None = None  # stop after this many steps of this invocation (None: when all are done)
     # a trainer group that dies (a rank killed, a step that raises) is replaced and every adapter resumes
     # from its last checkpoint; after this many deaths in a row without a completed step the run stops
@@ -182,6 +185,7 @@ class ControllerConfig(HTTPLimits):
     dataset_roots: list[str] = field(default_factory=list)
     history_retention: int = 10_000  # finished runs remembered (get/list); older ones are forgotten
     max_live_adapters: int = 1000  # PENDING + RUNNING + DRAINING at once
+    max_live_adapters_per_tenant: int = 100  # the same per tenant (0: only max_live_adapters); more: 409
     # adapters RUNNING at once (0: lora.num_slots). Above the slots they take turns: the least trained
     # get the slots, the others are parked off the GPU (exactly restored) until their turn
     max_running: int = 0
@@ -251,6 +255,9 @@ class TinkerConfig(HTTPLimits):
     min_checkpoint_ttl_s: int = 3600  # the shortest ttl_seconds a save may ask for (Tinker: 1 hour)
     max_checkpoint_ttl_s: int = 315_360_000  # the longest ttl_seconds (Tinker: 10 years)
     max_checkpoints: int = 10_000  # per tenant: checkpoints kept (all kinds); saves past it fail
+    # per tenant: the bytes of its checkpoints, copies included (0: no limit); a save past it fails
+    max_checkpoint_bytes_per_tenant: int = 100 * 2**30
+    min_free_disk_bytes: int = 2**30  # a save finding less free disk under state_dir fails (0: off)
     max_runs: int = 100_000  # per tenant: runs remembered; past it the oldest without checkpoints go
     max_list_limit: int = 1000  # the largest page (limit) a list route returns
     max_user_metadata_bytes: int = 16_384  # user_metadata of one run, session or checkpoint (as JSON)
@@ -406,6 +413,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(m.pp == 1, "model.pp", "pipeline parallelism is not supported by the trainer yet; use model.pp=1")
     _check(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    for key in ("max_checkpoint_bytes_per_tenant", "min_free_disk_bytes"):
+        _check(getattr(t, key) >= 0, f"trainer.{key}", "must be >= 0 (0: no limit)")
     _check(t.max_restarts >= 0, "trainer.max_restarts", "must be >= 0 (0: a lost trainer group ends the run)")
     _check(t.restart_backoff_s >= 0, "trainer.restart_backoff_s", "must be >= 0")
     _check(t.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch", "must be >= 0 (0: off)")
@@ -443,6 +452,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
                 "max_user_metadata_bytes"):  # fmt: skip
         _check(getattr(tk, key) >= 1, f"tinker.{key}", "must be >= 1")
     _check(tk.offload_host_gb >= 0, "tinker.offload_host_gb", "must be >= 0 (0: parked models go to disk)")
+    for key in ("max_checkpoint_bytes_per_tenant", "min_free_disk_bytes"):
+        _check(getattr(tk, key) >= 0, f"tinker.{key}", "must be >= 0 (0: no limit)")
     _check(
         tk.reproducible_seed is None or 0 <= tk.reproducible_seed < 2**63,
         "tinker.reproducible_seed",
@@ -465,6 +476,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     check_http_limits(c, "controller")
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
+    _check(c.max_live_adapters_per_tenant >= 0, "controller.max_live_adapters_per_tenant", "must be >= 0")
     _check(c.max_running >= 0, "controller.max_running", "must be >= 0 (0: lora.num_slots)")
     _check(c.min_residency_steps >= 1, "controller.min_residency_steps", "must be >= 1")
     c.tenant_quotas = parse_tenant_quotas(c.tenant_quotas)

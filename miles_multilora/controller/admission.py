@@ -40,6 +40,8 @@ class AdmissionRules:
             (none: network specs use hub ids and reasoning-gym tasks only).
         max_context: the model's context window in tokens (None: not checked here).
         max_live_adapters: adapters PENDING, RUNNING or DRAINING at once; more are refused (409).
+        max_live_adapters_per_tenant: the same for one tenant's adapters (0: only the pool's), so
+            no tenant fills the pool.
         spec_checks: time and memory bounds of the checks that run spec-chosen work in a child
             process (reasoning-gym generation, compiling ``reward.format_regex``).
         lora_families: the module families the model's LoRA layers cover (``lora.target_modules``),
@@ -50,6 +52,7 @@ class AdmissionRules:
     dataset_roots: tuple[str, ...] = ()
     max_context: int | None = None
     max_live_adapters: int = 1000
+    max_live_adapters_per_tenant: int = 100
     spec_checks: SpecCheckLimits = SpecCheckLimits()
     lora_families: tuple[str, ...] | None = None
 

@@ -51,7 +51,7 @@ from miles_multilora.controller.errors import (
 )
 from miles_multilora.controller.history import RunHistory
 from miles_multilora.controller.persistence import load_state, save_state, state_path
-from miles_multilora.controller.quotas import TokenWindow, quota_note
+from miles_multilora.controller.quotas import TokenWindow, quota_note, tenant_of
 from miles_multilora.controller.record import (
     AdapterRecord,
     eval_summary,
@@ -153,6 +153,7 @@ class ControllerCore:
         again: new run id.
         """
         spec = parse_adapter_spec(spec_source, max_rank=self.max_rank)
+        self.residency.quotas.check_priority(spec)
         self.rules.check(spec, remote=remote)
         if self._validate_resources is not None:
             self._validate_resources(spec)
@@ -164,10 +165,18 @@ class ControllerCore:
                     f"adapter {spec.name!r} is already {current.state.value} (run {current.run_id}); "
                     "cancel it or choose another name"
                 )
+            tenant, cap = tenant_of(spec), self.rules.max_live_adapters_per_tenant
+            held = sum(1 for r in self._runs.values() if r.tenant == tenant) if cap else 0
+            if cap and held >= cap:
+                raise AdapterConflictError(
+                    f"tenant {tenant!r} already has {held} adapters pending or training, the most "
+                    f"controller.max_live_adapters_per_tenant allows; wait for some to end or cancel some"
+                )
             if len(self._runs) >= self.rules.max_live_adapters:
                 raise AdapterConflictError(
                     f"{len(self._runs)} adapters are already pending or training (the limit is "
-                    f"{self.rules.max_live_adapters}); wait for some to end or cancel some"
+                    f"{self.rules.max_live_adapters}, controller.max_live_adapters); wait for some to end or "
+                    "cancel some"
                 )
             self._seq += 1
             now = self._clock()
@@ -582,7 +591,7 @@ class ControllerCore:
                 served, steps = served + served / max(r.step, 1), steps + 1
             candidates.append(
                 Candidate(r.run_id, r.seq, served, resident, steps, r.state is AdapterState.DRAINING,
-                          r.spec.priority, r.spec.share)
+                          self.residency.quotas.priority_of(r.spec), r.spec.share)
             )  # fmt: skip
         return candidates
 

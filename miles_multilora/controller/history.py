@@ -4,19 +4,19 @@ The controller's state file holds only live runs (so writing it stays cheap howe
 service runs); a run that ends is appended here as one line (fsynced) before the state file
 drops it. Lines are plain JSON (public record + spec as a dict), read back without re-validating
 any spec. When the file holds more than twice ``retention`` lines it is rewritten atomically
-with the newest ``retention``.
+with the newest ``retention``. The file is readable by its owner only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from miles_multilora.controller.errors import ControllerStateError
+from miles_multilora.private_files import private_open, write_atomic
 
 HISTORY_FILE_NAME = "controller_history.jsonl"
 
@@ -72,8 +72,7 @@ class RunHistory:
     def append(self, entry: dict[str, Any]) -> None:
         """Record one finished run durably, then index it."""
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "ab") as f:
+            with private_open(self.path, "ab") as f:
                 f.write(json.dumps(entry, sort_keys=True).encode() + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -96,15 +95,7 @@ class RunHistory:
 
     def _compact(self) -> None:
         assert self.path is not None
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for entry in self._runs.values():
-                    f.write(json.dumps(entry, sort_keys=True).encode() + b"\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(
+            self.path, b"".join(json.dumps(e, sort_keys=True).encode() + b"\n" for e in self._runs.values())
+        )
         self._lines = len(self._runs)

@@ -3,18 +3,17 @@
 The state is written to a temp file in the same directory, fsynced, then ``os.replace``-d over
 ``controller_state.json`` (and the directory fsynced), so a reader sees either the previous or
 the new complete file, never a half-written one. Temp leftovers of a crash (``.*.tmp`` names)
-are never read.
+are never read. Files are readable by their owner only (:mod:`miles_multilora.private_files`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from miles_multilora.controller.errors import ControllerStateError
+from miles_multilora.private_files import write_atomic
 
 STATE_FILE_NAME = "controller_state.json"
 STATE_FORMAT_VERSION = 1
@@ -25,23 +24,8 @@ def state_path(state_dir: str | Path) -> Path:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temp file + fsync + os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Write ``data`` as JSON to ``path`` atomically (temp file + fsync + os.replace), ``0600``."""
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def save_state(state_dir: str | Path, state: dict[str, Any]) -> None:

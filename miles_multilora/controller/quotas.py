@@ -1,4 +1,4 @@
-"""Per-tenant quotas as the controller applies them: concurrent adapters and tokens per hour.
+"""Per-tenant quotas as the controller applies them: concurrent adapters, tokens per hour, priority.
 
 - ``max_running``: a PENDING adapter whose tenant already has that many RUNNING or DRAINING stays
   PENDING; admission passes over it (FIFO goes on with the other tenants' adapters).
@@ -6,6 +6,8 @@
   ``trained_tokens`` each step reports) gets no turn in the slots: its RUNNING adapters stay
   RUNNING, parked, until the window has slid far enough (a DRAINING one still gets its slot to
   checkpoint). With every RUNNING adapter over its quota the slots stay idle.
+- ``max_priority``: a spec asking a higher ``priority`` is refused at registration (a 400 naming
+  the setting); an adapter restored with one above a bound lowered since takes turns at the bound.
 
 The window keeps one-minute buckets, so a trained token leaves it an hour after the end of its
 minute (never early). It is part of the controller's persisted state: a restart keeps it.
@@ -20,6 +22,7 @@ from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.config.quotas import TenantQuota, check_tenant_quotas
+from miles_multilora.errors import SpecError
 
 WINDOW_S = 3600.0
 BUCKET_S = 60.0
@@ -50,6 +53,27 @@ class TenantQuotas:
 
     def of(self, tenant: str) -> TenantQuota:
         return self.tenants.get(tenant, self.default)
+
+    def setting(self, tenant: str, limit: str) -> str:
+        """The config key that sets ``tenant``'s ``limit``."""
+        if tenant in self.tenants:
+            return f"controller.tenant_quotas.{tenant}.{limit}"
+        return f"controller.default_tenant_quota.{limit}"
+
+    def check_priority(self, spec: AdapterSpec) -> None:
+        """Raise :class:`SpecError` on ``priority`` when ``spec`` asks more than its tenant's bound."""
+        tenant = tenant_of(spec)
+        bound = self.of(tenant).max_priority
+        if spec.priority > bound:
+            raise SpecError(
+                "priority",
+                f"{spec.priority} is above tenant {tenant!r}'s bound {bound} "
+                f"({self.setting(tenant, 'max_priority')}, set by the operator); ask at most {bound}",
+            )
+
+    def priority_of(self, spec: AdapterSpec) -> int:
+        """The priority ``spec`` takes turns with: its own, at most its tenant's bound."""
+        return min(spec.priority, self.of(tenant_of(spec)).max_priority)
 
     @property
     def limits_tokens(self) -> bool:

@@ -5,9 +5,9 @@ admitted, and the slots take turns: the trainer parks an adapter that leaves its
 state off the GPU, :mod:`~miles_multilora.trainer.offload`) and restores it when it comes back.
 The turn rule is a weighted fair share by trained tokens: an adapter that has held a slot for fewer
 than ``min_residency_steps`` steps keeps it (no thrashing), a DRAINING adapter keeps or gets one
-(it must checkpoint), and the other slots go first to the highest ``priority``, then to the
-adapters that have trained the fewest tokens per unit of their ``share`` (registration order
-breaks ties). A tenant over its ``tokens_per_hour`` quota (:mod:`~miles_multilora.controller.quotas`)
+(it must checkpoint), and the other slots go first to the highest ``priority`` (at most the
+tenant's ``max_priority``, an operator setting), then to the adapters that have trained the fewest
+tokens per unit of their ``share`` (registration order breaks ties). A tenant over its ``tokens_per_hour`` quota (:mod:`~miles_multilora.controller.quotas`)
 is no candidate at all until its window allows.
 """
 

@@ -5,6 +5,7 @@ holds one line per (step, adapter). Held-out eval metrics (``eval/*``) appear in
 the adapter was evaluated; the plot draws them as a dashed curve next to the training reward, with a
 band of +/- one standard error (``eval/reward_mean_se``), and the console shows each as mean +/- SE.
 The controller adds each adapter's queue time (``queue/pending_s``, ``queue/parked_s``) to its row.
+Every file written is readable by its owner only (:mod:`miles_multilora.private_files`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rich.text import Text
 
 from miles_multilora.config.run import LoggingConfig
 from miles_multilora.data.evaluation import SE_SUFFIX
+from miles_multilora.private_files import make_private, private_dir, private_open
 
 CONSOLE_COLUMNS = (
     "step",
@@ -67,7 +69,7 @@ class MetricsLogger:
     ) -> None:
         self.cfg = cfg
         self.output_dir = Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.output_dir)
         self.console = console or make_console()
         self.jsonl_path = metrics_path(self.output_dir)
         self._started = time.monotonic()  # each row's wall_s: seconds since this logger started
@@ -76,6 +78,7 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
+            private_dir(self.output_dir / "wandb")  # wandb's own files are 0644: in a 0700 directory
             self._wandb = wandb.init(
                 project=cfg.wandb_project,
                 name=run_name,
@@ -92,7 +95,7 @@ class MetricsLogger:
         progress: tuple[int, int] | None = None,
     ) -> None:
         if self.cfg.jsonl:
-            with open(self.jsonl_path, "a") as fh:
+            with private_open(self.jsonl_path, "a") as fh:
                 for adapter, metrics in per_adapter.items():
                     fh.write(
                         json.dumps(
@@ -174,6 +177,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+            make_private(self.output_dir / "wandb")
 
 
 def _fmt(value: Any) -> str:
@@ -303,7 +307,8 @@ def plot_rewards(jsonl_path: str | Path, out_png: str | Path) -> Path | None:
     rows_of_legend = -(-len(labels) // max(1, len(adapters)))
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
     out_png = Path(out_png)
-    fig.savefig(out_png, dpi=120)
+    with private_open(out_png, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
     return out_png
 

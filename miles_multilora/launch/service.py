@@ -33,6 +33,7 @@ from miles_multilora.launch.cluster import start_ray
 from miles_multilora.launch.metrics import make_console
 from miles_multilora.launch.startup import Session, prepare_run
 from miles_multilora.launch.trainer_group import StepAbandoned, TrainerGroup
+from miles_multilora.private_files import private_dir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -120,7 +121,7 @@ def run_service(
     """Serve until SIGINT/SIGTERM (or ``should_stop()``); returns the number of training steps run."""
     console = console or make_console()
     specs, output_dir, state_dir = prepare_run(cfg)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(state_dir)
 
     attached = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     if not attached:

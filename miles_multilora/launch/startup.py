@@ -25,6 +25,7 @@ from miles_multilora.launch.loop import run_loop
 from miles_multilora.launch.metrics import MetricsLogger, next_global_step
 from miles_multilora.launch.trainer_group import TrainerGroup
 from miles_multilora.models.paths import context_length
+from miles_multilora.private_files import private_dir, write_atomic
 
 
 def controller_state_dir(cfg: RunConfig) -> Path:
@@ -39,6 +40,7 @@ def admission_rules(cfg: RunConfig) -> AdmissionRules:
         dataset_roots=tuple(c.dataset_roots),
         max_context=context_length(cfg),
         max_live_adapters=c.max_live_adapters,
+        max_live_adapters_per_tenant=c.max_live_adapters_per_tenant,
         spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),
         lora_families=families_of_modules(cfg.lora.target_modules),
     )
@@ -60,8 +62,8 @@ def prepare_run(cfg: RunConfig) -> tuple[list[AdapterSpec], Path, Path]:
             raise ConfigError(f"adapters[{i}].{exc.key}", exc.message) from exc
         validate_adapter_resources(spec, checks=rules.spec_checks)
     output_dir = Path(cfg.trainer.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(to_yaml(cfg))
+    private_dir(output_dir)
+    write_atomic(output_dir / "config.yaml", to_yaml(cfg))
     return specs, output_dir, controller_state_dir(cfg)
 
 

@@ -14,10 +14,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import layout
+from miles_multilora.private_files import private_open
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -99,16 +100,17 @@ def peft_form(modules: dict[str, tuple[int, float]], all_names: list[str], rslor
 def write_adapter(out_dir: Path, tensors: dict, form: dict[str, Any], base: str | None) -> None:
     from peft import LoraConfig
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = LoraConfig(
         **form, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base
     )
     tmp_weights = out_dir / f".{ADAPTER_WEIGHTS}.tmp"
-    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    with private_open(tmp_weights, "wb") as f:  # 0600, out_dir 0700 when created here
+        f.write(save_safetensors(tensors, metadata={"format": "pt"}))
     tmp_config = out_dir / f".{ADAPTER_CONFIG}.tmp"
     data = config.to_dict()
     data = {k: (sorted(v) if isinstance(v, set) else v) for k, v in data.items()}
-    tmp_config.write_text(json.dumps(data, indent=2, default=str))
+    with private_open(tmp_config, "w") as f:
+        f.write(json.dumps(data, indent=2, default=str))
     os.replace(tmp_weights, out_dir / ADAPTER_WEIGHTS)
     os.replace(tmp_config, out_dir / ADAPTER_CONFIG)
 

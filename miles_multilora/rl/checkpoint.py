@@ -13,6 +13,9 @@ wrote their shard, so a crash at any point leaves either the previous complete c
 A run's directory is its own (keyed by the controller's run id, unique per registration), so a
 re-registered name never shares, prunes or resumes another run's checkpoints; retention only
 deletes inside it. Shards load with ``torch.load(weights_only=True)``: tensors and plain values only.
+Every directory is ``0700`` and every file ``0600`` (:mod:`miles_multilora.private_files`). A save
+past its tenant's byte quota or below the free-disk floor is refused and its staging directory
+removed (:mod:`~miles_multilora.rl.checkpoint_quota`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from miles_multilora.controller.quotas import tenant_of
 from miles_multilora.controller.snapshot import SlotAssignment
+from miles_multilora.private_files import make_private, private_dir, private_open
+from miles_multilora.rl.checkpoint_quota import DiskLimits, QuotaExceeded, check_free_disk, usage_of
 from miles_multilora.rl.faults import failure_reason, first_error
 
 COMPLETE_MARKER = "COMPLETE"
@@ -72,12 +78,14 @@ def latest_run_dir(output_dir: str | Path, adapter: str) -> Path | None:
 
 
 def finalize(stage: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write state.json and the marker, rename the staging dir into place, apply retention."""
-    (stage / "state.json").write_text(json.dumps(state, indent=1, default=str))
-    (stage / COMPLETE_MARKER).write_text("ok\n")
-    for f in (stage / "state.json", stage / COMPLETE_MARKER):
-        with open(f, "rb") as fh:
+    """Write state.json and the marker, rename the staging dir into place (owner-only, whatever
+    wrote into it), apply retention."""
+    for name, text in (("state.json", json.dumps(state, indent=1, default=str)), (COMPLETE_MARKER, "ok\n")):
+        with private_open(stage / name, "w") as fh:
+            fh.write(text)
+            fh.flush()
             os.fsync(fh.fileno())
+    make_private(stage)
     final = stage.parent / stage.name.removeprefix(".tmp-")
     if final.exists():
         shutil.rmtree(final)
@@ -112,38 +120,72 @@ class SlotWriter(Protocol):
     def broadcast(self, value: Any) -> Any: ...
 
 
+class SavedCheckpoint(str):
+    """A complete checkpoint's path, with its tenant's checkpoint bytes after the save
+    (``tenant_bytes``, what the step's metrics show as ``checkpoint/tenant_bytes``)."""
+
+    tenant_bytes: int
+
+    def __new__(cls, path: str, tenant_bytes: int) -> SavedCheckpoint:
+        saved = super().__new__(cls, path)
+        saved.tenant_bytes = tenant_bytes
+        return saved
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return SavedCheckpoint, (str(self), self.tenant_bytes)
+
+
 def write_checkpoint(
-    rank: SlotWriter, output_dir: str | Path, assignment: SlotAssignment, data: dict[str, Any], keep: int
-) -> str:
+    rank: SlotWriter,
+    output_dir: str | Path,
+    assignment: SlotAssignment,
+    data: dict[str, Any],
+    keep: int,
+    limits: DiskLimits = DiskLimits(),
+) -> SavedCheckpoint:
     """Checkpoint ``assignment``'s slot at its current version (a collective: every rank calls it):
     the rank's slot shards and PEFT export, then ``state.json`` with ``data`` (its data-source
-    offsets) and the marker. A failure on any rank raises :class:`CheckpointError` on every rank,
-    and nothing half written is ever read (the staging directory never gets its marker)."""
+    offsets) and the marker. A failure on any rank, or a save past ``limits`` (checked by the
+    writer once every shard is written), raises :class:`CheckpointError` on every rank; the
+    staging directory is removed and nothing half written is ever read."""
     step = rank.version(assignment.slot)
-    stage = staging_dir(run_dir(output_dir, assignment.name, assignment.run_id), step)
+    run = run_dir(output_dir, assignment.name, assignment.run_id)
+    stage = staging_dir(run, step)
     error = None
     try:
+        check_free_disk(output_dir, limits)  # before writing anything (again once it is written)
+        private_dir(stage)
         rank.save_slot(assignment.slot, stage)  # one shard per TP rank, written by DP rank 0
         rank.export_peft(assignment.slot, stage / "adapter")
+    except QuotaExceeded as exc:
+        error = f"checkpoint step {step} refused: {exc}"
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = failure_reason(f"writing checkpoint step {step} on rank {rank.global_rank}", exc)
     error = first_error(rank.gather(error))
-    final = stage.parent / step_name(step)
-    if error is None and rank.is_writer:
-        state = {
-            "adapter": assignment.name,
-            "run_id": assignment.run_id,
-            "step": step,
-            "version": step,
-            "spec": assignment.spec.to_dict(),
-            "data": data,
-            "time": time.time(),
-        }
-        try:
-            final = finalize(stage, state, keep=keep)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = failure_reason(f"finalising checkpoint step {step}", exc)
-    error = rank.broadcast(error)
+    final, tenant_bytes = stage.parent / step_name(step), 0
+    if rank.is_writer:
+        if error is None:
+            state = {
+                "adapter": assignment.name,
+                "run_id": assignment.run_id,
+                "step": step,
+                "version": step,
+                "spec": assignment.spec.to_dict(),
+                "data": data,
+                "time": time.time(),
+            }
+            tenant, usage = tenant_of(assignment.spec), usage_of(output_dir)
+            try:
+                usage.admit(stage, run, tenant, keep, limits)
+                final = finalize(stage, state, keep=keep)
+                tenant_bytes = usage.update(run, tenant)
+            except QuotaExceeded as exc:
+                error = f"checkpoint step {step} refused: {exc}"
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = failure_reason(f"finalising checkpoint step {step}", exc)
+        if error is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+    error, tenant_bytes = rank.broadcast((error, tenant_bytes))
     if error is not None:
         raise CheckpointError(error)
-    return str(final)
+    return SavedCheckpoint(str(final), tenant_bytes)

@@ -25,6 +25,7 @@ from miles_multilora.data.reward_process import RewardProcessLimits
 from miles_multilora.data.reward_registry import import_reward_modules
 from miles_multilora.rl.adapters import ResidentAdapter, Residents
 from miles_multilora.rl.checkpoint import CheckpointError, write_checkpoint
+from miles_multilora.rl.checkpoint_quota import DiskLimits
 from miles_multilora.rl.continuous import ContinuousRollout, staleness_metrics
 from miles_multilora.rl.evaluation import eval_due, evaluate, start_eval_due
 from miles_multilora.rl.faults import AdapterFailures, failure_reason
@@ -345,6 +346,7 @@ class RLStep:
             checkpoint = self._checkpoint(name, failures)
             if checkpoint is None:
                 return None
+            metrics["checkpoint/tenant_bytes"] = getattr(checkpoint, "tenant_bytes", None)
         if done:
             final = checkpoint or self._checkpoint(name, failures)
             if final is None:
@@ -399,6 +401,7 @@ class RLStep:
             self.rank, Path(self.cfg.trainer.output_dir), adapter.assignment,
             self.data.adapter_state(name, untrained),
             self.cfg.trainer.keep_checkpoints,
+            DiskLimits(self.cfg.trainer.max_checkpoint_bytes_per_tenant, self.cfg.trainer.min_free_disk_bytes),
         )  # fmt: skip
 
     def _checkpoint(self, name: str, failures: AdapterFailures) -> str | None:

@@ -241,6 +241,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         return {
             "checkpoints": [checkpoint_json(r, c) for r, c in found[offset : offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
+            "usage": catalog.usage(tenant_of(request)),  # against the key's quotas (0: no limit)
         }
 
     @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}")

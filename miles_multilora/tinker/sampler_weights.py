@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_multilora.config.run import TinkerConfig
+from miles_multilora.disk_usage import low_disk
 from miles_multilora.tinker.backend import TinkerBackend, TinkerError
-from miles_multilora.tinker.catalog import SAMPLER, Catalog, dir_size
+from miles_multilora.tinker.catalog import SAMPLER, Catalog
 from miles_multilora.tinker.registry import OwnedModel, Unknown
 
 UNNAMED = "sampler_sessions"  # <state_dir>/<tenant>/sampler_sessions/<session>/<n>/
@@ -77,26 +78,18 @@ class SamplerWeights:
         """Write the model's weights as ``tinker://<run>/sampler_weights/<name>`` (replacing a save
         of that name) and record it in the catalog."""
         self.catalog.check_room(tenant, owned.run_id, SAMPLER, name)
-        target = self.catalog.files_of(tenant, owned.run_id, SAMPLER, name)
-        staging = target.with_name(f".{name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = self.catalog.staging_of(tenant, owned.run_id, SAMPLER, name)
         try:
             self.backend.save_sampler_weights(owned.model_id, staging)
-            old = self._named(tenant, owned.run_id, name)
-            if target.exists():
-                trash = target.with_name(f".{name}.replaced")
-                shutil.rmtree(trash, ignore_errors=True)
-                target.replace(trash)
-                shutil.rmtree(trash, ignore_errors=True)
-            staging.replace(target)
-        finally:
+        except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            raise
+        old = self._named(tenant, owned.run_id, name)
+        record = self.catalog.put(
+            tenant, owned.run_id, SAMPLER, name, staging, ttl_s=ttl_s, user_metadata=user_metadata
+        )
         if old is not None:
             self.forget(old)
-        record = self.catalog.add_checkpoint(
-            tenant, owned.run_id, SAMPLER, name, size_bytes=dir_size(target), ttl_s=ttl_s,
-            user_metadata=user_metadata,
-        )  # fmt: skip
         saved = self._as_named(tenant, owned.run_id, name, record.created)
         self._note_source(saved, owned.model_id)
         return saved
@@ -111,6 +104,9 @@ class SamplerWeights:
             session_id=owned.session_id,
         )  # fmt: skip
         self.forget(saved)  # the same sampler saved again (a retried request): replaced
+        why = low_disk(self.catalog.root, self.catalog.min_free_bytes, "tinker.min_free_disk_bytes")
+        if why is not None:
+            raise TinkerError("sampler", why)
         self.backend.save_sampler_weights(owned.model_id, directory)
         with self._lock:
             self._unnamed[saved.key] = saved

@@ -39,7 +39,7 @@ from miles_multilora.tinker.backend import (
     TinkerError,
     read_state,
 )
-from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog, dir_size
+from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog
 from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import OwnedModel, Registry, Sampler, Unknown
@@ -89,6 +89,7 @@ class ServerState:
         )
         self.catalog = Catalog(
             self.state_dir, max_checkpoints=s.max_checkpoints, max_runs=s.max_runs,
+            max_bytes=s.max_checkpoint_bytes_per_tenant, min_free_bytes=s.min_free_disk_bytes,
             live_runs=self.registry.live_runs,
         )  # fmt: skip
         self.sampler_weights = SamplerWeights(self.catalog, self.backend, s)
@@ -233,11 +234,15 @@ class ServerState:
         if target.exists() and not overwrite:
             raise TinkerError("path", f"{path} exists; pass overwrite=True or choose another name")
         self.catalog.check_room(tenant, owned.run_id, TRAINING, name)
-        self.backend.save_state(owned.model_id, target)
-        self.catalog.add_checkpoint(
-            tenant, owned.run_id, TRAINING, name, size_bytes=dir_size(target), ttl_s=ttl_s,
-            user_metadata=user_metadata,
-        )  # fmt: skip
+        staging = self.catalog.staging_of(tenant, owned.run_id, TRAINING, name)
+        try:
+            self.backend.save_state(owned.model_id, staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self.catalog.put(
+            tenant, owned.run_id, TRAINING, name, staging, ttl_s=ttl_s, user_metadata=user_metadata
+        )
         return {"type": "save_weights", "path": path}
 
     def save_external(self, tenant: str, owned: OwnedModel, name: str, ttl_s: int | None) -> dict[str, Any]:
@@ -247,18 +252,16 @@ class ServerState:
         if target.exists():
             raise TinkerError("path", f"{path} exists; delete it or choose another name")
         self.catalog.check_room(tenant, owned.run_id, EXTERNAL, name)
-        staging = target.with_name(f".{name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = self.catalog.staging_of(tenant, owned.run_id, EXTERNAL, name)
         try:
             self.backend.export_peft(owned.model_id, staging)
-            staging.replace(target)
-        finally:
+        except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
-        size = dir_size(target)
-        self.catalog.add_checkpoint(
-            tenant, owned.run_id, EXTERNAL, name, size_bytes=size, ttl_s=ttl_s, user_metadata=None
+            raise
+        record = self.catalog.put(
+            tenant, owned.run_id, EXTERNAL, name, staging, ttl_s=ttl_s, user_metadata=None
         )
-        return {"type": "save_weights_external", "path": path, "size_bytes": size}
+        return {"type": "save_weights_external", "path": path, "size_bytes": record.size_bytes}
 
     def weights_of(self, tenant: str, path: str) -> Path:
         """Where ``tinker://<run>/weights/<name>`` lives: the tenant's own, or a published one."""

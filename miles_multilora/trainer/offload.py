@@ -24,6 +24,7 @@ import torch
 
 from miles_multilora.config.adapter import OptimizerSpec
 from miles_multilora.lora.slots import slot_state
+from miles_multilora.private_files import private_open
 from miles_multilora.trainer import shard
 from miles_multilora.trainer.host_copies import (
     HostPack,
@@ -98,7 +99,8 @@ class ParkedSlot:
             saved = cloned(saved)  # a view of a packed buffer would save the whole buffer
         shard.write_shard(directory, tp_rank, saved["slot"], saved["optimizer"], self.meta)
         if saved["grads"]:
-            torch.save(saved["grads"], directory / f"grads_rank{tp_rank}.pt")
+            with private_open(directory / f"grads_rank{tp_rank}.pt", "wb") as f:
+                torch.save(saved["grads"], f)
         self.path, self.saved, self.pack, self.staged, self.rows = directory, None, None, None, None
 
     def state(self, tp_rank: int) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from miles_multilora.private_files import private_open
+
 
 @dataclass(frozen=True)
 class SlotMeta:
@@ -95,9 +97,9 @@ def write_shard(
 ) -> Path:
     """Write TP rank ``tp_rank``'s shard into ``directory`` (created), atomically."""
     path = shard_path(directory, tp_rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.part")
-    torch.save({"slot": slot, "optimizer": optimizer, "meta": meta_dict(meta)}, tmp)
+    with private_open(tmp, "wb") as f:  # 0600, its directories 0700
+        torch.save({"slot": slot, "optimizer": optimizer, "meta": meta_dict(meta)}, f)
     os.replace(tmp, path)
     return path
 

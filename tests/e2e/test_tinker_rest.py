@@ -83,7 +83,7 @@ def test_runs_are_listed_and_got_with_their_user_metadata(trained: dict[str, Any
         rest.list_training_runs(limit=0).result()
 
 
-def test_checkpoints_are_listed_per_run_and_across_runs(trained: dict[str, Any]) -> None:
+def test_checkpoints_are_listed_per_run_and_across_runs(served: Served, trained: dict[str, Any]) -> None:
     rest, run = trained["rest_a"], trained["run"]
     listed = rest.list_checkpoints(run).result()
     kinds = {c.tinker_path: c.checkpoint_type for c in listed.checkpoints}
@@ -99,6 +99,11 @@ def test_checkpoints_are_listed_per_run_and_across_runs(trained: dict[str, Any])
     assert len(everything.checkpoints) == 2 and everything.cursor.total_count == 3
     rest_page = rest.list_user_checkpoints(limit=2, offset=2).result().checkpoints
     assert {c.tinker_path for c in everything.checkpoints + rest_page} == set(kinds)
+    raw = requests.get(f"{served.url}/api/v1/checkpoints", headers={"X-API-Key": KEY_A}, timeout=10).json()
+    assert raw["usage"] == {  # the key's checkpoints against its quotas (tinker.max_checkpoint_bytes_per_tenant)
+        "checkpoints": 3, "max_checkpoints": 10_000,
+        "bytes": sum(c.size_bytes or 0 for c in listed.checkpoints), "max_bytes": 100 * 2**30,
+    }  # fmt: skip
     info = rest.get_weights_info_by_tinker_path(trained["state"]).result()
     assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
 

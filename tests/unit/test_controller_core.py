@@ -209,6 +209,23 @@ def test_too_many_live_adapters_are_refused():
     core.register(spec("c"))
 
 
+def test_one_tenant_cannot_fill_the_pool_of_live_adapters():
+    rules = AdmissionRules(max_live_adapters=4, max_live_adapters_per_tenant=2)
+    core = ControllerCore(num_slots=1, max_rank=16, rules=rules)
+    core.register(spec("a1", tenant="team"))
+    core.register(spec("a2", tenant="team"))
+    before = core.list(all_runs=True)
+    with pytest.raises(AdapterConflictError, match="controller.max_live_adapters_per_tenant") as info:
+        core.register(spec("a3", tenant="team"))
+    assert "'team' already has 2 adapters" in str(info.value) and core.list(all_runs=True) == before
+    core.register(spec("b1", tenant="other"))  # the pool has room for the other tenants
+    core.register(spec("c1"))  # its own tenant
+    core.cancel("a1")  # PENDING -> CANCELLED: room in its tenant's share
+    core.register(spec("a3", tenant="team"))
+    with pytest.raises(AdapterConflictError, match="controller.max_live_adapters\\)"):
+        core.register(spec("d1"))  # the pool itself is full
+
+
 def test_resource_validator_runs_on_the_parsed_spec_and_its_error_changes_nothing():
     seen: list[AdapterSpec] = []
 

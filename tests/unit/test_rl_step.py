@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.controller import ControllerCore, StepReport
+from miles_multilora.disk_usage import dir_size
 from miles_multilora.rl import RLStep
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rollout import GenerationRequest
@@ -122,6 +123,10 @@ def test_budgets_checkpoints_and_evals_keep_their_cadence(tmp_path: Path) -> Non
         "c": ("DONE", 1),
     }
     assert records["a"]["last_checkpoint"] == a_final
+    a_bytes = dir_size(ckpt.run_dir(tmp_path / "out", "a", "a-1"))  # its tenant's: its own name
+    assert records["a"]["metrics"][-1]["checkpoint/tenant_bytes"] == a_bytes  # what `status a` shows
+    per_step = [r.metrics.get("checkpoint/tenant_bytes") for rep in reports if (r := rep.results.get("a"))]
+    assert per_step[0] is None and per_step[1] > 0 and per_step[2] is None and per_step[3] == a_bytes
     assert [r.cleared for r in reports] == [(), (), (1, 2), (), (0,)]  # each slot once its adapter is done
     assert {0, 1, 2} <= set(fake.closed) and not reports[-1].results
     assert not steps[0].residents.get("a") and fake.slots == {}

@@ -1,7 +1,8 @@
 """Per-tenant quotas in the real controller core (no Ray, a clock the test moves): a tenant at its
 max_running waits PENDING while other tenants' later adapters are admitted; a tenant past its
 tokens_per_hour gets no turn in the slots until the hour slides (and a restart keeps the window);
-queue times grow while an adapter waits and stand still once it runs; bad quotas name the key."""
+queue times grow while an adapter waits and stand still once it runs; a priority above the tenant's
+bound is refused; bad quotas name the key."""
 
 from __future__ import annotations
 
@@ -165,6 +166,23 @@ def test_queue_times_grow_while_waiting_and_stand_still_once_running() -> None:
     assert state["z"]["parked_s"] == 150 and state["y"]["parked_s"] == 40 + 105
 
 
+def test_a_priority_above_the_tenants_bound_is_refused_naming_the_setting() -> None:
+    policy = ResidencyPolicy(quotas=quotas(vip=TenantQuota(max_priority=50)))
+    core = ControllerCore(num_slots=1, max_rank=16, residency=policy)
+    for name, tenant, priority, setting in (
+        ("greedy", None, 100, "controller.default_tenant_quota.max_priority"),  # default bound: 0
+        ("pushy", "team-a", 1, "controller.default_tenant_quota.max_priority"),
+        ("vip-max", "vip", 51, "controller.tenant_quotas.vip.max_priority"),
+    ):
+        with pytest.raises(SpecError) as info:
+            core.register({**spec(name, tenant), "priority": priority})
+        assert info.value.key == "priority" and setting in info.value.message
+    assert core.list() == []  # nothing registered
+    assert core.register({**spec("polite", "team-a"), "priority": -5})["spec"]["priority"] == -5
+    assert core.register({**spec("ok", "team-a"), "priority": 0})["state"] == "PENDING"
+    assert core.register({**spec("vip-a", "vip"), "priority": 50})["spec"]["priority"] == 50
+
+
 def test_bad_quotas_and_tenants_name_the_key(tmp_path: Path) -> None:
     from miles_multilora.config.run import config_from_container, load_run_config
 
@@ -184,6 +202,8 @@ def test_bad_quotas_and_tenants_name_the_key(tmp_path: Path) -> None:
         ({"tenant_quotas": {"bad name": {"max_running": 1}}}, "controller.tenant_quotas.bad name"),
         ({"tenant_quotas": {"alice": {"max_runing": 1}}}, "controller.tenant_quotas.alice.max_runing"),
         ({"tenant_quotas": {"alice": 3}}, "controller.tenant_quotas.alice"),
+        ({"tenant_quotas": {"alice": {"max_priority": 101}}}, "controller.tenant_quotas.alice.max_priority"),
+        ({"default_tenant_quota": {"max_priority": -101}}, "controller.default_tenant_quota.max_priority"),
     ):
         assert refused(controller) == key
     assert refused({}, {"max_models": 8, "max_models_per_tenant": 0}) == "tinker.max_models_per_tenant"
