@@ -285,3 +285,16 @@ def test_after_a_restart_a_spec_that_now_fails_is_failed_with_the_reason_and_the
     )
     assert records["fine"]["state"] == "RUNNING"
     assert [a.name for a in restored.snapshot().running] == ["fine"]
+
+
+def test_the_service_admits_specs_against_its_models_vocabulary(tmp_path):
+    from miles_multilora.launch.startup import admission_rules
+    from tests.e2e.conftest import tiny_run_config
+
+    cfg = tiny_run_config(tmp_path, [])
+    rules = admission_rules(cfg)
+    assert rules.vocab_size == cfg.model.tiny.vocab_size
+    rules.check(parse_adapter_spec(spec("edge", sampling={"top_k": rules.vocab_size})), remote=True)
+    with pytest.raises(SpecError, match=f"1..{rules.vocab_size} .the model's vocabulary") as info:
+        rules.check(parse_adapter_spec(spec("over", sampling={"top_k": rules.vocab_size + 1})), remote=True)
+    assert info.value.key == "sampling.top_k"
