@@ -298,3 +298,13 @@ def test_the_service_admits_specs_against_its_models_vocabulary(tmp_path):
     with pytest.raises(SpecError, match=f"1..{rules.vocab_size} .the model's vocabulary") as info:
         rules.check(parse_adapter_spec(spec("over", sampling={"top_k": rules.vocab_size + 1})), remote=True)
     assert info.value.key == "sampling.top_k"
+
+
+def test_a_yaml_spec_reads_exponent_numbers_as_numbers_and_quoted_ones_as_strings():
+    """``lr: 1e-4`` is a number (YAML 1.2; PyYAML's 1.1 reads a string, which strict types refuse)."""
+    text = "name: y\nnum_steps: 2\ndataset: {task: basic_arithmetic}\noptimizer: {lr: 1e-4, eps: 1E-8}\n"
+    parsed = parse_adapter_spec(text)
+    assert (parsed.optimizer.lr, parsed.optimizer.eps) == (1e-4, 1e-8)
+    with pytest.raises(SpecError) as info:
+        parse_adapter_spec(text.replace("lr: 1e-4", "lr: '1e-4'"))
+    assert info.value.key == "optimizer.lr" and "must be a number" in info.value.message
