@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+from miles_multilora.config import strict
 from miles_multilora.config.lora_targets import check_targets
 from miles_multilora.config.safe_yaml import load_yaml_no_aliases
 from miles_multilora.config.template import parse_template
@@ -33,6 +33,10 @@ MAX_REGEX_CHARS = 1024  # reward.format_regex
 # Below this (and above 0 = greedy) logits / temperature overflow: every loss is NaN, no step applies.
 MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_INT64 = 2**63 - 1  # every integer of a spec fits a signed 64-bit tensor; seeds are in 0..MAX_INT64
+# top_k and token ids where the model's vocabulary is not known (the engines hold them as int32);
+# where it is known they must be within it (check_sampling_vocab)
+MAX_TOKEN_ID = 2**31 - 1
 # Upper bounds that keep one spec from asking for unbounded work or memory.
 LIMITS = {
     "n_samples_per_prompt": 1024,
@@ -43,6 +47,15 @@ LIMITS = {
     "reward.timeout_s": 3600.0,
     "reward.max_consecutive_failures": 1000,
     "optimizer.lr": 1.0,
+    "optimizer.eps": 1.0,
+    "optimizer.clip_grad": 1e6,
+    "optimizer.warmup_steps": 10_000_000,
+    "optimizer.total_steps": 10_000_000,
+    "rank": 65536,
+    "save_interval": 10_000_000,
+    "reward.format_weight": 1e3,
+    "reward.overlong_buffer_len": 131072,
+    "reward.overlong_penalty_factor": 1e3,
     "alpha": 1e6,
     "num_steps": 10_000_000,
     "num_epochs": 1_000_000,
@@ -209,14 +222,17 @@ def _check(cond: bool, key: str, message: str) -> None:
         raise SpecError(key, message)
 
 
-def _check_finite(node: Any, prefix: str = "") -> None:
-    """Every float of the spec (nested dataclasses included) must be finite."""
+def _check_numbers(node: Any, prefix: str = "") -> None:
+    """Every float of the spec (nested dataclasses included) is finite, every integer (in lists too)
+    fits a signed 64-bit integer."""
     for f in fields(node):
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
-            _check_finite(value, f"{key}.")
+            _check_numbers(value, f"{key}.")
         elif isinstance(value, float):
             _check(math.isfinite(value), key, f"must be a finite number, got {value}")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _check(abs(value) <= MAX_INT64, key, f"{strict.shown(value)} does not fit a 64-bit integer")
 
 
 def _check_max(key: str, value: float) -> None:
@@ -224,8 +240,127 @@ def _check_max(key: str, value: float) -> None:
     _check(value <= limit, key, f"{value} is above the limit of {limit}")
 
 
-def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> AdapterSpec:
-    """Semantic checks that the schema cannot express. Raises :class:`SpecError`."""
+def _check_seed(key: str, value: int | None) -> None:
+    if value is not None:
+        _check(0 <= value <= MAX_INT64, key, f"must be in 0..{MAX_INT64} (2**63 - 1), got {value}")
+
+
+def check_optimizer(opt: OptimizerSpec, prefix: str = "optimizer.", zero_lr: bool = False) -> None:
+    """AdamW settings the optimizer can apply: finite, ``lr`` in (0, 1] (``zero_lr``: [0, 1]),
+    betas in [0, 1), ``eps`` in (0, 1], ``lr * weight_decay <= 1`` (the decay factor
+    ``1 - lr * weight_decay`` stays >= 0). Keys are ``prefix`` + the field name."""
+    for f in fields(opt):
+        value = getattr(opt, f.name)
+        if isinstance(value, float):
+            _check(math.isfinite(value), f"{prefix}{f.name}", f"must be a finite number, got {value}")
+    top = LIMITS["optimizer.lr"]
+    _check(
+        (opt.lr >= 0 if zero_lr else opt.lr > 0) and opt.lr <= top,
+        f"{prefix}lr",
+        f"must be in {'[' if zero_lr else '('}0, {top:g}], got {opt.lr:g}",
+    )
+    _check(
+        opt.schedule in LR_SCHEDULES,
+        f"{prefix}schedule",
+        f"must be one of {LR_SCHEDULES}, got {opt.schedule!r}",
+    )
+    _check(opt.warmup_steps >= 0, f"{prefix}warmup_steps", "must be >= 0")
+    _check(0.0 <= opt.min_lr_ratio <= 1.0, f"{prefix}min_lr_ratio", "must be in [0, 1]")
+    _check(0.0 <= opt.beta1 < 1.0, f"{prefix}beta1", f"must be in [0, 1), got {opt.beta1}")
+    _check(0.0 <= opt.beta2 < 1.0, f"{prefix}beta2", f"must be in [0, 1), got {opt.beta2}")
+    _check(
+        0.0 < opt.eps <= LIMITS["optimizer.eps"],
+        f"{prefix}eps",
+        f"must be in (0, {LIMITS['optimizer.eps']:g}], got {opt.eps:g} (e.g. 1e-8; 0 divides by zero)",
+    )
+    _check(opt.weight_decay >= 0, f"{prefix}weight_decay", f"must be >= 0, got {opt.weight_decay}")
+    _check(
+        opt.lr * opt.weight_decay <= 1.0,
+        f"{prefix}weight_decay",
+        f"lr * weight_decay must be <= 1 (each step multiplies the weights by 1 - lr * weight_decay), "
+        f"got {opt.lr:g} * {opt.weight_decay:g}",
+    )
+    _check(
+        0 <= opt.clip_grad <= LIMITS["optimizer.clip_grad"],
+        f"{prefix}clip_grad",
+        f"must be in [0, {LIMITS['optimizer.clip_grad']:g}] (0 disables clipping), got {opt.clip_grad}",
+    )
+    _check(opt.total_steps is None or opt.total_steps >= 1, f"{prefix}total_steps", "must be >= 1")
+    for key, value in (("warmup_steps", opt.warmup_steps), ("total_steps", opt.total_steps or 0)):
+        limit = LIMITS[f"optimizer.{key}"]
+        _check(value <= limit, f"{prefix}{key}", f"{value} is above the limit of {limit}")
+
+
+def check_sampling_vocab(sp: SamplingSpec, vocab_size: int, prefix: str = "sampling.") -> None:
+    """``top_k`` and ``stop_token_ids`` within the model's vocabulary of ``vocab_size`` tokens."""
+    _check(
+        sp.top_k <= vocab_size,
+        f"{prefix}top_k",
+        f"must be -1 (off) or 1..{vocab_size} (the model's vocabulary), got {strict.shown(sp.top_k)}",
+    )
+    for i, token in enumerate(sp.stop_token_ids):
+        _check(
+            0 <= token < vocab_size,
+            f"{prefix}stop_token_ids[{i}]",
+            f"{strict.shown(token)} is not a token id of the model: use 0..{vocab_size - 1}",
+        )
+
+
+def check_sampling(
+    sp: SamplingSpec, prefix: str = "sampling.", min_temperature: float = MIN_TEMPERATURE
+) -> None:
+    """Sampling settings every engine can represent and that sample something: temperature 0
+    (greedy) or in ``[min_temperature, 100]``, top_p in (0, 1], top_k -1 (off) or
+    ``1..MAX_TOKEN_ID``, max_new_tokens in 1..131072, at most 16 stop strings and stop token ids."""
+    for key in ("temperature", "top_p"):
+        value = getattr(sp, key)
+        _check(math.isfinite(value), f"{prefix}{key}", f"must be a finite number, got {value}")
+    _check(
+        sp.temperature == 0 or sp.temperature >= min_temperature,
+        f"{prefix}temperature",
+        f"must be 0 (greedy) or at least {min_temperature:g}, got {sp.temperature:g}: a smaller temperature "
+        "overflows the policy's log-probabilities (NaN loss, no step is ever applied)",
+    )
+    top = LIMITS["sampling.temperature"]
+    _check(sp.temperature <= top, f"{prefix}temperature", f"{sp.temperature:g} is above the limit of {top:g}")
+    _check(0 < sp.top_p <= 1, f"{prefix}top_p", f"must be in (0, 1], got {sp.top_p}")
+    _check(
+        sp.top_k == -1 or 1 <= sp.top_k <= MAX_TOKEN_ID,
+        f"{prefix}top_k",
+        f"must be -1 (off) or 1..{MAX_TOKEN_ID} (and at most the model's vocabulary), got {strict.shown(sp.top_k)}",
+    )
+    limit = LIMITS["sampling.max_new_tokens"]
+    _check(
+        1 <= sp.max_new_tokens <= limit,
+        f"{prefix}max_new_tokens",
+        f"must be in 1..{limit}, got {strict.shown(sp.max_new_tokens)}",
+    )
+    _check(len(sp.stop) <= MAX_STOP_STRINGS, f"{prefix}stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for i, stop in enumerate(sp.stop):
+        _check(
+            isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_CHARS,
+            f"{prefix}stop[{i}]",
+            f"must be a string of 1-{MAX_STOP_CHARS} characters",
+        )
+    _check(
+        len(sp.stop_token_ids) <= MAX_STOP_STRINGS,
+        f"{prefix}stop_token_ids",
+        f"at most {MAX_STOP_STRINGS} stop token ids",
+    )
+    for i, token in enumerate(sp.stop_token_ids):
+        _check(
+            isinstance(token, int) and not isinstance(token, bool) and 0 <= token <= MAX_TOKEN_ID,
+            f"{prefix}stop_token_ids[{i}]",
+            f"must be a token id (an integer in 0..{MAX_TOKEN_ID}, and below the model's vocabulary size), "
+            f"got {strict.shown(token)}",
+        )
+
+
+def validate_adapter_spec(
+    spec: AdapterSpec, max_rank: int | None = None, vocab_size: int | None = None
+) -> AdapterSpec:
+    """Semantic checks that the schema cannot express (``vocab_size``: the model's vocabulary, when
+    known, bounds ``sampling.top_k`` and ``sampling.stop_token_ids``). Raises :class:`SpecError`."""
     _check(
         isinstance(spec.name, str) and bool(ADAPTER_NAME_PATTERN.match(spec.name)),
         "name",
@@ -233,12 +368,16 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
         "with at least one letter or digit, not starting with '.' or '-'",
     )
     _check(
-        spec.tenant is None or bool(ADAPTER_NAME_PATTERN.match(spec.tenant)),
+        spec.tenant is None
+        or (isinstance(spec.tenant, str) and bool(ADAPTER_NAME_PATTERN.match(spec.tenant))),
         "tenant",
         f"{spec.tenant!r} is not a valid tenant name: use 1-64 characters from A-Z a-z 0-9 . _ -, "
         "with at least one letter or digit, not starting with '.' or '-' (or leave it out: the adapter's name)",
     )
-    _check_finite(spec)
+    check_sampling(spec.sampling)  # first: its errors name the ranges, also of a huge value
+    if vocab_size is not None:
+        check_sampling_vocab(spec.sampling, vocab_size)
+    _check_numbers(spec)
     _check(spec.rank >= 1, "rank", f"must be >= 1, got {spec.rank}")
     if max_rank is not None:
         _check(spec.rank <= max_rank, "rank", f"{spec.rank} exceeds the model's max_rank {max_rank}")
@@ -246,18 +385,7 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     if spec.lora_targets is not None:  # which of them the model wraps: AdmissionRules.lora_families
         spec.lora_targets = list(check_targets(spec.lora_targets))
     opt = spec.optimizer
-    _check(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
-    _check(
-        opt.schedule in LR_SCHEDULES,
-        "optimizer.schedule",
-        f"must be one of {LR_SCHEDULES}, got {opt.schedule!r}",
-    )
-    _check(opt.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
-    _check(0.0 <= opt.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", "must be in [0, 1]")
-    _check(0.0 <= opt.beta1 < 1.0, "optimizer.beta1", "must be in [0, 1)")
-    _check(0.0 <= opt.beta2 < 1.0, "optimizer.beta2", "must be in [0, 1)")
-    _check(opt.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
-    _check(opt.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0 (0 disables clipping)")
+    check_optimizer(opt)
     ds = spec.dataset
     _check(
         (ds.path is None) != (ds.task is None),
@@ -265,21 +393,23 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
         "set exactly one of dataset.path (an HF dataset file/dir/hub id) or dataset.task (a reasoning-gym task)",
     )
     _check(ds.size >= 1, "dataset.size", "must be >= 1")
+    _check_seed("dataset.seed", ds.seed)
+    _check(
+        ds.seed + ds.size <= MAX_INT64, "dataset.seed", f"dataset.seed + dataset.size must be <= {MAX_INT64}"
+    )
+    _check_seed("seed", spec.seed)
     rw = spec.reward
     _check(bool(rw.type), "reward.type", "must name a built-in reward or a module:function")
     _check(rw.extract in EXTRACTION_RULES, "reward.extract", f"must be one of {EXTRACTION_RULES}")
     _check(rw.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _check(rw.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")
     _check(rw.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
-    sp = spec.sampling
+    _check(rw.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0")
     _check(
-        sp.temperature == 0 or sp.temperature >= MIN_TEMPERATURE,
-        "sampling.temperature",
-        f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {sp.temperature:g}: a smaller temperature "
-        "overflows the policy's log-probabilities (NaN loss, no step is ever applied)",
+        abs(rw.format_weight) <= LIMITS["reward.format_weight"],
+        "reward.format_weight",
+        f"must be in -{LIMITS['reward.format_weight']:g}..{LIMITS['reward.format_weight']:g}",
     )
-    _check(0 < sp.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
-    _check(sp.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
     _check(spec.n_samples_per_prompt >= 1, "n_samples_per_prompt", "must be >= 1")
     _check(spec.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
     _check(
@@ -294,23 +424,6 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
     _check(spec.save_interval >= 0, "save_interval", "must be >= 0")
     _check(-100 <= spec.priority <= 100, "priority", f"must be in -100..100, got {spec.priority}")
     _check(0.01 <= spec.share <= 100, "share", f"must be in 0.01..100, got {spec.share}")
-    _check(sp.top_k == -1 or sp.top_k >= 1, "sampling.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
-    _check(len(sp.stop) <= MAX_STOP_STRINGS, "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
-    for i, stop in enumerate(sp.stop):
-        _check(
-            0 < len(stop) <= MAX_STOP_CHARS, f"sampling.stop[{i}]", f"must have 1-{MAX_STOP_CHARS} characters"
-        )
-    _check(
-        len(sp.stop_token_ids) <= MAX_STOP_STRINGS,
-        "sampling.stop_token_ids",
-        f"at most {MAX_STOP_STRINGS} stop token ids",
-    )
-    for i, token in enumerate(sp.stop_token_ids):
-        _check(
-            isinstance(token, int) and not isinstance(token, bool) and token >= 0,
-            f"sampling.stop_token_ids[{i}]",
-            f"must be a token id (an integer >= 0), got {token!r}",
-        )
     for key, text in (
         ("prompt.template", spec.prompt.template),
         ("prompt.system_prompt", spec.prompt.system_prompt),
@@ -322,21 +435,21 @@ def validate_adapter_spec(spec: AdapterSpec, max_rank: int | None = None) -> Ada
         "reward.format_regex",
         f"longer than {MAX_REGEX_CHARS} characters",
     )
-    _check(opt.total_steps is None or opt.total_steps >= 1, "optimizer.total_steps", "must be >= 1")
     if spec.eval is not None:
         _validate_eval(spec)
     for key, value in (
         ("n_samples_per_prompt", spec.n_samples_per_prompt),
         ("prompts_per_step", spec.prompts_per_step),
         ("samples_per_step", spec.n_samples_per_prompt * spec.prompts_per_step),
-        ("sampling.max_new_tokens", sp.max_new_tokens),
-        ("sampling.temperature", sp.temperature),
         ("reward.timeout_s", rw.timeout_s),
         ("reward.max_consecutive_failures", rw.max_consecutive_failures),
-        ("optimizer.lr", opt.lr),
+        ("reward.overlong_buffer_len", rw.overlong_buffer_len),
+        ("reward.overlong_penalty_factor", rw.overlong_penalty_factor),
         ("alpha", spec.alpha),
+        ("rank", spec.rank),
         ("num_steps", spec.num_steps or 0),
         ("num_epochs", spec.num_epochs or 0),
+        ("save_interval", spec.save_interval),
         ("dataset.size", ds.size),
     ):
         _check_max(key, value)
@@ -370,6 +483,10 @@ def _validate_eval(spec: AdapterSpec) -> None:
             "is checked against the eval items)",
         )
         first, pool = eval_seed(spec), eval_pool_size(ev.size)
+        _check_seed("eval.seed", ev.seed)
+        _check(
+            first + pool <= MAX_INT64, "eval.seed", f"eval seeds {first}..{first + pool - 1} pass {MAX_INT64}"
+        )
         _check(
             first >= ds.seed + ds.size or first + pool <= ds.seed,
             "eval.seed",
@@ -443,20 +560,15 @@ def check_spec_size(data: dict[str, Any]) -> None:
 
 
 def parse_adapter_spec(
-    source: AdapterSpec | dict[str, Any] | str | Path, max_rank: int | None = None
+    source: AdapterSpec | dict[str, Any] | str | Path,
+    max_rank: int | None = None,
+    vocab_size: int | None = None,
 ) -> AdapterSpec:
-    """Build a validated :class:`AdapterSpec` from a dict, a YAML/JSON string or a file path.
+    """Build a validated :class:`AdapterSpec` from a dict, a YAML/JSON string or a file path, every
+    value taken as written (:mod:`~miles_multilora.config.strict`: no type coercion, no
+    interpolation).
 
     Raises :class:`SpecError` naming the key to change; nothing is modified on error.
     """
-    data = _load_source(source)
-    schema = OmegaConf.structured(AdapterSpec)
-    try:
-        merged = OmegaConf.merge(schema, data)
-        spec = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "<spec>"
-        msg = str(exc).splitlines()[0]
-        raise SpecError(str(key), msg) from exc
-    assert isinstance(spec, AdapterSpec)
-    return validate_adapter_spec(spec, max_rank=max_rank)
+    spec = strict.build(AdapterSpec, _load_source(source))
+    return validate_adapter_spec(spec, max_rank=max_rank, vocab_size=vocab_size)

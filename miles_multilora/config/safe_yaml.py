@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -19,6 +20,15 @@ class NoAliasSafeLoader(yaml.SafeLoader):
                 None, None, "YAML anchors and aliases (&name, *name) are not allowed", event.start_mark
             )
         return super().compose_node(parent, index)
+
+
+# YAML 1.2 floats that YAML 1.1 (PyYAML) reads as strings: ``1e-4``, ``5E3`` (no dot). A spec's numbers
+# are strictly typed (config/strict.py), so ``lr: 1e-4`` must load as the number it is.
+NoAliasSafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def load_yaml_no_aliases(text: str) -> Any:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_multilora.config.adapter import AdapterSpec
+from miles_multilora.config.adapter import AdapterSpec, check_sampling_vocab
 from miles_multilora.config.lora_targets import check_targets
 from miles_multilora.data.datasets import looks_local
 from miles_multilora.data.reward_registry import check_remote_reward
@@ -46,6 +46,8 @@ class AdmissionRules:
             process (reasoning-gym generation, compiling ``reward.format_regex``).
         lora_families: the module families the model's LoRA layers cover (``lora.target_modules``),
             which a spec's ``lora_targets`` must be among (None: not checked here).
+        vocab_size: the model's vocabulary, which bounds ``sampling.top_k`` and
+            ``sampling.stop_token_ids`` (None: not checked here; the engine refuses them later).
     """
 
     reward_modules: tuple[str, ...] = ()
@@ -55,6 +57,7 @@ class AdmissionRules:
     max_live_adapters_per_tenant: int = 100
     spec_checks: SpecCheckLimits = SpecCheckLimits()
     lora_families: tuple[str, ...] | None = None
+    vocab_size: int | None = None
 
     def check_spec_work(self, spec: AdapterSpec) -> None:
         """The bounded child-process checks (:mod:`miles_multilora.data.spec_checks`) for ``spec``;
@@ -63,6 +66,15 @@ class AdmissionRules:
 
     def check(self, spec: AdapterSpec, remote: bool) -> None:
         """Raise :class:`SpecError` naming the key when ``spec`` breaks a rule. Never imports code."""
+        self.check_model(spec)
+        if remote:
+            self._check_remote(spec)
+
+    def check_model(self, spec: AdapterSpec) -> None:
+        """The rules of the model: LoRA families, room in the context, the vocabulary (run again
+        for every live adapter the controller restores: the model may have changed)."""
+        if self.vocab_size is not None:
+            check_sampling_vocab(spec.sampling, self.vocab_size)
         if self.lora_families is not None:
             check_targets(spec.lora_targets, self.lora_families)
         if self.max_context is not None:
@@ -73,8 +85,8 @@ class AdmissionRules:
                     f"{spec.sampling.max_new_tokens} leaves no room for the prompt in the model's context "
                     f"of {self.max_context} tokens; use at most {self.max_context - 1 - MIN_PROMPT_TOKENS}",
                 )
-        if not remote:
-            return
+
+    def _check_remote(self, spec: AdapterSpec) -> None:
         check_remote_reward(spec.reward.type, self.reward_modules)
         eval_path = spec.eval.path if spec.eval is not None else None
         for key, path in (("dataset.path", spec.dataset.path), ("eval.path", eval_path)):

@@ -453,6 +453,7 @@ class ControllerCore:
                 )
                 continue
             try:
+                core.rules.check_model(record.spec)
                 core.rules.check_spec_work(record.spec)
             except SpecError as exc:
                 core._finish(record, AdapterState.FAILED, reason=f"after restart: {exc}")

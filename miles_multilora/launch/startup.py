@@ -24,7 +24,7 @@ from miles_multilora.launch.cluster import placement_lines
 from miles_multilora.launch.loop import run_loop
 from miles_multilora.launch.metrics import MetricsLogger, next_global_step
 from miles_multilora.launch.trainer_group import TrainerGroup
-from miles_multilora.models.paths import context_length
+from miles_multilora.models.paths import context_length, vocab_size
 from miles_multilora.private_files import private_dir, write_atomic
 
 
@@ -33,12 +33,14 @@ def controller_state_dir(cfg: RunConfig) -> Path:
 
 
 def admission_rules(cfg: RunConfig) -> AdmissionRules:
-    """The controller's rules for this run: reward modules, dataset roots, the model's context."""
+    """The controller's rules for this run: reward modules, dataset roots, the model's context and
+    vocabulary."""
     c = cfg.controller
     return AdmissionRules(
         reward_modules=tuple(c.reward_modules),
         dataset_roots=tuple(c.dataset_roots),
         max_context=context_length(cfg),
+        vocab_size=vocab_size(cfg),
         max_live_adapters=c.max_live_adapters,
         max_live_adapters_per_tenant=c.max_live_adapters_per_tenant,
         spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),

@@ -1,7 +1,7 @@
 """Where the configured model lives and how long its context is, without loading it.
 
 Light on purpose (JSON only, no torch or Megatron): the service driver and the controller's
-admission rules read the context window before any trainer rank exists.
+admission rules read the context window and the vocabulary size before any trainer rank exists.
 
 The context is the checkpoint's own ``max_position_embeddings`` (the tiny random model's
 ``model.tiny.max_seq_len``); ``model.max_context`` may lower it, never raise it.
@@ -73,3 +73,13 @@ def context_length(cfg: RunConfig) -> int:
         return capped_context(cfg, int(cfg.model.tiny.max_seq_len), "model.tiny.max_seq_len")
     native = read_checkpoint_config(path).get("max_position_embeddings")
     return capped_context(cfg, None if native is None else int(native), str(path / "config.json"))
+
+
+def vocab_size(cfg: RunConfig) -> int | None:
+    """The model's vocabulary size (the tokenizer's, as the trainer builds it), or None when the
+    checkpoint's config.json does not state it at its top level."""
+    path = resolve_model_path(cfg)
+    if path is None:
+        return int(cfg.model.tiny.vocab_size)
+    size = read_checkpoint_config(path).get("vocab_size")
+    return int(size) if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

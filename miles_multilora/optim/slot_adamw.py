@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miles_multilora.config.adapter import OptimizerSpec
+from miles_multilora.config.adapter import OptimizerSpec, check_optimizer
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.host_tensors import tensor_on
 from miles_multilora.lora.inject import multi_lora_layers
@@ -39,18 +39,9 @@ class SlotStepStats:
 
 
 def _check_spec(spec: OptimizerSpec) -> None:
-    checks = (
-        (spec.lr >= 0, "optimizer.lr", "must be >= 0 (0: the moments update, the weights stay)"),
-        (0 <= spec.beta1 < 1, "optimizer.beta1", "must be in [0, 1)"),
-        (0 <= spec.beta2 < 1, "optimizer.beta2", "must be in [0, 1)"),
-        (spec.eps > 0, "optimizer.eps", "must be > 0"),
-        (spec.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
-        (spec.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0 (0 disables)"),
-        (spec.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0"),
-    )
-    for ok, key, msg in checks:
-        if not ok:
-            raise SpecError(key, msg)
+    """The settings this optimizer can apply (a learning rate of 0 too: the moments update, the
+    weights stay), as the spec's own check."""
+    check_optimizer(spec, zero_lr=True)
 
 
 def fits_block(saved: tuple[int, ...], full: tuple[int, ...], cut: bool = True) -> bool:

@@ -67,7 +67,9 @@ def evaluate(
     groups = [g for g in groups if g.adapter not in failures]
     if not groups:
         return {}
-    generate(residents, groups)
+    groups = generate(residents, groups, failures)
+    if not groups:
+        return {}
     reports = score(residents, groups, rewards)
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(g.adapter for g in groups):

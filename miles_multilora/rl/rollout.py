@@ -21,7 +21,7 @@ from miles_multilora.data.reward_manager import AdapterRewards
 from miles_multilora.errors import SpecError
 from miles_multilora.rl.adapters import ResidentAdapter, Residents
 from miles_multilora.rl.faults import AdapterFailures
-from miles_multilora.rollout import GenerationRequest, GenerationResult
+from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.trainer.tokenizer import encode_prompt
 
 # the requests of one prompt: (adapter, its version, prompt ids, item) -> requests
@@ -111,10 +111,16 @@ def build_groups(
     return groups
 
 
-def generate(residents: Residents, groups: list[Group]) -> None:
-    """Sample every group (each on one DP rank; every rank gets every result)."""
+def generate(residents: Residents, groups: list[Group], failures: AdapterFailures) -> list[Group]:
+    """Sample every group (each on one DP rank; every rank gets every result); returns the groups
+    sampled. A group that fails the engine call alone (:meth:`~miles_multilora.trainer.rank.TrainerRank.sample`)
+    fails its adapter (the same on every rank), whose groups are left out."""
     for group, results in zip(groups, residents.rank.sample([g.requests for g in groups]), strict=True):
-        group.results = results
+        if isinstance(results, RolloutError):
+            failures.add(group.adapter, "generating its samples", results)
+        else:
+            group.results = results
+    return [g for g in groups if g.adapter not in failures]
 
 
 def score(residents: Residents, groups: list[Group], rewards: RewardManager) -> dict[str, AdapterRewards]:

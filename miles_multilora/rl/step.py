@@ -234,7 +234,7 @@ class RLStep:
         for name in failures.agree():  # every rank drops the same adapters
             self.residents.forget(name)
         groups = [g for g in groups if g.adapter not in failures]
-        self._generate(groups)
+        groups = self._generate(groups, failures)
         reports = score(self.residents, groups, self.rewards)
         if not self.algo.dynamic_sampling:
             return Rollout(groups, reports)
@@ -266,7 +266,8 @@ class RLStep:
             rollout.sampling.setdefault(name, {}).update(staleness_metrics(mine, self.version(name)))
         return rollout, set(ready)
 
-    def _generate(self, groups: list[Group]) -> None:
+    def _generate(self, groups: list[Group], failures: AdapterFailures) -> list[Group]:
+        """:func:`generate` (its groups of adapters that did not fail)."""
         dp = self.rank.layout.dp_size
         if dp > 1 and len(groups) < dp and not self._warned_small_step:
             self._warned_small_step = True
@@ -275,7 +276,7 @@ class RLStep:
                     "this step has %d groups for %d DP ranks: some ranks generate and train nothing "
                     "(raise prompts_per_step or lower model.dp)", len(groups), dp,
                 )  # fmt: skip
-        generate(self.residents, groups)
+        return generate(self.residents, groups, failures)
 
     def _dynamic_sampling(
         self, groups: list[Group], reports: dict[str, AdapterRewards], failures: AdapterFailures
@@ -294,7 +295,7 @@ class RLStep:
                 except Exception as exc:  # noqa: BLE001 - isolated per adapter
                     failures.add(name, "drawing more prompts (dynamic sampling)", exc)
             new = build_groups(self.residents, extra, training_requests, failures)
-            self._generate(new)
+            new = self._generate(new, failures)
             score(self.residents, new, self.rewards)
             out: dict[str, list[Group]] = {}
             for g in new:
@@ -306,7 +307,7 @@ class RLStep:
         result = dynamic_sampling(
             scored, targets, more, self.algo.max_refill_rounds, rewards_of=lambda g: g.rewards
         )
-        kept = [g for gs in result.groups.values() for g in gs]
+        kept = [g for gs in result.groups.values() for g in gs if g.adapter not in failures]
         return Rollout(kept, reports, {name: result.metrics(name) for name in scored})
 
     # ----------------------------------------------------------------- after training

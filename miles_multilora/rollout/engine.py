@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 
+from miles_multilora.config.adapter import MAX_INT64, MAX_TOKEN_ID
+from miles_multilora.config.strict import shown
 from miles_multilora.errors import MilesError
 from miles_multilora.rollout.types import (
     BASE_ADAPTER,
@@ -17,6 +20,36 @@ from miles_multilora.rollout.types import (
 
 class RolloutError(MilesError):
     """A rollout engine could not serve a request or apply an adapter update."""
+
+
+def _integer(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def unservable_sampling(req: GenerationRequest) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` when an engine cannot hold ``req``'s sampling values and seed in
+    its tensors, else None: finite temperature >= 0 and top_p in (0, 1], integer top_k in
+    -1..MAX_TOKEN_ID, max_new_tokens in 1..MAX_TOKEN_ID, seed in 0..2**63 - 1. The doors check more
+    (the spec's and the request's bounds); this is the engine's own guard, so that a value that
+    slipped past them fails its own request, never a batch."""
+    sp = req.sampling
+    for key in ("temperature", "top_p"):
+        value = getattr(sp, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return f"sampling.{key}", f"must be a finite number, got {shown(value)}"
+    if sp.temperature < 0:
+        return "sampling.temperature", f"must be >= 0, got {sp.temperature}"
+    if not 0 < sp.top_p <= 1:
+        return "sampling.top_p", f"must be in (0, 1], got {sp.top_p}"
+    if not _integer(sp.top_k, -1, MAX_TOKEN_ID):
+        return "sampling.top_k", f"must be -1 (off) or 0..{MAX_TOKEN_ID}, got {shown(sp.top_k)}"
+    if not _integer(sp.max_new_tokens, 1, MAX_TOKEN_ID):
+        return "sampling.max_new_tokens", f"must be in 1..{MAX_TOKEN_ID}, got {shown(sp.max_new_tokens)}"
+    if not all(_integer(t, 0, MAX_TOKEN_ID) for t in sp.stop_token_ids):
+        return "sampling.stop_token_ids", f"must be token ids in 0..{MAX_TOKEN_ID}"
+    if not _integer(req.seed, 0, MAX_INT64):
+        return "seed", f"must be in 0..{MAX_INT64}, got {shown(req.seed)}"
+    return None
 
 
 class RolloutEngine(ABC):
@@ -81,12 +114,9 @@ class RolloutEngine(ABC):
                     f"request {i}: adapter {req.adapter!r} asks for slot {req.slot} version {req.version}, "
                     f"but the engine serves slot {served.slot} version {served.version}"
                 )
-        sp = req.sampling
-        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.max_new_tokens < 1:
-            raise RolloutError(
-                f"request {i} ({req.adapter!r}): invalid sampling params {sp} "
-                "(need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1)"
-            )
+        problem = unservable_sampling(req)
+        if problem is not None:
+            raise RolloutError(f"request {i} ({req.adapter!r}): {problem[0]} {problem[1]}")
 
     @staticmethod
     def check_slots(adapters: Mapping[str, AdapterVersion]) -> None:

@@ -68,6 +68,12 @@ class PagedKVCache:
             elif self._refs[p] < 0:
                 raise RuntimeError(f"page {p} released more often than held")
 
+    def free_all(self) -> None:
+        """Every page free again (the stream forgot all its work: pages of rows whose start failed
+        half-way are given back too)."""
+        self._free = list(range(self.num_pages - 1, 0, -1))
+        self._refs = [0] * self.num_pages
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages (every layer, K and V): ``dst[i] <- src[i]``."""
         if not src:

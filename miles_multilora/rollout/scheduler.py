@@ -171,9 +171,8 @@ class Scheduler:
         return StreamState(self.results.keys(), len(self.rows), waiting, self.engine.max_batch_size)
 
     def reset(self) -> None:
-        """Forget every request and give every page back."""
-        for row in self.rows:
-            self.cache.release(row.pages)
+        """Forget every request and give every page back (those of rows whose prefill failed too)."""
+        self.cache.free_all()
         self.rows, self.preempted, self.waiting = [], [], deque()
         self.results.clear()
         self.batch.reset_rows(0, self.batch.max_rows)

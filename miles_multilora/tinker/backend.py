@@ -29,10 +29,11 @@ from typing import Protocol
 
 import numpy as np
 
-from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
+from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec, check_sampling_vocab
 from miles_multilora.errors import SpecError
 from miles_multilora.lora.targets import ATTN, MLP, UNEMBED
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
+from miles_multilora.rollout.engine import unservable_sampling
 from miles_multilora.tinker.losses import LOSS_INPUTS, TOPK_LOSSES, check_input, check_loss, tinker_loss
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.primitives import ScoredRow
@@ -40,6 +41,17 @@ from miles_multilora.trainer.rank import OpenSlot, TrainerRank
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
+
+
+_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "stop": "stop"}
+
+
+def sampling_params_key(key: str) -> str:
+    """A sampling field as a sample request names it: ``sampling.max_new_tokens`` (or
+    ``max_new_tokens``, ``stop[2]``) -> ``sampling_params.max_tokens`` (``sampling_params.stop``)."""
+    name = key.removeprefix("sampling.")
+    field = name.split("[")[0]
+    return "sampling_params." + _SAMPLING_NAMES.get(field, name)
 
 
 class TinkerError(SpecError):
@@ -583,8 +595,10 @@ class TinkerBackend:
         in turns of at most ``lora.num_slots`` models. Each request keeps its own seeds, and a row's
         tokens do not depend on its batch (on a CPU its logprobs neither), so a request samples
         what it would alone. A request the backend refuses (an unknown model, a prompt the engine
-        cannot serve) gets its error in its place and changes nothing; the others run. A failure of
-        the engine call itself is raised (it concerns every request of the call).
+        cannot serve) gets its error in its place and changes nothing; the others run. A request that
+        fails the engine call anyway gets its error, and the call runs again without it
+        (:meth:`~miles_multilora.trainer.rank.TrainerRank.sample`); a failure of every request
+        (the engine itself) is raised.
         ``on_done(i, outcome)`` hears each request's outcome as soon as it is known: a refusal at
         once, samples when the request's last sample ends (the others may still decode).
 
@@ -676,10 +690,18 @@ class TinkerBackend:
 
     def check_sample(self, prompt: list[int], sampling: SamplingSpec) -> None:
         """Whether the engine can serve this prompt and these parameters (prompt ids in the
-        vocabulary, room in the context window and the KV cache, stop strings with a tokenizer)."""
+        vocabulary, ``top_k`` and stop token ids within it, room in the context window and the KV
+        cache, stop strings with a tokenizer)."""
+        try:
+            check_sampling_vocab(sampling, self.rank.vocab_size)
+        except SpecError as exc:
+            raise TinkerError(sampling_params_key(exc.key), exc.message) from exc
         self._check_generation(GenerationRequest.for_base(prompt, sampling, seed=0))
 
     def _check_generation(self, request: GenerationRequest) -> None:
+        problem = unservable_sampling(request)  # a value past params.sampling: named as sent
+        if problem is not None:
+            raise TinkerError(sampling_params_key(problem[0]), problem[1])
         try:
             self.rank.check_request(request)
         except RolloutError as exc:

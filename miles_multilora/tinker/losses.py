@@ -20,6 +20,7 @@ Metrics come back per request (the row's ``tag``): ``loss`` (the sum) and ``num_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -63,6 +64,9 @@ def check_loss(name: str, config: Mapping[str, float] | None) -> dict[str, float
             "loss_fn_config", f"{name} takes no {', '.join(unknown)} (allowed: {sorted(allowed) or 'none'})"
         )
     resolved = {**allowed, **{k: float(v) for k, v in config.items()}}
+    for key, value in resolved.items():
+        if not math.isfinite(value):
+            raise SpecError(f"loss_fn_config.{key}", f"must be a finite number, got {value}")
     low, high = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
     if name in ("ppo", "gspo") and not 0 < low <= 1 <= high:
         raise SpecError("loss_fn_config", f"{name} needs 0 < clip_low_threshold <= 1 <= clip_high_threshold")

@@ -11,9 +11,9 @@ import json
 import math
 from typing import Any, NoReturn
 
-from miles_multilora.config.adapter import SamplingSpec
+from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec, check_optimizer, check_sampling
 from miles_multilora.errors import SpecError
-from miles_multilora.tinker.backend import PromptScoring, TinkerError
+from miles_multilora.tinker.backend import PromptScoring, TinkerError, sampling_params_key
 
 DEFAULT_MAX_TOKENS = 128
 MIN_TEMPERATURE = 1e-3  # 0 is greedy; below this, logits / T overflow and sampling is noise
@@ -106,23 +106,36 @@ def mapping(body: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+ADAM_KEYS = {"lr": "learning_rate", "clip_grad": "grad_clip_norm"}  # OptimizerSpec -> AdamParams names
+
+
 def adam(body: dict[str, Any]) -> dict[str, float]:
-    """``adam_params`` as :meth:`TinkerBackend.optim_step` keywords."""
+    """``adam_params`` as :meth:`TinkerBackend.optim_step` keywords, within what the optimizer can
+    apply (:func:`~miles_multilora.config.adapter.check_optimizer`: ``eps > 0``, betas below 1, ...)."""
     params = body.get("adam_params")
     if not isinstance(params, dict):
         raise TinkerError("adam_params", "optim_step needs adam_params (only AdamW is supported)")
 
-    def get(key: str, default: Any, low: float, high: float | None = None) -> float:
-        return number(params, key, default, low=low, high=high, where=f"adam_params.{key}")
+    def get(key: str, default: Any) -> float:
+        return number(params, key, default, where=f"adam_params.{key}")
 
-    return {
-        "lr": get("learning_rate", _MISSING, 0.0),
-        "beta1": get("beta1", 0.9, 0.0, 1.0),
-        "beta2": get("beta2", 0.95, 0.0, 1.0),
-        "eps": get("eps", 1e-12, 0.0),
-        "weight_decay": get("weight_decay", 0.0, 0.0),
-        "grad_clip_norm": get("grad_clip_norm", 0.0, 0.0),
+    out = {
+        "lr": get("learning_rate", _MISSING),
+        "beta1": get("beta1", 0.9),
+        "beta2": get("beta2", 0.95),
+        "eps": get("eps", 1e-12),
+        "weight_decay": get("weight_decay", 0.0),
+        "grad_clip_norm": get("grad_clip_norm", 0.0),
     }
+    spec = OptimizerSpec(
+        lr=out["lr"], beta1=out["beta1"], beta2=out["beta2"], eps=out["eps"],
+        weight_decay=out["weight_decay"], clip_grad=out["grad_clip_norm"],
+    )  # fmt: skip
+    try:
+        check_optimizer(spec, prefix="", zero_lr=True)
+    except SpecError as exc:
+        raise TinkerError(f"adam_params.{ADAM_KEYS.get(exc.key, exc.key)}", exc.message) from exc
+    return out
 
 
 def prompt_tokens(body: dict[str, Any]) -> list[int]:
@@ -199,28 +212,17 @@ def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int | None]:
     stop = stop or []
     if any(isinstance(s, bool) or not isinstance(s, str | int) for s in stop):
         raise TinkerError(f"{where}stop", "each stop must be a string or an integer token id")
-    try:
-        spec = SamplingSpec(
-            temperature=number(params, "temperature", 1.0, low=0.0, where=f"{where}temperature"),
-            top_p=number(params, "top_p", 1.0, low=0.0, high=1.0, where=f"{where}top_p"),
-            top_k=integer(params, "top_k", -1, low=-1, where=f"{where}top_k"),
-            max_new_tokens=integer(
-                params, "max_tokens", DEFAULT_MAX_TOKENS, low=1, where=f"{where}max_tokens"
-            ),
-            stop=[s for s in stop if isinstance(s, str)],
-            stop_token_ids=[s for s in stop if isinstance(s, int)],
-        )
-    except TinkerError:
-        raise
-    except SpecError as exc:  # the sampling spec's own bounds
-        raise TinkerError(f"{where}{exc.key.rsplit('.', 1)[-1]}", exc.message) from exc
-    if 0 < spec.temperature < MIN_TEMPERATURE:
-        raise TinkerError(
-            f"{where}temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {spec.temperature:g}"
-        )
-    if spec.top_k == 0:
-        raise TinkerError(f"{where}top_k", "must be -1 (no limit) or >= 1, got 0")
-    if spec.top_p == 0.0:
-        raise TinkerError(f"{where}top_p", "must be in (0, 1], got 0")
+    spec = SamplingSpec(
+        temperature=number(params, "temperature", 1.0, where=f"{where}temperature"),
+        top_p=number(params, "top_p", 1.0, where=f"{where}top_p"),
+        top_k=integer(params, "top_k", -1, where=f"{where}top_k"),
+        max_new_tokens=integer(params, "max_tokens", DEFAULT_MAX_TOKENS, where=f"{where}max_tokens"),
+        stop=[s for s in stop if isinstance(s, str)],
+        stop_token_ids=[s for s in stop if isinstance(s, int)],
+    )
+    try:  # the bounds of every sampling spec (the model's vocabulary: TinkerBackend.check_sample)
+        check_sampling(spec, prefix="", min_temperature=MIN_TEMPERATURE)
+    except SpecError as exc:
+        raise TinkerError(sampling_params_key(exc.key), exc.message) from exc
     seed = integer(params, "seed", None, low=0, high=2**62, where=f"{where}seed")
     return n, spec, seed

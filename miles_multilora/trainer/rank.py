@@ -35,6 +35,7 @@ from miles_multilora.models import compat
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.optim.slot_adamw import SlotStepStats
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutError
+from miles_multilora.rollout.isolation import GroupOutcome, raise_if_all_failed, split_failures
 from miles_multilora.trainer import shard
 from miles_multilora.trainer.data_parallel import (
     DPLayout,
@@ -213,56 +214,72 @@ class TrainerRank:
     def sample(
         self,
         groups: Sequence[Sequence[GenerationRequest]],
-        on_group: Callable[[int, list[GenerationResult]], None] | None = None,
+        on_group: Callable[[int, GroupOutcome], None] | None = None,
         joiner: GroupJoiner | None = None,
-    ) -> list[list[GenerationResult]]:
+    ) -> list[GroupOutcome]:
         """The results of each group of requests, on every rank. Groups are generated whole, round
         robin over DP ranks (request seeds do not depend on the rank), then gathered.
         ``on_group(i, results)`` hears each group's results: as soon as the group finishes, while
         the others still decode, on one rank with a streaming (embedded) engine; else once all
         have finished. There ``joiner`` may also bring more groups into the running batch (numbered
-        on from the last, heard the same way, in the results); elsewhere it is not asked."""
+        on from the last, heard the same way, in the results); elsewhere it is not asked.
+
+        A failed engine call is generated again without the group that fails it
+        (:mod:`~miles_multilora.rollout.isolation`): that group's outcome is a :class:`RolloutError`
+        with the reason, the others' their samples. When no group succeeds the error is raised."""
         if on_group is not None and self.layout.world_size == 1 and self.engine.streams:
             return self._sample_streaming(groups, on_group, joiner)
 
-        def generate(part: list[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
-            results = self.engine.generate([r for group in part for r in group])
-            out, start = [], 0
-            for group in part:
-                out.append(results[start : start + len(group)])
-                start += len(group)
-            return out
-
         # a TP-sharded (embedded) engine needs every rank of the TP group; an HTTP one only the first
-        results = generate_sharded(list(groups), generate, self.layout, every_tp_rank=not self.remote_engine)
+        results = generate_sharded(
+            list(groups),
+            lambda part: split_failures(part, self._generate),
+            self.layout,
+            every_tp_rank=not self.remote_engine,
+        )
+        raise_if_all_failed(results)  # the same on every rank: after the gather
         for i, group in enumerate(results if on_group is not None else []):
             on_group(i, group)
         return results
 
+    def _generate(self, part: list[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
+        """Every group of ``part`` in one engine call (its results split back per group)."""
+        results = self.engine.generate([r for group in part for r in group])
+        out, start = [], 0
+        for group in part:
+            out.append(results[start : start + len(group)])
+            start += len(group)
+        return out
+
     def _sample_streaming(
         self,
         groups: Sequence[Sequence[GenerationRequest]],
-        on_group: Callable[[int, list[GenerationResult]], None],
+        on_group: Callable[[int, GroupOutcome], None],
         joiner: GroupJoiner | None,
-    ) -> list[list[GenerationResult]]:
+    ) -> list[GroupOutcome]:
         """:meth:`sample` on the engine's stream: every group decodes in one batch, and each is
         taken (and heard) at the first host check after its last sample ends; groups the
-        ``joiner`` brings are submitted at a host check and fill the rows others leave."""
-        out: list[list[GenerationResult]] = []
+        ``joiner`` brings are submitted at a host check and fill the rows others leave. When the
+        stream fails, the groups not yet heard are generated again, split around the failing ones."""
+        out: list[GroupOutcome] = []
+        every: list[Sequence[GenerationRequest]] = []  # each group, by its number
         pending: dict[int, list[int]] = {}
 
         def submit(new: Sequence[Sequence[GenerationRequest]]) -> None:
+            first = len(out)
+            every.extend(new)
+            out.extend([] for _ in new)
             ids = self.engine.submit([r for group in new for r in group])
-            for group in new:
-                pending[len(out)], ids = ids[: len(group)], ids[len(group) :]
-                out.append([])
+            for i, group in enumerate(new, first):
+                pending[i], ids = ids[: len(group)], ids[len(group) :]
 
         def finished(state: Any, group: list[int]) -> bool:
             return all(j in state.finished for j in group)
 
-        submit(groups)
+        heard: set[int] = set()
         ask = joiner is not None
         try:
+            submit(groups)
             while pending:
                 state = self.engine.run(
                     lambda st, ask=ask: (
@@ -272,6 +289,7 @@ class TrainerRank:
                 done = [i for i, group in pending.items() if finished(state, group)]
                 for i in done:
                     out[i] = self.engine.take(pending.pop(i))
+                    heard.add(i)
                     on_group(i, out[i])
                 joined = list(joiner.join()) if joiner is not None else []
                 if joined:
@@ -280,6 +298,14 @@ class TrainerRank:
                     raise RolloutError("the engine's stream stopped with requests unfinished")
                 # a wait that brought nothing is not asked again until the next group ends
                 ask = joiner is not None and bool(done or joined)
+        except Exception:  # noqa: BLE001 - the groups not heard yet, split around the failing ones
+            self.engine.cancel([j for group in pending.values() for j in group])
+            left = [i for i in range(len(every)) if i not in heard]
+            retried = split_failures([every[i] for i in left], self._generate)
+            raise_if_all_failed(retried, succeeded_before=bool(heard))
+            for i, outcome in zip(left, retried, strict=True):
+                out[i] = outcome
+                on_group(i, outcome)
         except BaseException:
             self.engine.cancel([j for group in pending.values() for j in group])
             raise

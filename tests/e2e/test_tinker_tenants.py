@@ -438,6 +438,9 @@ def test_malformed_input_is_a_400_naming_the_field_and_changes_nothing(served: S
         ({"max_tokens": 1.5}, "sampling_params.max_tokens"),
         ({"top_p": 2}, "sampling_params.top_p"),
         ({"top_k": 0}, "sampling_params.top_k"),
+        ({"top_k": 10**30}, "sampling_params.top_k"),  # overflowed the engine call it shared with others
+        ({"top_k": 10**6}, "sampling_params.top_k"),  # beyond the model's vocabulary
+        ({"stop": [10**6]}, "sampling_params.stop"),
         ({"stop": [1.5]}, "sampling_params.stop"),  # token ids and strings are stops; a float is not
     ):
         refused(post(served, KEY_A, "asample", {**sample, "sampling_params": params}), field)
@@ -459,6 +462,10 @@ def test_malformed_input_is_a_400_naming_the_field_and_changes_nothing(served: S
     refused(
         post(served, KEY_A, "optim_step", {**adam, "adam_params": {"learning_rate": 1e-3, "beta1": 1.5}}),
         "adam_params.beta1",
+    )
+    refused(
+        post(served, KEY_A, "optim_step", {**adam, "adam_params": {"learning_rate": 1e-3, "eps": 0.0}}),
+        "adam_params.eps",
     )
     refused(post(served, KEY_A, "optim_step", {**adam, "adam_params": None}), "adam_params")
     nan = requests.post(

@@ -58,7 +58,12 @@ def drive(core: ControllerCore, steps: list[RLStep]) -> list[StepReport] | None:
         return None
     with ThreadPoolExecutor(len(steps)) as pool:
         reports = list(pool.map(lambda rl: rl.step(snapshot), steps))
-    report = reports[0]
+    apply(core, reports[0])
+    return reports
+
+
+def apply(core: ControllerCore, report: StepReport) -> None:
+    """Rank 0's step report applied to the controller, as the driver loop applies it."""
     for slot in report.cleared:
         core.slot_cleared(slot)
     if report.results:
@@ -70,7 +75,6 @@ def drive(core: ControllerCore, steps: list[RLStep]) -> list[StepReport] | None:
     for name, reason in report.failed.items():
         if name not in report.finished:
             core.mark_failed(name, reason)
-    return reports
 
 
 def run(core: ControllerCore, steps: list[RLStep], limit: int = 20) -> list[StepReport]:

@@ -187,3 +187,124 @@ def test_stop_token_ids_must_be_token_ids(bad):
         parse_adapter_spec(spec(sampling={"stop_token_ids": bad}))
     assert info.value.key == "sampling.stop_token_ids[0]"
     assert parse_adapter_spec(spec(sampling={"stop_token_ids": [0, 7]})).sampling.stop_token_ids == [0, 7]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "hint"),
+    [
+        ({"sampling": {"top_k": 10**30}}, "sampling.top_k", "-1 (off) or 1..2147483647"),
+        ({"sampling": {"top_k": 2**63}}, "sampling.top_k", "-1 (off) or 1.."),
+        ({"sampling": {"top_k": 129}}, "sampling.top_k", "1..128 (the model's vocabulary)"),
+        ({"sampling": {"stop_token_ids": [128]}}, "sampling.stop_token_ids[0]", "use 0..127"),
+        ({"sampling": {"stop_token_ids": [10**30]}}, "sampling.stop_token_ids[0]", "0..2147483647"),
+        ({"sampling": {"max_new_tokens": 10**30}}, "sampling.max_new_tokens", "1..131072"),
+        ({"optimizer": {"eps": 0.0}}, "optimizer.eps", "(0, 1]"),
+        ({"optimizer": {"eps": -1e-8}}, "optimizer.eps", "(0, 1]"),
+        ({"optimizer": {"beta2": 1.0}}, "optimizer.beta2", "[0, 1)"),
+        ({"optimizer": {"lr": 0.5, "weight_decay": 4.0}}, "optimizer.weight_decay", "lr * weight_decay"),
+        ({"optimizer": {"warmup_steps": 10**30}}, "optimizer.warmup_steps", "64-bit"),
+        ({"seed": -1}, "seed", "0..9223372036854775807"),
+        ({"seed": 2**64}, "seed", "64-bit"),
+        ({"save_interval": 10**12}, "save_interval", "limit"),
+        ({"reward": {"overlong_penalty_factor": -1.0}}, "reward.overlong_penalty_factor", ">= 0"),
+    ],
+)
+def test_numbers_beyond_what_the_engine_and_trainer_hold_are_refused_at_registration(
+    tmp_path, overrides, key, hint
+):
+    """``top_k = 10**30`` once passed and overflowed the engine's int64 tensor in shared generation
+    (every restart again); an eps of 0 or stop ids outside the vocabulary were 201, then FAILED."""
+    core = ControllerCore(1, 16, tmp_path, rules=AdmissionRules(vocab_size=128))
+    with pytest.raises(SpecError) as info:
+        core.register(spec("bad", **overrides), remote=True)
+    assert info.value.key == key and hint in info.value.message, info.value
+    assert core.list() == []
+    fine = spec("fine", sampling={"top_k": 128, "stop_token_ids": [127]}, optimizer={"eps": 1e-8})
+    assert core.register(fine, remote=True)["state"] == "PENDING"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"name": True}, "name"),
+        ({"name": 123}, "name"),
+        ({"tenant": True}, "tenant"),
+        ({"tenant": 7}, "tenant"),
+        ({"prompt": {"template": True}}, "prompt.template"),
+        ({"prompt": {"template": 12}}, "prompt.template"),
+        ({"reward": {"type": "format", "format_regex": True}}, "reward.format_regex"),
+        ({"reward": {"type": "format", "format_regex": 5}}, "reward.format_regex"),
+        ({"rank": True}, "rank"),
+        ({"rank": "8"}, "rank"),
+        ({"alpha": False}, "alpha"),
+        ({"optimizer": {"eps": True}}, "optimizer.eps"),
+        ({"optimizer": {"eps": "1e-8"}}, "optimizer.eps"),
+        ({"sampling": {"stop_token_ids": ["3"]}}, "sampling.stop_token_ids[0]"),
+        ({"sampling": {"stop_token_ids": [True]}}, "sampling.stop_token_ids[0]"),
+        ({"sampling": {"stop": [7]}}, "sampling.stop[0]"),
+        ({"dataset": {"task": "basic_arithmetic", "shuffle": 1}}, "dataset.shuffle"),
+    ],
+)
+def test_types_are_strict_no_value_is_coerced(overrides, key):
+    with pytest.raises(SpecError) as info:
+        parse_adapter_spec({**spec("typed"), **overrides})
+    assert info.value.key == key and "must be" in info.value.message, info.value
+
+
+def test_strings_are_taken_literally_never_interpolated(monkeypatch):
+    monkeypatch.setenv("MILES_TEST_SECRET", "hunter2")
+    parsed = parse_adapter_spec(
+        spec("lit", prompt={"system_prompt": "${oc.env:MILES_TEST_SECRET}"}, sampling={"stop": ["${name}"]})
+    )
+    assert parsed.prompt.system_prompt == "${oc.env:MILES_TEST_SECRET}"
+    assert parsed.sampling.stop == ["${name}"]
+    assert parse_adapter_spec(spec("widened", alpha=2)).alpha == 2.0  # an integer is a number
+
+
+def test_after_a_restart_a_spec_that_now_fails_is_failed_with_the_reason_and_the_rest_served(tmp_path):
+    """A state written by an earlier version holds ``top_k = 10**30`` (and a stop id outside the
+    model's vocabulary): those adapters are FAILED with the reason at start, the others run."""
+    core = ControllerCore(3, 16, tmp_path)
+    for name in ("huge", "vocab", "fine"):
+        core.register(spec(name))
+    core.snapshot()  # all three RUNNING
+    state = json.loads((tmp_path / STATE_FILE_NAME).read_text())
+    for run in state["runs"]:
+        if run["name"] == "huge":
+            run["spec"]["sampling"]["top_k"] = 10**30
+        if run["name"] == "vocab":
+            run["spec"]["sampling"]["stop_token_ids"] = [500]
+    (tmp_path / STATE_FILE_NAME).write_text(json.dumps(state))
+
+    restored = ControllerCore.restore(tmp_path, 3, 16, rules=AdmissionRules(vocab_size=128))
+    records = {r["name"]: r for r in restored.list()}
+    assert records["huge"]["state"] == "FAILED" and "sampling.top_k" in records["huge"]["reason"]
+    assert records["vocab"]["state"] == "FAILED"
+    assert (
+        "sampling.stop_token_ids[0]" in records["vocab"]["reason"] and "0..127" in records["vocab"]["reason"]
+    )
+    assert records["fine"]["state"] == "RUNNING"
+    assert [a.name for a in restored.snapshot().running] == ["fine"]
+
+
+def test_the_service_admits_specs_against_its_models_vocabulary(tmp_path):
+    from miles_multilora.launch.startup import admission_rules
+    from tests.e2e.conftest import tiny_run_config
+
+    cfg = tiny_run_config(tmp_path, [])
+    rules = admission_rules(cfg)
+    assert rules.vocab_size == cfg.model.tiny.vocab_size
+    rules.check(parse_adapter_spec(spec("edge", sampling={"top_k": rules.vocab_size})), remote=True)
+    with pytest.raises(SpecError, match=f"1..{rules.vocab_size} .the model's vocabulary") as info:
+        rules.check(parse_adapter_spec(spec("over", sampling={"top_k": rules.vocab_size + 1})), remote=True)
+    assert info.value.key == "sampling.top_k"
+
+
+def test_a_yaml_spec_reads_exponent_numbers_as_numbers_and_quoted_ones_as_strings():
+    """``lr: 1e-4`` is a number (YAML 1.2; PyYAML's 1.1 reads a string, which strict types refuse)."""
+    text = "name: y\nnum_steps: 2\ndataset: {task: basic_arithmetic}\noptimizer: {lr: 1e-4, eps: 1E-8}\n"
+    parsed = parse_adapter_spec(text)
+    assert (parsed.optimizer.lr, parsed.optimizer.eps) == (1e-4, 1e-8)
+    with pytest.raises(SpecError) as info:
+        parse_adapter_spec(text.replace("lr: 1e-4", "lr: '1e-4'"))
+    assert info.value.key == "optimizer.lr" and "must be a number" in info.value.message

@@ -13,7 +13,7 @@ import pytest
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.models import compat
-from miles_multilora.rollout import GenerationResult
+from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.tinker import scheduler
 from miles_multilora.tinker.backend import (
     Datum,
@@ -303,3 +303,77 @@ def test_a_join_never_moves_a_model_whose_rows_decode(
         assert queue.sample_batches == [3, 1]
     finally:
         backend.unload_model("d")
+
+
+SHORT = SamplingSpec(temperature=1.0, max_new_tokens=4)
+POISONED = SamplingSpec(temperature=1.0, top_k=10**30, max_new_tokens=4)  # past params.sampling
+
+
+def test_a_value_past_the_request_checks_fails_only_its_own_request(backend: TinkerBackend) -> None:
+    """``top_k = 10**30`` once overflowed the engine call it shared with other tenants' samples
+    (``Overflow when unpacking long long``): now it fails its own request, naming the field, and
+    the other tenant's samples are what they are alone."""
+    good = SampleRequest("a", TEXT[:5], 2, SHORT, seed=1)
+    alone = backend.sample_many([good])[0]
+    queue = BatchingQueue(backend, window_s=0.0)
+    try:
+        gate = _held(queue)
+        ok = queue.submit_calls(("t-good", "s"), [SamplePart(good)])
+        bad = queue.submit_calls(("t-bad", "s"), [SamplePart(SampleRequest("b", TEXT[:5], 2, POISONED))])
+        gate.set()
+        _same(ok.result(timeout=120), alone)
+        with pytest.raises(TinkerError) as info:
+            bad.result(timeout=120)
+        assert info.value.key == "sampling_params.top_k" and "-1 (off)" in info.value.message
+    finally:
+        queue.close()
+    assert queue.sample_batches == [2]  # one engine call for both
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_poisoned_engine_call_is_split_and_only_the_offender_fails(
+    backend: TinkerBackend, streaming: bool
+) -> None:
+    """Groups handed to the engine past every per-request check: the call is retried without the
+    group that fails it, which alone gets the error; when every group fails the error is raised."""
+    rank = backend.rank
+    good = [GenerationRequest.for_base(TEXT[:5], SHORT, seed=j) for j in range(2)]
+    other = [GenerationRequest.for_base(TEXT[2:8], SHORT, seed=5)]
+    poisoned = [GenerationRequest.for_base(TEXT[:4], POISONED, seed=3)]
+    alone = [rank.sample([good])[0], rank.sample([other])[0]]
+    heard: dict[int, object] = {}
+    on_group = (lambda i, outcome: heard.__setitem__(i, outcome)) if streaming else None
+    outcomes = rank.sample([good, poisoned, other], on_group=on_group)
+    assert isinstance(outcomes[1], RolloutError) and "sampling.top_k" in str(outcomes[1])
+    _same(outcomes[0], alone[0])
+    _same(outcomes[2], alone[1])
+    if streaming:
+        assert heard == dict(enumerate(outcomes))
+    with pytest.raises(RolloutError, match="sampling.top_k"):  # nothing succeeded: the call's error
+        rank.sample([poisoned, poisoned], on_group=on_group)
+    _same(rank.sample([other])[0], alone[1])  # the engine serves on
+
+
+def test_top_k_and_stop_ids_beyond_the_models_vocabulary_are_refused(backend: TinkerBackend) -> None:
+    vocab = backend.rank.vocab_size
+    backend.check_sample(TEXT[:3], SamplingSpec(top_k=vocab, stop_token_ids=[vocab - 1]))
+    for spec, key in (
+        (SamplingSpec(top_k=vocab + 1), "sampling_params.top_k"),
+        (SamplingSpec(stop_token_ids=[vocab]), "sampling_params.stop"),
+    ):
+        with pytest.raises(TinkerError, match=f"{vocab}") as info:
+            backend.check_sample(TEXT[:3], spec)
+        assert info.value.key == key
+
+
+def test_a_prefill_that_fails_gives_every_kv_page_back(backend: TinkerBackend) -> None:
+    """A request queued past the engine's checks (straight into its stream) fails its prefill: the
+    stream is forgotten and every KV page is free again, so the next call is served as before."""
+    engine = backend.rank.engine
+    good = [GenerationRequest.for_base(TEXT[:5], SHORT, seed=1)]
+    alone = engine.generate(good)
+    engine._stream.submit([GenerationRequest.for_base(TEXT[:4], POISONED, seed=3)])  # no check_request
+    with pytest.raises(ValueError, match="Overflow"):
+        engine.run()
+    assert engine._cache.free_pages == engine._cache.num_pages - 1  # all but the null page
+    _same(engine.generate(good), alone)
