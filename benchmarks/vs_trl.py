@@ -229,8 +229,11 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
 
 
 # ----------------------------------------------------------------------------- the peer
-def run_peers(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) -> dict[str, Any]:
-    """The peer on each of ``specs``, one after another."""
+def run_peers(
+    args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool, result: dict[str, Any]
+) -> None:
+    """The peer on each of ``specs``, one after another, into ``result["peer"]`` (saved after each
+    adapter: a run cut short keeps the adapters it finished)."""
     import torch
     import vs_trl_peer as peer
 
@@ -243,6 +246,7 @@ def run_peers(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool)
         raise SystemExit("the peer needs a checkpoint: model=demo or model.source=hf")
     algo, families = cfg.algo.resolved(), families_of_modules(cfg.lora.target_modules)
     curves: dict[str, Any] = {}
+    result["peer"] = {"adapters": curves}
     for i, spec in enumerate(specs):
         print(
             f"peer {i + 1}/{len(specs)}: {spec.name}, {spec.num_steps} steps, from a fresh base model",
@@ -256,7 +260,7 @@ def run_peers(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool)
             torch.cuda.empty_cache()
         c = curves[spec.name]
         print(f"peer {spec.name}: done in {c['train_s']:.1f} s (model load {c['load_s']:.1f} s)", flush=True)
-    return {"adapters": curves}
+        save(result, out)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -281,15 +285,18 @@ def settings(specs: list[Any], args: argparse.Namespace, ours: dict[str, Any] | 
         "differences": [
             "ours trains one LoRA on each fused projection (q/k/v and gate/up share one A), PEFT one per "
             "projection (same rank, alpha and layers)",
-            "ours stops a sample at the tokenizer's EOS id, TRL at it and the model's generation-config EOS ids",
             "the group's std gets + 1e-6 in ours, + 1e-4 in TRL",
         ],
     }
 
 
-def write_outputs(result: dict[str, Any], out: Path) -> None:
+def save(result: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "vs_trl.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    save(result, out)
     table = report.markdown(result)
     (out / "vs_trl.md").write_text(table)
     png = report.plot(result, out / "vs_trl.png")
@@ -328,11 +335,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{len(specs)} adapters on {device_name(cuda)}: {', '.join(s.name for s in specs)}", flush=True)
     result: dict[str, Any] = {"device": device_name(cuda), "commands": [command]}
     started = time.perf_counter()
+    result["settings"] = settings(specs, args, None)
     if not args.skip_peer:  # first: the peer's process is then as fresh as a user's
-        result["peer"] = run_peers(args, specs[: args.peer_limit], out, cuda)
+        run_peers(
+            args, specs[: args.peer_limit], out, cuda, result
+        )  # kept if ours fails: --skip-peer, --merge
     if not args.skip_ours:
         result["ours"] = run_ours(args, specs, out / "ours", cuda)
-    result["settings"] = settings(specs, args, result.get("ours"))
+        result["settings"] = settings(specs, args, result["ours"])
     result["wall_s"] = time.perf_counter() - started
     write_outputs(result, out)
     return result
