@@ -23,12 +23,18 @@ from typing import Any
 EPS = 1e-9  # accuracies are shares of items: "reached" tolerates float noise only
 
 
-def reach_time(points: list[dict[str, Any]], target: float) -> float | None:
-    """The first eval time (in step order) whose accuracy is >= ``target``; None when none is."""
+def reach_point(points: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    """The first eval (in step order) whose accuracy is >= ``target``; None when none is."""
     for p in sorted(points, key=lambda p: (p["step"], p["t"])):
         if p["acc"] >= target - EPS:
-            return float(p["t"])
+            return p
     return None
+
+
+def reach_time(points: list[dict[str, Any]], target: float) -> float | None:
+    """The time of :func:`reach_point`."""
+    p = reach_point(points, target)
+    return None if p is None else float(p["t"])
 
 
 def final_point(points: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -45,7 +51,16 @@ class Row:
     peer_final: dict[str, Any]
     peer_s: float
     ours_final: dict[str, Any] | None
-    ours_reach_s: float | None
+    ours_reach: dict[str, Any] | None  # ours' first eval at or above the peer's final accuracy
+
+    @property
+    def ours_reach_s(self) -> float | None:
+        return None if self.ours_reach is None else float(self.ours_reach["t"])
+
+    @property
+    def at_start(self) -> bool:
+        """Ours was there before training (the peer ended no better than the base model)."""
+        return self.ours_reach is not None and self.ours_reach["step"] == 0
 
     @property
     def speedup(self) -> float | None:
@@ -90,7 +105,7 @@ def table_rows(result: dict[str, Any]) -> list[Row]:
                 peer_final=final,
                 peer_s=float(peer["train_s"]),
                 ours_final=final_point(mine["points"]) if mine else None,
-                ours_reach_s=reach_time(mine["points"], final["acc"]) if mine else None,
+                ours_reach=reach_point(mine["points"], final["acc"]) if mine else None,
             )
         )
     return rows
@@ -135,9 +150,10 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for r in rows:
         ours_final = f"{_acc(r.ours_final)} ({r.ours_final['step']})" if r.ours_final else "-"
+        reach = (_s(r.ours_reach_s) + (" (step 0)" if r.at_start else "")) if r.ours_final else "-"
         lines.append(
             f"| {r.name} | {r.task} | {_acc(r.peer_final)} ({r.peer_final['step']}) | {r.peer_s:.1f} "
-            f"| {ours_final} | {_s(r.ours_reach_s) if r.ours_final else '-'} | {_x(r.speedup)} |"
+            f"| {ours_final} | {reach} | {'-' if r.at_start else _x(r.speedup)} |"
         )
     if rows:
         lines.append(
@@ -145,6 +161,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"| | **{_s(tot.ours_reach_s)}** | **{_x(tot.speedup_reach)}** |"
         )
     lines.append("")
+    at_start = [r.name for r in rows if r.at_start]
+    if at_start:
+        lines.append(
+            f"Reached at step 0 ({', '.join(at_start)}): the peer ended no better than ours' base model "
+            "(the step-0 eval), so these rows' ratios say nothing (the totals count them at their step-0 time)."
+        )
     if tot.ours_run_s is not None and rows:
         lines.append(
             f"Ours' whole run ({tot.ours_adapters} adapters together, each to its last step): "

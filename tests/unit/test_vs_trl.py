@@ -68,6 +68,17 @@ def test_rows_and_totals_compare_the_peers_final_accuracy():
     assert "| a | ta | 0.500 ± 0.050 (10) | 100.0 | 0.800 ± 0.050 (10) | 10.0 | 10.00x |" in table
     assert "**300.0** | | **25.0** | **12.00x** |" in table
     assert "Card: H100" in table and "use_vllm=False" in table
+    assert "Reached at step 0" not in table
+
+
+def test_a_peer_no_better_than_the_base_model_is_reached_at_step_0_and_flagged():
+    res = result()
+    res["peer"]["adapters"]["a"]["points"] = pts((0, 0.0, 0.1), (10, 100.0, 0.1))
+    row = report.table_rows(res)[0]
+    assert row.at_start and row.ours_reach_s == 0.0
+    table = report.markdown(res)
+    assert "| a | ta | 0.100 ± 0.050 (10) | 100.0 | 0.800 ± 0.050 (10) | 0.0 (step 0) | - |" in table
+    assert "Reached at step 0 (a): the peer ended no better" in table
 
 
 def test_totals_estimate_the_peer_for_every_adapter_when_it_ran_fewer():
