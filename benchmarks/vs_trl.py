@@ -111,8 +111,9 @@ def ours_config(args: argparse.Namespace, specs: list[Any], out: Path, cuda: boo
         f"lora.num_slots={len(specs)}", f"lora.max_rank={max(s.rank for s in specs)}",
         f"rollout.max_staleness={args.staleness}", f"rollout.max_batch_size={rows}",
         f"model.dtype={'bfloat16' if cuda else 'float32'}", "adapters=[]",
-        *args.override,
     ]  # fmt: skip
+    mine = {o.split("=", 1)[0] for o in args.override}  # --override wins (hydra refuses a key twice)
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in mine] + list(args.override)
     return load_run_config("train", overrides)
 
 
