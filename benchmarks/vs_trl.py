@@ -7,7 +7,8 @@ state machine (:class:`~miles_multilora.controller.core.ControllerCore`, in proc
 snapshot per step to :class:`~miles_multilora.rl.RLStep` as the driver loop does
 (``launch/loop.py``), continuous rollout (``rollout.max_staleness``, ``--staleness``), the embedded
 engine (CUDA graphs on a GPU) and the held-out eval of the real run (``rl/evaluation.py``: at step 0,
-every ``eval.every`` steps and at the end).
+every ``eval.every`` steps and at the end); bf16 on a GPU, fp32 on the CPU (``--cpu``, or no CUDA); no
+checkpoint but each adapter's final one (``save_interval=0``: the peer saves none).
 
 The peer: TRL's ``GRPOTrainer`` with PEFT LoRA (``benchmarks/vs_trl_peer.py``), one adapter after
 another (the first ``--peer-limit``), each from a fresh base model, as a user without this project
