@@ -72,11 +72,18 @@ def render_prompt(
     """
     text = fill_template(row, prompt_spec.template, max_chars)
     if prompt_spec.use_chat_template and has_chat_template(tokenizer):
-        messages = []
-        if prompt_spec.system_prompt:
-            messages.append({"role": "system", "content": prompt_spec.system_prompt})
-        messages.append({"role": "user", "content": text})
+        messages = chat_messages(text, prompt_spec)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if prompt_spec.system_prompt:
         return f"{prompt_spec.system_prompt}\n\n{text}"
     return text
+
+
+def chat_messages(text: str, prompt_spec: PromptSpec) -> list[dict[str, str]]:
+    """The chat a filled template becomes under a chat template: the optional system prompt, then
+    ``text`` as the user message."""
+    messages = []
+    if prompt_spec.system_prompt:
+        messages.append({"role": "system", "content": prompt_spec.system_prompt})
+    messages.append({"role": "user", "content": text})
+    return messages

@@ -21,7 +21,7 @@ from miles_multilora.models import provider
 from miles_multilora.models.paths import capped_context, resolve_model_path
 from miles_multilora.rollout import RolloutEngine
 from miles_multilora.trainer.memory_plan import MemoryPlan, ModelShape, plan_rank
-from miles_multilora.trainer.tokenizer import load_tokenizer
+from miles_multilora.trainer.tokenizer import load_tokenizer, stop_token_ids
 
 
 @dataclass
@@ -89,7 +89,7 @@ def build_engine(cfg: RunConfig, built: BuiltModel, *, manages_adapters: bool, d
     """``cfg.rollout``'s engine: the embedded engine serves ``built.model`` itself; an HTTP engine
     (SGLang, vLLM) gets each adapter version as an exported PEFT dir. ``manages_adapters``: this
     rank loads adapters on the servers (one rank does); DP ranks start at different servers."""
-    eos = getattr(built.tokenizer, "eos_token_id", None)
+    eos = stop_token_ids(built.tokenizer, resolve_model_path(cfg))
     r = cfg.rollout
     if r.engine != "embedded":
         from miles_multilora.rollout.factory import remote_engine

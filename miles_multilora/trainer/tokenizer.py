@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +48,22 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of a rendered prompt. A chat-templated prompt already holds its special tokens."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     return list(tokenizer(prompt, add_special_tokens=not has_template)["input_ids"])
+
+
+def stop_token_ids(tokenizer: Any, model_dir: str | Path | None) -> list[int]:
+    """The ids that end a sample: the tokenizer's EOS and every EOS id the checkpoint's
+    ``generation_config.json`` declares (an end-of-turn token such as ChatML's ``<|im_end|>``), as
+    transformers' ``generate``, vLLM and TRL stop. The demo checkpoint's tokenizer names
+    ``<|im_start|>`` its EOS: without its generation config's ``<|im_end|>`` a reply would run on
+    past the end of its turn to ``max_new_tokens``."""
+    ids: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.append(int(eos))
+    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        declared = json.loads(path.read_text()).get("eos_token_id")
+        for token in [declared] if isinstance(declared, int) else declared or []:
+            if int(token) not in ids:
+                ids.append(int(token))
+    return ids
