@@ -118,6 +118,13 @@ class RewardProcess:
             self._conn.close()
         self._process, self._conn = None, None
 
+    def kill(self) -> None:
+        """Kill the child from another thread: a call waiting on it fails at once (its pipe reads
+        EOF) and cleans up after itself."""
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+
     def _start(self) -> multiprocessing.connection.Connection:
         ctx = child_process.context()
         receive, send = ctx.Pipe(duplex=True)

@@ -219,3 +219,27 @@ def test_adapters_that_swap_slots_start_again_in_their_new_ones(tmp_path: Path) 
     assert not swapped.failed and {n: r.step for n, r in swapped.results.items()} == {"a": 1, "b": 1}
     assert {s: o.name for s, o in fake.slots.items()} == {0: "b", 1: "a"}
     assert (rl.residents["a"].slot, rl.residents["b"].slot) == (1, 0)
+
+
+def test_a_late_reward_trains_at_a_later_step_and_the_ranks_agree(tmp_path: Path) -> None:
+    """Rewards that arrive after ``trainer.reward_wait_s``: the step goes on with the others, and the
+    late adapter's groups train at a later step (generated once, none lost), alike on both ranks."""
+    slow = adapter("slow", 2, reward={"type": "tests.e2e.toy_rewards:slow_lowercase", "batched": True})
+    core, steps, (rank0, rank1) = start(
+        tmp_path, [adapter("a", 8), slow], ranks=2, trainer={"reward_wait_s": 0.1}
+    )
+    reports = []
+    try:
+        while (both := drive(core, steps)) is not None and len(reports) < 200:
+            trained = [{n: (r.step, r.trained) for n, r in rep.results.items()} for rep in both]
+            assert trained[0] == trained[1] and both[0].failed == both[1].failed == {}
+            reports.append(both[0])
+    finally:
+        for rl in steps:
+            rl.rewards.close()
+    stepped = [sorted(r.results) for r in reports]
+    assert stepped[0] == ["a"]  # a stepped while the slow one's rewards were out
+    assert sum("slow" in s for s in stepped) == 2 and sum("a" in s for s in stepped) == 6
+    assert core.get("slow")["state"] == core.get("a")["state"] == "DONE"
+    assert rank0.sampled == rank1.sampled
+    assert sum(g == "slow" for call in rank0.sampled for g in call) == 2 * 2  # 2 steps of 2 prompts, once
