@@ -278,7 +278,8 @@ class RewardManager:
         """The results of ``names``' finished scoring (counted in their failure counters); the
         others are left running."""
         out = {}
-        for name in self.finished(names):
+        done = self.finished(names)
+        for name in (n for n in names if n in done):  # in the order asked (ranks train in this order)
             job = self._jobs.pop(name)
             out[name] = self._record(name, job.samples, job.outcome)
         return out

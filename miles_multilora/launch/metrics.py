@@ -235,7 +235,8 @@ def eval_points(rows: list[dict[str, Any]], key: str = "eval/reward_mean") -> di
     for row in rows:
         value, se = row.get(key), row.get(key + SE_SUFFIX)
         if _finite(value):
-            point = EvalPoint(int(row["step"]), float(value), float(se) if _finite(se) else None)
+            step = int(row.get("eval/step", row["step"]))  # a late eval is logged with a later step
+            point = EvalPoint(step, float(value), float(se) if _finite(se) else None)
             out.setdefault(row["adapter"], []).append(point)
     for points in out.values():
         points.sort(key=lambda p: p.step)

@@ -35,7 +35,11 @@ class PendingRewards:
     """Each adapter's groups whose rewards are not in yet (the same on every rank), and their
     scoring (on rank 0)."""
 
-    def __init__(self, residents: Residents, rewards: RewardManager, wait_s: float) -> None:
+    def __init__(
+        self, residents: Residents, rewards: RewardManager, wait_s: float, *, training: bool = True
+    ) -> None:
+        """``training``: the groups are training prompts (a parked adapter's go back to its data);
+        else held-out eval groups (dropped on parking)."""
         self.residents = residents
         self.rank = residents.rank
         self.rewards = rewards
@@ -43,7 +47,7 @@ class PendingRewards:
         self.pending: dict[str, list[Group]] = {}
         self._late: set[str] = set()  # rank 0: adapters whose last scoring was not in within the wait
         residents.on_forget.append(self.drop)
-        residents.on_park.append(self.put_back)
+        residents.on_park.append(self.put_back if training else self.drop)
 
     # ----------------------------------------------------------------- bookkeeping
     def busy(self, name: str) -> bool:

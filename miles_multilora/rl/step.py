@@ -4,9 +4,9 @@ Every rank runs the same step on the same snapshot (data and sampling are seeded
 prompt and sample, so they agree); the trainer rank shards generation and training over DP
 inside its primitives. Rewards are computed on rank 0, in the background, and what arrived is
 broadcast, so a reward that depends on wall-clock (timeouts) cannot make ranks disagree, and a
-slow one never holds the others' steps (:mod:`~miles_multilora.rl.scoring`). An error that belongs to one adapter (its data,
-prompts, requests, reward, checkpoint) fails that adapter alone; ranks merge their failures at
-fixed points of the step, so they keep training the same adapters.
+slow one never holds the others' steps (:mod:`~miles_multilora.rl.scoring`). An error that
+belongs to one adapter (its data, prompts, requests, reward, checkpoint) fails that adapter alone;
+ranks merge their failures at fixed points of the step, so they keep training the same adapters.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class RLStep:
         self.pending = PendingRewards(self.residents, self.rewards, t.reward_wait_s)
         carried = self.continuous.has_carried if self.continuous is not None else (lambda name: False)
         self.residents.has_carried = lambda name: self.pending.busy(name) or carried(name)
+        self.eval_pending = PendingRewards(self.residents, self.eval_rewards, t.reward_wait_s, training=False)
+        self._evals: dict[str, dict[str, Any]] = {}  # evals in, held until the adapter's next result
+        self._ending: set[str] = set()  # at their budget, waiting for their final eval's rewards
         self.last_train_tokens = 0  # tokens (prompt + response) of the last step's training rows
         self.last_rank_train_tokens = 0  # the share of them this rank trained
         self._warned_small_step = False
@@ -115,6 +118,7 @@ class RLStep:
                 if a.name not in failures and (path := self._checkpoint(a.name, failures)) is not None:
                     drained[a.name] = path
                 self.pending.drop(a.name)  # its scoring in flight is abandoned: cancel waits for nothing
+                self.eval_pending.drop(a.name)
             running = self._finish_at_budget(snapshot.running, failures, resumed, results, finished)
             self.residents.prefetch(snapshot.next_turn)  # copied back to the GPU while this step runs
             # adapters due for their step-0 eval only evaluate this step (with the others' evals)
@@ -142,11 +146,15 @@ class RLStep:
                 for a in running
                 if a.name not in failures and (a.name in starting or self._eval_due(a, trained))
             ]
-            evals = evaluate(self.residents, due, self.eval_rewards, failures) if due else {}
+            due += [n for n in sorted(self._ending) if self._owes_final_eval(n) and n not in due]
+            if due or self.eval_pending.pending:  # the same on every rank
+                idle = not rollout.groups and not stepped  # the same on every rank
+                self._evals.update(evaluate(self.residents, due, self.eval_pending, failures, idle))
         with timer.phase("checkpoint"):
             for a in running:  # continuous rollout: an adapter whose step is not complete waits
                 if a.name not in failures and (a.name in stepped or a.name in starting):
-                    result = self._conclude(a, rollout, trained, evals.get(a.name, {}), failures, finished)
+                    evals = self._evals.pop(a.name, {})
+                    result = self._conclude(a, rollout, trained, evals, failures, finished)
                     if result is not None:
                         results[a.name] = replace(result, resumed=resumed.get(a.name))
         step_s = timer.total()
@@ -162,6 +170,9 @@ class RLStep:
         for name in failures.reasons:
             if name in self.residents and name not in results:
                 self.residents.forget(name)
+        for name in [n for n in self._evals if n not in self.residents and n not in self.residents.parked]:
+            del self._evals[name]
+        self._ending &= set(self.residents)
         return StepReport(
             snapshot.snapshot_id, results, finished, dict(failures.reasons), drained,
             tuple(snapshot.slots_to_clear), timing,
@@ -205,8 +216,9 @@ class RLStep:
         results: dict[str, AdapterResult],
         finished: dict[str, str],
     ) -> list[SlotAssignment]:
-        """The running adapters that step. One resumed at its budget (from a later checkpoint than
-        its last reported one) finishes without a step, at that checkpoint."""
+        """The running adapters that step. One at its budget finishes without a step, at its last
+        checkpoint (it was resumed from a later one than it reported, or its final eval was still
+        being scored when it reached its budget: it finishes once that eval is in, reported here)."""
         stepping = []
         for a in running:
             if a.name in failures:
@@ -214,6 +226,10 @@ class RLStep:
             if not self.residents.budget_reached(a.name):
                 stepping.append(a)
                 continue
+            if a.name in self._ending:  # it ends once its final eval is in (taken this step if owed)
+                if self.eval_pending.busy(a.name) or self._owes_final_eval(a.name):
+                    continue
+                self._ending.discard(a.name)
             info = resumed.get(a.name)
             path = (
                 (info.checkpoint if info else None)
@@ -223,7 +239,8 @@ class RLStep:
             if path is not None:
                 step = self.version(a.name)
                 finished[a.name] = str(path)
-                results[a.name] = AdapterResult(False, step, None, {"step": step, "version": step}, info)
+                metrics = {"step": step, "version": step, **self._evals.pop(a.name, {})}
+                results[a.name] = AdapterResult(False, step, None, metrics, info)
         return stepping
 
     # ----------------------------------------------------------------- rollout
@@ -323,6 +340,16 @@ class RLStep:
         return Rollout(kept, reports, {name: result.metrics(name) for name in scored})
 
     # ----------------------------------------------------------------- after training
+    def _owes_final_eval(self, name: str) -> bool:
+        """``name`` reached its budget while an earlier eval was being scored: its final eval is due
+        once that one is in."""
+        adapter = self.residents.get(name)
+        return (
+            adapter is not None
+            and not self.eval_pending.busy(name)
+            and eval_due(adapter, self.version(name), False, True)
+        )
+
     def _eval_due(self, a: SlotAssignment, trained: Trained) -> bool:
         return eval_due(
             self.residents[a.name],
@@ -359,7 +386,9 @@ class RLStep:
             checkpoint = self._checkpoint(name, failures)
             if checkpoint is None:
                 return None
-        if done:
+        if done and self.eval_pending.busy(name):  # it ends once its final eval is in
+            self._ending.add(name)
+        elif done:
             final = checkpoint or self._checkpoint(name, failures)
             if final is None:
                 return None
