@@ -154,6 +154,10 @@ class TrainerConfig:
     # runs (the restore then only writes the slot); 0: copied when their turn comes
     prefetch_gb: float = 2.0
     reward_step_timeout_s: float = 300.0  # all of one adapter's reward calls in one step; then killed
+    # the most a step waits for rewards still being computed after its generation: an adapter whose rewards
+    # come later trains at a later step (its groups wait), and one that was late is not waited for again
+    # until it is on time: a slow reward never holds the others' steps (rl/scoring.py)
+    reward_wait_s: float = 1.0
     stop_timeout_s: float = 3.0  # on SIGTERM/SIGINT the step in flight may run this long, then is abandoned
 
 
@@ -186,6 +190,10 @@ class ControllerConfig(HTTPLimits):
     history_retention: int = 10_000  # finished runs remembered (get/list); older ones are forgotten
     max_live_adapters: int = 1000  # PENDING + RUNNING + DRAINING at once
     max_live_adapters_per_tenant: int = 100  # the same per tenant (0: only max_live_adapters); more: 409
+    # the most a spec may ask of its reward: reward.timeout_s (seconds per call) and
+    # reward.max_consecutive_failures (failed steps in a row before FAILED); above them a spec is refused
+    max_reward_timeout_s: float = 60.0
+    max_reward_failures: int = 20
     # adapters RUNNING at once (0: lora.num_slots). Above the slots they take turns: the least trained
     # get the slots, the others are parked off the GPU (exactly restored) until their turn
     max_running: int = 0
@@ -438,6 +446,7 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(t.offload_host_gb >= 0, "trainer.offload_host_gb", "must be >= 0 (0: parked adapters go to disk)")
     _check(t.prefetch_gb >= 0, "trainer.prefetch_gb", "must be >= 0 (0: no prefetch)")
     _check(t.reward_step_timeout_s > 0, "trainer.reward_step_timeout_s", "must be > 0")
+    _check(t.reward_wait_s >= 0, "trainer.reward_wait_s", "must be >= 0 (0: never wait for rewards)")
     _check(t.stop_timeout_s >= 0, "trainer.stop_timeout_s", "must be >= 0")
     tk = cfg.tinker
     _check(tk.batch_window_s >= 0, "tinker.batch_window_s", "must be >= 0")
@@ -477,6 +486,8 @@ def validate_run_config(cfg: RunConfig) -> RunConfig:
     _check(c.history_retention >= 1, "controller.history_retention", "must be >= 1")
     _check(c.max_live_adapters >= 1, "controller.max_live_adapters", "must be >= 1")
     _check(c.max_live_adapters_per_tenant >= 0, "controller.max_live_adapters_per_tenant", "must be >= 0")
+    _check(c.max_reward_timeout_s > 0, "controller.max_reward_timeout_s", "must be > 0 (seconds)")
+    _check(c.max_reward_failures >= 1, "controller.max_reward_failures", "must be >= 1")
     _check(c.max_running >= 0, "controller.max_running", "must be >= 0 (0: lora.num_slots)")
     _check(c.min_residency_steps >= 1, "controller.min_residency_steps", "must be >= 1")
     c.tenant_quotas = parse_tenant_quotas(c.tenant_quotas)

@@ -48,6 +48,10 @@ class AdmissionRules:
             which a spec's ``lora_targets`` must be among (None: not checked here).
         vocab_size: the model's vocabulary, which bounds ``sampling.top_k`` and
             ``sampling.stop_token_ids`` (None: not checked here; the engine refuses them later).
+        max_reward_timeout_s: the largest ``reward.timeout_s`` a spec may ask
+            (``controller.max_reward_timeout_s``).
+        max_reward_failures: the largest ``reward.max_consecutive_failures`` a spec may ask
+            (``controller.max_reward_failures``).
     """
 
     reward_modules: tuple[str, ...] = ()
@@ -58,14 +62,35 @@ class AdmissionRules:
     spec_checks: SpecCheckLimits = SpecCheckLimits()
     lora_families: tuple[str, ...] | None = None
     vocab_size: int | None = None
+    max_reward_timeout_s: float = 60.0
+    max_reward_failures: int = 20
 
     def check_spec_work(self, spec: AdapterSpec) -> None:
         """The bounded child-process checks (:mod:`miles_multilora.data.spec_checks`) for ``spec``;
         the controller runs them again for every live adapter it restores."""
         check_spec_work(spec, self.spec_checks)
 
+    def check_reward_bounds(self, spec: AdapterSpec) -> None:
+        """Refuse a reward that may take longer, or fail more often in a row, than the operator
+        allows (``controller.max_reward_timeout_s`` / ``max_reward_failures``); the controller
+        checks every live adapter it restores again."""
+        rw = spec.reward
+        if rw.timeout_s > self.max_reward_timeout_s:
+            raise SpecError(
+                "reward.timeout_s",
+                f"{rw.timeout_s:g} s is above this service's cap of {self.max_reward_timeout_s:g} s "
+                "(controller.max_reward_timeout_s); ask for at most that",
+            )
+        if rw.max_consecutive_failures > self.max_reward_failures:
+            raise SpecError(
+                "reward.max_consecutive_failures",
+                f"{rw.max_consecutive_failures} is above this service's cap of {self.max_reward_failures} "
+                "(controller.max_reward_failures); ask for at most that",
+            )
+
     def check(self, spec: AdapterSpec, remote: bool) -> None:
         """Raise :class:`SpecError` naming the key when ``spec`` breaks a rule. Never imports code."""
+        self.check_reward_bounds(spec)
         self.check_model(spec)
         if remote:
             self._check_remote(spec)

@@ -410,7 +410,8 @@ class ControllerCore:
         spare (fewer slots than before) a RUNNING adapter is requeued PENDING and a DRAINING one
         is CANCELLED at its last checkpoint. PENDING adapters stay queued in order; finished
         adapters keep their records. An adapter whose spec no longer validates (e.g. rank above
-        a smaller max_rank, or a spec accepted before a check existed) or fails the bounded
+        a smaller max_rank, or a spec accepted before a check existed), asks more of its reward
+        than the operator's caps now allow (``rules.check_reward_bounds``) or fails the bounded
         spec-work checks (``rules.check_spec_work``: reasoning-gym generation, ``format_regex``
         compilation) is marked FAILED with the reason, so it cannot stall the service again.
         When adapters take turns in the slots (``residency``), RUNNING adapters stay RUNNING
@@ -454,6 +455,7 @@ class ControllerCore:
                 continue
             try:
                 core.rules.check_model(record.spec)
+                core.rules.check_reward_bounds(record.spec)  # the operator's caps may have been lowered
                 core.rules.check_spec_work(record.spec)
             except SpecError as exc:
                 core._finish(record, AdapterState.FAILED, reason=f"after restart: {exc}")

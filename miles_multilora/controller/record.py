@@ -34,7 +34,8 @@ def jsonable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def eval_summary(step: int, now: float, metrics: dict[str, Any]) -> dict[str, Any] | None:
-    """The held-out eval of one step's metrics (``eval/*`` keys, prefix dropped), or None."""
+    """The held-out eval of one step's metrics (``eval/*`` keys, prefix dropped; its ``eval/step``,
+    the step evaluated, when a late eval came with a later step), or None."""
     found = {k.removeprefix("eval/"): v for k, v in metrics.items() if k.startswith("eval/")}
     return {"step": step, "time": now, **found} if found else None
 

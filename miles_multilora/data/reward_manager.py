@@ -12,6 +12,11 @@ daemon thread bounded by ``reward.timeout_s``.
 An exception, a bad return value or a timeout fails that adapter's batch for this step only:
 the failure is counted in the adapter's metrics, and after ``reward.max_consecutive_failures``
 failing steps in a row the adapter is marked failed with the reason and no longer scored.
+
+:meth:`RewardManager.score` waits for every adapter; :meth:`~RewardManager.start`,
+:meth:`~RewardManager.wait` and :meth:`~RewardManager.take` let each adapter's scoring finish on
+its own time (the RL step trains the adapters whose rewards are in, :mod:`miles_multilora.rl.scoring`),
+and :meth:`~RewardManager.abandon` drops one in flight (its process killed).
 """
 
 from __future__ import annotations
@@ -87,6 +92,24 @@ class AdapterRewards:
         return self.rewards is not None
 
 
+_Outcome = tuple[list[RewardOutput] | None, BaseException | None, float]  # outputs, error, latency
+
+
+@dataclass
+class _Job:
+    """One adapter's scoring in the background: its samples, and its outcome once it finished
+    (None when it was not scored: the adapter had failed already, or nothing to score)."""
+
+    samples: list[RewardSample]
+    started: float
+    done: bool = False
+    finished_at: float | None = None
+    outcome: _Outcome | None = None
+
+    def finish(self, outcome: _Outcome | None) -> None:
+        self.outcome, self.done, self.finished_at = outcome, True, time.monotonic()
+
+
 @dataclass
 class _AdapterRewardState:
     fn: RewardFunction | RewardProcess
@@ -110,6 +133,8 @@ class RewardManager:
         self._lock = threading.Lock()
         self._used: dict[str, int] = {}  # adapter -> when it was last scored (for the process cap)
         self._clock = 0
+        self._jobs: dict[str, _Job] = {}  # adapter -> its scoring started and not taken yet
+        self._done = threading.Condition()  # notified whenever a job finishes
 
     def add_adapter(self, spec: AdapterSpec, dataset: Any | None = None) -> None:
         """Register ``spec``'s reward (raises :class:`SpecError` before changing anything).
@@ -121,6 +146,7 @@ class RewardManager:
         else:
             check_reward_spec(spec)  # resolves a custom function; the reward is built in its process
             fn = RewardProcess(spec, self.limits)
+        self.abandon(spec.name)
         with self._lock:
             old = self._adapters.pop(spec.name, None)
             self._adapters[spec.name] = _AdapterRewardState(fn, spec.reward.max_consecutive_failures)
@@ -128,6 +154,7 @@ class RewardManager:
             old.fn.close()
 
     def remove_adapter(self, name: str) -> None:
+        self.abandon(name)
         self._used.pop(name, None)
         with self._lock:
             state = self._adapters.pop(name, None)
@@ -177,37 +204,96 @@ class RewardManager:
         Unknown adapter names raise ``KeyError`` before anything runs. An adapter already marked
         failed is not scored (its result has ``failed=True`` and no rewards).
         """
+        self.start(batch)
+        self.wait(list(batch))
+        return self.take(list(batch))
+
+    # ------------------------------------------------------------- in the background
+    def start(self, batch: Mapping[str, Sequence[RewardSample]]) -> None:
+        """Start scoring ``{adapter: samples}`` in the background, one thread per adapter, and
+        return at once; :meth:`wait` / :meth:`take` collect the results. Raises ``KeyError`` for
+        an unknown adapter and ``RuntimeError`` for one whose last scoring was not taken yet,
+        before anything starts."""
         unknown = [name for name in batch if name not in self._adapters]
         if unknown:
             raise KeyError(f"no reward registered for adapters {unknown}")
+        busy = [name for name in batch if name in self._jobs]
+        if busy:
+            raise RuntimeError(f"adapters {busy} are still being scored (take their results first)")
         self._end_idle_processes(set(batch))
-        outcomes: dict[str, tuple[list[RewardOutput] | None, BaseException | None, float]] = {}
-
-        def run(name: str, state: _AdapterRewardState, samples: Sequence[RewardSample]) -> None:
-            start = time.perf_counter()
-            try:
-                outcomes[name] = (
-                    self._score_adapter(name, state, samples),
-                    None,
-                    time.perf_counter() - start,
-                )
-            except BaseException as exc:  # noqa: BLE001 - isolated per adapter
-                outcomes[name] = (None, exc, time.perf_counter() - start)
-
-        threads = []
         for name, samples in batch.items():
             state = self._adapters[name]
+            job = self._jobs[name] = _Job(list(samples), time.monotonic())
             if state.failed_reason is not None or not samples:
+                job.finish(None)  # not scored
                 continue
             thread = threading.Thread(
-                target=run, args=(name, state, list(samples)), name=f"score-{name}", daemon=True
+                target=self._run_job, args=(name, state, job), name=f"score-{name}", daemon=True
             )
             thread.start()
-            threads.append(thread)
-        for thread in threads:
-            thread.join()  # each adapter thread is bounded: it stops at its first failing/timed-out call
 
-        return {name: self._record(name, samples, outcomes.get(name)) for name, samples in batch.items()}
+    def _run_job(self, name: str, state: _AdapterRewardState, job: _Job) -> None:
+        start = time.perf_counter()
+        try:
+            outcome: _Outcome = (self._score_adapter(name, state, job.samples), None, 0.0)
+        except BaseException as exc:  # noqa: BLE001 - isolated per adapter
+            outcome = (None, exc, 0.0)
+        with self._done:
+            job.finish((outcome[0], outcome[1], time.perf_counter() - start))
+            self._done.notify_all()
+
+    @property
+    def scoring(self) -> list[str]:
+        """The adapters whose last scoring was started and not taken yet (finished or not)."""
+        return list(self._jobs)
+
+    def finished(self, names: Sequence[str]) -> set[str]:
+        """Those of ``names`` whose scoring has finished (their results wait for :meth:`take`)."""
+        return {n for n in names if (job := self._jobs.get(n)) is not None and job.done}
+
+    def wait(self, names: Sequence[str], timeout_s: float | None = None, *, any_of: bool = False) -> set[str]:
+        """Wait until every one of ``names`` being scored has finished (``any_of``: one of them), at
+        most ``timeout_s`` seconds (None: as long as they take: each call is bounded by its
+        timeouts); returns the finished ones."""
+        names = [n for n in names if n in self._jobs]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._done:
+            while True:
+                done = self.finished(names)
+                if len(done) == len(names) or (any_of and done):
+                    return done
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return done
+                self._done.wait(left)
+
+    def latency(self, name: str) -> float | None:
+        """How long ``name``'s scoring has taken so far, or took (None: none since its last take)."""
+        job = self._jobs.get(name)
+        if job is None:
+            return None
+        return (job.finished_at or time.monotonic()) - job.started
+
+    def take(self, names: Sequence[str]) -> dict[str, AdapterRewards]:
+        """The results of ``names``' finished scoring (counted in their failure counters); the
+        others are left running."""
+        out = {}
+        done = self.finished(names)
+        for name in (n for n in names if n in done):  # in the order asked (ranks train in this order)
+            job = self._jobs.pop(name)
+            out[name] = self._record(name, job.samples, job.outcome)
+        return out
+
+    def abandon(self, name: str) -> None:
+        """Drop ``name``'s scoring in flight, if any, without counting it: its reward process is
+        killed (an in-process reward's call is left to end by its timeout, unheard)."""
+        job = self._jobs.pop(name, None)
+        state = self._adapters.get(name)
+        if job is None or job.done or state is None or not isinstance(state.fn, RewardProcess):
+            return
+        old = state.fn
+        state.fn = RewardProcess(old.spec, self.limits)  # the abandoned call's thread keeps the old one
+        old.kill()
 
     def _end_idle_processes(self, needed: set[str]) -> None:
         """End the least recently used reward processes so that, with ``needed``'s, at most
@@ -219,7 +305,9 @@ class RewardManager:
             processes = {n: st.fn for n, st in self._adapters.items() if isinstance(st.fn, RewardProcess)}
         live = [n for n, process in processes.items() if process.pid is not None]
         starting = sum(1 for n in needed if n in processes and n not in live)
-        idle = sorted((n for n in live if n not in needed), key=lambda n: self._used.get(n, 0))
+        idle = sorted(
+            (n for n in live if n not in needed and n not in self._jobs), key=lambda n: self._used.get(n, 0)
+        )
         excess = len(live) + starting - self.limits.max_live
         for name in idle[: max(0, excess)]:
             processes[name].close()
@@ -228,7 +316,7 @@ class RewardManager:
         self,
         name: str,
         samples: Sequence[RewardSample],
-        outcome: tuple[list[RewardOutput] | None, BaseException | None, float] | None,
+        outcome: _Outcome | None,
     ) -> AdapterRewards:
         state = self._adapters[name]
         if outcome is None:  # not scored: already failed, or nothing to score

@@ -104,6 +104,7 @@ class RewardProcess:
         self.starts = 0  # children started so far (1 + restarts)
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
+        self._killed = False  # killed from another thread: no child is started again
         child_process.warm_up()  # the forkserver's preload overlaps the step's generation
 
     @property
@@ -117,6 +118,14 @@ class RewardProcess:
         if self._conn is not None:
             self._conn.close()
         self._process, self._conn = None, None
+
+    def kill(self) -> None:
+        """Kill the child from another thread, for good: a call waiting on it fails at once (its
+        pipe reads EOF) and cleans up after itself; one still starting it kills it once started."""
+        self._killed = True
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
 
     def _start(self) -> multiprocessing.connection.Connection:
         ctx = child_process.context()
@@ -136,6 +145,9 @@ class RewardProcess:
             send.close()  # the child holds the other end: its death reads as EOF here
         self._process, self._conn = process, receive
         self.starts += 1
+        if self._killed:
+            self.close()
+            raise RewardCallError(f"{self.name} was abandoned")
         status, value = self._receive(self.limits.start_timeout_s, "start")
         if status != "ready":
             self.close()

@@ -253,7 +253,8 @@ def eval_points(
     ``x="wall_s"``: placed at the run's wall-clock seconds instead (rows without them are left out)."""
     out: dict[str, list[EvalPoint]] = {}
     for row in rows:
-        value, se, at = row.get(key), row.get(key + SE_SUFFIX), row.get(x)
+        value, se = row.get(key), row.get(key + SE_SUFFIX)
+        at = row.get("eval/step", row.get("step")) if x == "step" else row.get(x)  # a late eval: its own step
         if _finite(value) and _finite(at):
             point = EvalPoint(at, float(value), float(se) if _finite(se) else None)
             out.setdefault(row["adapter"], []).append(point)

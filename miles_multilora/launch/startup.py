@@ -45,6 +45,8 @@ def admission_rules(cfg: RunConfig) -> AdmissionRules:
         max_live_adapters_per_tenant=c.max_live_adapters_per_tenant,
         spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),
         lora_families=families_of_modules(cfg.lora.target_modules),
+        max_reward_timeout_s=c.max_reward_timeout_s,
+        max_reward_failures=c.max_reward_failures,
     )
 
 

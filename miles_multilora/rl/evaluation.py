@@ -1,7 +1,9 @@
 """Held-out evaluation in the RL step: when an adapter is due, and its eval at its current weights.
 
 Eval draws nothing from the data source, runs no forward with gradients and has its own reward
-manager (its own failure counters), so a run's training is the same with or without it.
+manager (its own failure counters), so a run's training is the same with or without it. Its
+rewards arrive on their own time like training's (:mod:`miles_multilora.rl.scoring`): an eval
+whose rewards are not in within ``trainer.reward_wait_s`` is reported with a later step's result.
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from miles_multilora.config.adapter import SamplingSpec
-from miles_multilora.data import RewardManager
 from miles_multilora.data.evaluation import eval_metrics
 from miles_multilora.data.records import PromptItem
 from miles_multilora.rl.adapters import ResidentAdapter, Residents
 from miles_multilora.rl.faults import AdapterFailures
-from miles_multilora.rl.rollout import build_groups, generate, sample_requests, score
+from miles_multilora.rl.rollout import build_groups, generate, sample_requests
+from miles_multilora.rl.scoring import PendingRewards
 from miles_multilora.rollout import GenerationRequest
 
 
@@ -54,36 +56,55 @@ def eval_requests(
 
 
 def evaluate(
-    residents: Residents, names: list[str], rewards: RewardManager, failures: AdapterFailures
+    residents: Residents,
+    names: list[str],
+    pending: PendingRewards,
+    failures: AdapterFailures,
+    idle: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Held-out eval of ``names`` at their current weights, all in one generation.
+    """Held-out eval of ``names`` at their current weights, all in one generation, scored in the
+    background (an adapter whose last eval is still being scored is left out); a collective.
+    ``idle``: the step has nothing else to do (it waits up to the wait for an earlier eval).
 
-    Returns ``{name: eval/* metrics}``; an adapter whose eval cannot be prepared (or whose eval
+    Returns ``{name: eval/* metrics}`` of the evals whose rewards are in (this step's or earlier
+    ones'; the latest when both are); an adapter whose eval cannot be prepared (or whose eval
     reward failed too often) is added to ``failures``.
     """
+    out = _arrived(residents, pending, failures, idle and not names)  # earlier (late) evals
+    names = [n for n in names if not pending.busy(n)]
     items = {name: residents[name].eval_set.items for name in names}  # type: ignore[union-attr]
     groups = build_groups(residents, items, eval_requests, failures, "preparing its eval requests")
     failures.agree()  # every rank evaluates the same adapters
     groups = [g for g in groups if g.adapter not in failures]
-    if not groups:
-        return {}
-    groups = generate(residents, groups, failures)
-    if not groups:
-        return {}
-    reports = score(residents, groups, rewards)
+    if groups:
+        groups = generate(residents, groups, failures)  # a request the engine refuses fails its adapter
+    if groups:
+        for name in dict.fromkeys(g.adapter for g in groups):
+            residents[name].evaluated = residents.version(name)
+        pending.submit(groups)
+        out.update(_arrived(residents, pending, failures))
+    return out
+
+
+def _arrived(
+    residents: Residents, pending: PendingRewards, failures: AdapterFailures, idle: bool = False
+) -> dict[str, dict[str, Any]]:
+    """The eval metrics of the adapters whose eval rewards are in (a collective)."""
+    arrived, reports = pending.collect(idle=idle)
     out: dict[str, dict[str, Any]] = {}
-    for name in dict.fromkeys(g.adapter for g in groups):
-        mine = [g for g in groups if g.adapter == name]
-        adapter, report = residents[name], reports.get(name)
+    for name, report in reports.items():
+        mine = [g for g in arrived if g.adapter == name]
+        adapter = residents[name]
         assert adapter.spec.eval is not None
-        adapter.evaluated = residents.version(name)
-        if report is None or report.rewards is None:
-            error = (report.error if report is not None else None) or "eval reward failed"
+        if report.rewards is None:
+            error = report.error or "eval reward failed"
             out[name] = {"eval/size": len(mine), "eval/error": error}
-            if report is not None and report.failed:
+            if report.failed:
                 failures.fail(name, f"eval: {report.error or 'reward failed'}")
             continue
         out[name] = eval_metrics(
             [g.rewards for g in mine], [g.correct for g in mine], adapter.spec.eval.samples
         )
+    for name, metrics in out.items():  # the step evaluated (a late eval is reported at a later one)
+        metrics["eval/step"] = residents[name].evaluated
     return out

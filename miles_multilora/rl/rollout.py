@@ -4,7 +4,7 @@ A :class:`Group` is one prompt of one adapter with its requests, built once (see
 prompt and sample, so every rank builds the same ones), then its results and rewards, attached to
 it. :func:`build_groups` turns drawn prompts into groups (an adapter whose prompts cannot be
 encoded or served fails alone), :func:`generate` samples every group on the trainer rank (DP-sharded
-there), :func:`score` rewards them on rank 0 and hands every rank each group's rewards.
+there); :mod:`miles_multilora.rl.scoring` rewards them on rank 0 and hands every rank their rewards.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_multilora.config.adapter import SamplingSpec
-from miles_multilora.data import RewardManager, RewardSample
 from miles_multilora.data.records import PromptItem
 from miles_multilora.data.reward_manager import AdapterRewards
 from miles_multilora.errors import SpecError
@@ -121,42 +120,6 @@ def generate(residents: Residents, groups: list[Group], failures: AdapterFailure
         else:
             group.results = results
     return [g for g in groups if g.adapter not in failures]
-
-
-def score(residents: Residents, groups: list[Group], rewards: RewardManager) -> dict[str, AdapterRewards]:
-    """Reward every sample with ``rewards`` on rank 0 (a reward's timeout cannot make ranks
-    disagree); every rank gets each group's rewards and each adapter's reward report."""
-    rank = residents.rank
-    scored = _score_here(residents, groups, rewards) if rank.is_writer else None
-    reports, per_group = rank.broadcast(scored)
-    for group, (values, correct) in zip(groups, per_group, strict=True):
-        group.rewards, group.correct = values, correct
-    return reports
-
-
-def _score_here(
-    residents: Residents, groups: list[Group], rewards: RewardManager
-) -> tuple[dict[str, AdapterRewards], list[tuple[list[float], list[bool | None]]]]:
-    """Each adapter's samples scored in one call; the rewards split back to the groups, in order."""
-    batch: dict[str, list[RewardSample]] = {}
-    for g in groups:
-        max_new_tokens = residents[g.adapter].spec.sampling.max_new_tokens
-        for r in g.results:
-            sample = RewardSample.from_item(g.item, r.text or "", response_length=len(r.output_ids))
-            sample.max_new_tokens = max_new_tokens
-            batch.setdefault(g.adapter, []).append(sample)
-    reports = rewards.score(batch)
-    taken: dict[str, int] = {}
-    per_group: list[tuple[list[float], list[bool | None]]] = []
-    for g in groups:
-        report, start, n = reports.get(g.adapter), taken.get(g.adapter, 0), len(g.results)
-        taken[g.adapter] = start + n
-        if report is None or report.rewards is None:  # this step's scoring failed
-            per_group.append(([], []))
-            continue
-        correct = report.correct or [None] * (start + n)
-        per_group.append((list(report.rewards[start : start + n]), list(correct[start : start + n])))
-    return reports, per_group
 
 
 @dataclass

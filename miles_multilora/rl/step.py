@@ -2,10 +2,11 @@
 
 Every rank runs the same step on the same snapshot (data and sampling are seeded per adapter,
 prompt and sample, so they agree); the trainer rank shards generation and training over DP
-inside its primitives. Rewards are computed on rank 0 and broadcast, so a reward that depends on
-wall-clock (timeouts) cannot make ranks disagree. An error that belongs to one adapter (its data,
-prompts, requests, reward, checkpoint) fails that adapter alone; ranks merge their failures at
-fixed points of the step, so they keep training the same adapters.
+inside its primitives. Rewards are computed on rank 0, in the background, and what arrived is
+broadcast, so a reward that depends on wall-clock (timeouts) cannot make ranks disagree, and a
+slow one never holds the others' steps (:mod:`~miles_multilora.rl.scoring`). An error that
+belongs to one adapter (its data, prompts, requests, reward, checkpoint) fails that adapter alone;
+ranks merge their failures at fixed points of the step, so they keep training the same adapters.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from miles_multilora.rl.checkpoint_quota import DiskLimits
 from miles_multilora.rl.continuous import ContinuousRollout, staleness_metrics
 from miles_multilora.rl.evaluation import eval_due, evaluate, start_eval_due
 from miles_multilora.rl.faults import AdapterFailures, failure_reason
-from miles_multilora.rl.rollout import Group, Rollout, build_groups, generate, score, training_requests
+from miles_multilora.rl.rollout import Group, Rollout, build_groups, generate, training_requests
+from miles_multilora.rl.scoring import PendingRewards
 from miles_multilora.rl.timing import PhaseTimer
 from miles_multilora.rl.train import Trained, train
 from miles_multilora.trainer.rank import TrainerRank
@@ -61,6 +63,13 @@ class RLStep:
         self.eval_rewards = RewardManager(limits)  # own failure counters: eval never touches training's
         self.residents = Residents(rank, cfg, self.data, self.rewards, self.eval_rewards)
         self.continuous = self._continuous_rollout(cfg)
+        # after the continuous rollout's hooks: a parked adapter's pending prompts go back first
+        self.pending = PendingRewards(self.residents, self.rewards, t.reward_wait_s)
+        carried = self.continuous.has_carried if self.continuous is not None else (lambda name: False)
+        self.residents.has_carried = lambda name: self.pending.busy(name) or carried(name)
+        self.eval_pending = PendingRewards(self.residents, self.eval_rewards, t.reward_wait_s, training=False)
+        self._evals: dict[str, dict[str, Any]] = {}  # evals in, held until the adapter's next result
+        self._ending: set[str] = set()  # at their budget, waiting for their final eval's rewards
         self.last_train_tokens = 0  # tokens (prompt + response) of the last step's training rows
         self.last_rank_train_tokens = 0  # the share of them this rank trained
         self._warned_small_step = False
@@ -78,11 +87,9 @@ class RLStep:
                     "needs the embedded engine)", r.max_staleness, r.engine,
                 )  # fmt: skip
             return None
-        continuous = ContinuousRollout(
+        return ContinuousRollout(
             self.residents, r.max_staleness, pace=r.adapter_pace, occupancy_floor=r.occupancy_floor
         )
-        self.residents.has_carried = continuous.has_carried
-        return continuous
 
     @classmethod
     def build(cls, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> RLStep:
@@ -111,6 +118,8 @@ class RLStep:
             for a in snapshot.draining:  # final checkpoint now (prompts in flight are drawn again on resume)
                 if a.name not in failures and (path := self._checkpoint(a.name, failures)) is not None:
                     drained[a.name] = path
+                self.pending.drop(a.name)  # its scoring in flight is abandoned: cancel waits for nothing
+                self.eval_pending.drop(a.name)
             running = self._finish_at_budget(snapshot.running, failures, resumed, results, finished)
             self.residents.prefetch(snapshot.next_turn)  # copied back to the GPU while this step runs
             # adapters due for their step-0 eval only evaluate this step (with the others' evals)
@@ -124,7 +133,7 @@ class RLStep:
             elif self.continuous is not None:
                 rollout, stepped = self._rollout_continuous(training, failures)
             else:
-                rollout, stepped = self._rollout(training, failures), {a.name for a in training}
+                rollout, stepped = self._rollout(training, failures)
         with timer.phase("train"):
             trained = train(rollout.groups, self.residents, self.algo)  # versions move and are published
             if self.continuous is not None:
@@ -138,11 +147,15 @@ class RLStep:
                 for a in running
                 if a.name not in failures and (a.name in starting or self._eval_due(a, trained))
             ]
-            evals = evaluate(self.residents, due, self.eval_rewards, failures) if due else {}
+            due += [n for n in sorted(self._ending) if self._owes_final_eval(n) and n not in due]
+            if due or self.eval_pending.pending:  # the same on every rank
+                idle = not rollout.groups and not stepped  # the same on every rank
+                self._evals.update(evaluate(self.residents, due, self.eval_pending, failures, idle))
         with timer.phase("checkpoint"):
             for a in running:  # continuous rollout: an adapter whose step is not complete waits
                 if a.name not in failures and (a.name in stepped or a.name in starting):
-                    result = self._conclude(a, rollout, trained, evals.get(a.name, {}), failures, finished)
+                    evals = self._evals.pop(a.name, {})
+                    result = self._conclude(a, rollout, trained, evals, failures, finished)
                     if result is not None:
                         results[a.name] = replace(result, resumed=resumed.get(a.name))
         step_s = timer.total()
@@ -158,6 +171,9 @@ class RLStep:
         for name in failures.reasons:
             if name in self.residents and name not in results:
                 self.residents.forget(name)
+        for name in [n for n in self._evals if n not in self.residents and n not in self.residents.parked]:
+            del self._evals[name]
+        self._ending &= set(self.residents)
         return StepReport(
             snapshot.snapshot_id, results, finished, dict(failures.reasons), drained,
             tuple(snapshot.slots_to_clear), timing,
@@ -201,8 +217,9 @@ class RLStep:
         results: dict[str, AdapterResult],
         finished: dict[str, str],
     ) -> list[SlotAssignment]:
-        """The running adapters that step. One resumed at its budget (from a later checkpoint than
-        its last reported one) finishes without a step, at that checkpoint."""
+        """The running adapters that step. One at its budget finishes without a step, at its last
+        checkpoint (it was resumed from a later one than it reported, or its final eval was still
+        being scored when it reached its budget: it finishes once that eval is in, reported here)."""
         stepping = []
         for a in running:
             if a.name in failures:
@@ -210,6 +227,10 @@ class RLStep:
             if not self.residents.budget_reached(a.name):
                 stepping.append(a)
                 continue
+            if a.name in self._ending:  # it ends once its final eval is in (taken this step if owed)
+                if self.eval_pending.busy(a.name) or self._owes_final_eval(a.name):
+                    continue
+                self._ending.discard(a.name)
             info = resumed.get(a.name)
             path = (
                 (info.checkpoint if info else None)
@@ -219,15 +240,18 @@ class RLStep:
             if path is not None:
                 step = self.version(a.name)
                 finished[a.name] = str(path)
-                results[a.name] = AdapterResult(False, step, None, {"step": step, "version": step}, info)
+                metrics = {"step": step, "version": step, **self._evals.pop(a.name, {})}
+                results[a.name] = AdapterResult(False, step, None, metrics, info)
         return stepping
 
     # ----------------------------------------------------------------- rollout
-    def _rollout(self, training: list[SlotAssignment], failures: AdapterFailures) -> Rollout:
-        """Draw each training adapter's prompts, sample and reward them (and, with dynamic
-        sampling, refill the groups that carry no signal)."""
+    def _rollout(self, training: list[SlotAssignment], failures: AdapterFailures) -> tuple[Rollout, set[str]]:
+        """Draw the prompts of each training adapter not waiting for rewards, sample them and start
+        their scoring; the rollout of the adapters whose rewards are in (with dynamic sampling's
+        refills), and the adapters that step (those and the ones with nothing pending)."""
+        names = [a.name for a in training]
         errors: dict[str, Exception] = {}
-        batch = self.data.next_batch(names=[a.name for a in training], errors=errors)
+        batch = self.data.next_batch(names=[n for n in names if not self.pending.busy(n)], errors=errors)
         for name, exc in errors.items():
             failures.add(name, "drawing its prompts", exc)
         groups = build_groups(self.residents, batch, training_requests, failures)
@@ -235,7 +259,15 @@ class RLStep:
             self.residents.forget(name)
         groups = [g for g in groups if g.adapter not in failures]
         groups = self._generate(groups, failures)
-        reports = score(self.residents, groups, self.rewards)
+        self.pending.submit(groups)
+        rollout = self._rewarded([n for n in names if n not in failures], idle=not groups, failures=failures)
+        stepped = {n for n in names if n not in failures and not self.pending.busy(n)}
+        return rollout, stepped | set(rollout.rewards)
+
+    def _rewarded(self, names: list[str], idle: bool, failures: AdapterFailures) -> Rollout:
+        """The rollout of ``names``' pending groups whose rewards are in (waiting at most
+        ``trainer.reward_wait_s``; see :mod:`~miles_multilora.rl.scoring`), with dynamic sampling."""
+        groups, reports = self.pending.collect(names, idle=idle)
         if not self.algo.dynamic_sampling:
             return Rollout(groups, reports)
         return self._dynamic_sampling(groups, reports, failures)
@@ -253,18 +285,15 @@ class RLStep:
         names = [n for n in names if n not in failures]
         if not names:
             return Rollout(), set()
-        ready = self.continuous.run(names)
-        groups = self.continuous.collect(ready)
-        reports = score(self.residents, groups, self.rewards)
-        rollout = (
-            self._dynamic_sampling(groups, reports, failures)
-            if self.algo.dynamic_sampling
-            else Rollout(groups, reports)
-        )
-        for name in ready:
+        runnable = [n for n in names if not self.pending.busy(n)]  # the others wait for their rewards
+        ready = self.continuous.run(runnable) if runnable else []
+        self.pending.submit(self.continuous.collect(ready))
+        rollout = self._rewarded(names, idle=not ready, failures=failures)
+        stepped = {n for n in ready if not self.pending.busy(n)} | set(rollout.rewards)
+        for name in stepped:
             mine = [g for g in rollout.groups if g.adapter == name]
             rollout.sampling.setdefault(name, {}).update(staleness_metrics(mine, self.version(name)))
-        return rollout, set(ready)
+        return rollout, stepped
 
     def _generate(self, groups: list[Group], failures: AdapterFailures) -> list[Group]:
         """:func:`generate` (its groups of adapters that did not fail)."""
@@ -290,15 +319,17 @@ class RLStep:
         def more(wanted: dict[str, int]) -> dict[str, list[Group]]:
             extra = {}
             for name, k in wanted.items():
+                if self.pending.busy(name):  # an earlier refill is still being scored
+                    continue
                 try:
                     extra[name] = self.data.refill(name, k)
                 except Exception as exc:  # noqa: BLE001 - isolated per adapter
                     failures.add(name, "drawing more prompts (dynamic sampling)", exc)
             new = build_groups(self.residents, extra, training_requests, failures)
             new = self._generate(new, failures)
-            score(self.residents, new, self.rewards)
+            self.pending.submit(new)  # refills not scored within the wait train at a later step
             out: dict[str, list[Group]] = {}
-            for g in new:
+            for g in self.pending.collect(sorted({g.adapter for g in new}))[0]:
                 if g.rewards:
                     out.setdefault(g.adapter, []).append(g)
             return out
@@ -311,6 +342,16 @@ class RLStep:
         return Rollout(kept, reports, {name: result.metrics(name) for name in scored})
 
     # ----------------------------------------------------------------- after training
+    def _owes_final_eval(self, name: str) -> bool:
+        """``name`` reached its budget while an earlier eval was being scored: its final eval is due
+        once that one is in."""
+        adapter = self.residents.get(name)
+        return (
+            adapter is not None
+            and not self.eval_pending.busy(name)
+            and eval_due(adapter, self.version(name), False, True)
+        )
+
     def _eval_due(self, a: SlotAssignment, trained: Trained) -> bool:
         return eval_due(
             self.residents[a.name],
@@ -348,7 +389,9 @@ class RLStep:
             if checkpoint is None:
                 return None
             metrics["checkpoint/tenant_bytes"] = getattr(checkpoint, "tenant_bytes", None)
-        if done:
+        if done and self.eval_pending.busy(name):  # it ends once its final eval is in
+            self._ending.add(name)
+        elif done:
             final = checkpoint or self._checkpoint(name, failures)
             if final is None:
                 return None
@@ -397,7 +440,9 @@ class RLStep:
         """Checkpoint resident ``name`` at its current version (a collective: every rank calls it);
         raises :class:`~miles_multilora.rl.checkpoint.CheckpointError` on every rank on a failure."""
         adapter = self.residents[name]
-        untrained = self.continuous.carried_items(name) if self.continuous is not None else []
+        untrained = self.pending.items(name)  # drawn before the carried ones
+        if self.continuous is not None:
+            untrained += self.continuous.carried_items(name)
         return write_checkpoint(
             self.rank, Path(self.cfg.trainer.output_dir), adapter.assignment,
             self.data.adapter_state(name, untrained),

@@ -52,13 +52,15 @@ def toy_adapter(name: str, reward: str, *, steps: int, batched: bool = False, **
 
 def tiny_run_config(output_dir: str | Path, adapters: list[dict], **sections: dict[str, Any]) -> RunConfig:
     """A validated run config for the tiny model; ``sections`` update e.g. ``trainer={...}``.
-    Synchronous steps unless ``rollout={"max_staleness": ...}`` says otherwise: these tests compare
-    runs step by step (continuous rollout has its own tests)."""
+    Synchronous steps unless ``rollout={"max_staleness": ...}`` says otherwise, and every step waits
+    for its rewards (``trainer.reward_wait_s`` above any reward's timeouts: a reward process's first
+    start may take seconds on a busy CPU): these tests compare runs step by step (continuous rollout
+    and late rewards have their own tests)."""
     data: dict[str, Any] = {
         "model": {"source": "tiny"},
         "rollout": {"max_staleness": 0},
         "lora": {"num_slots": max(2, len(adapters)), "max_rank": 8},
-        "trainer": {"output_dir": str(output_dir), "micro_batch_size": 8, "seed": 0},
+        "trainer": {"output_dir": str(output_dir), "micro_batch_size": 8, "seed": 0, "reward_wait_s": 600.0},
         "logging": {"wandb_mode": "disabled", "console": False, "plot": False},
         "adapters": adapters,
     }

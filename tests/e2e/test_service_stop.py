@@ -4,8 +4,9 @@
   placeholders, a reasoning-gym task whose generation blows its bounds);
 - a catastrophically backtracking ``format_regex`` beside a healthy adapter: the bad one ends
   FAILED at its timeout with the reason, the healthy one keeps stepping;
-- a reward that never returns holds its step: SIGTERM still stops the service within 10 s
-  (the step is abandoned after ``trainer.stop_timeout_s``);
+- a reward timeout above ``controller.max_reward_timeout_s`` is refused; a reward that never
+  returns (at the cap) holds no step: the healthy adapter steps on, SIGTERM stops the service
+  within 10 s;
 - after the restart nothing freezes again: the FAILED adapter stays failed, the hanging one is cut
   by ``trainer.reward_step_timeout_s`` and FAILED, the healthy one resumes.
 """
@@ -24,6 +25,7 @@ import pytest
 import requests
 
 from miles_multilora.controller.client import ControllerClient
+from miles_multilora.errors import SpecError
 from miles_multilora.models.compat import free_port
 from tests.e2e.conftest import REWARDS, TOY_PROMPTS, toy_adapter
 from tests.e2e.test_service import SCRIPTS, _env, _metric_lines, _records, _wait_for, stop_service
@@ -135,17 +137,23 @@ def test_nothing_a_spec_does_stalls_the_service_or_its_stop(tmp_path: Path) -> N
 
         sleepy = toy_adapter("sleepy", "sleeps_forever", steps=LONG, sampling={"max_new_tokens": 8})
         sleepy["reward"].update(timeout_s=3600, max_consecutive_failures=1)
+        with pytest.raises(SpecError, match="controller.max_reward_timeout_s") as refused:
+            client.submit(sleepy)  # above the operator's cap (60 s): a 400
+        assert refused.value.key == "reward.timeout_s"
+        sleepy["reward"].update(timeout_s=60)
         client.submit(sleepy)
         _wait_for("sleepy to run", lambda: _records(client)["sleepy"]["state"] == "RUNNING", 60, service, log)
         held = _records(client)["healthy"]["step"]
-        time.sleep(3.0)  # the step now waits on sleepy's reward (reward_step_timeout_s: 300 s)
-        assert _records(client)["healthy"]["step"] <= held + 1
+        # sleepy's reward is out for 60 s: the steps go on without it (trainer.reward_wait_s)
+        _wait_for(
+            "healthy to step on", lambda: _records(client)["healthy"]["step"] >= held + 3, 60, service, log
+        )
+        assert _records(client)["sleepy"]["step"] == 0
 
-        start = time.perf_counter()
+        start = time.perf_counter()  # nothing holds the step in flight: the stop is prompt
         service.send_signal(signal.SIGTERM)
         assert service.wait(timeout=30) == 0, log.read_text()[-4000:]
         assert time.perf_counter() - start < 10.0, (time.perf_counter() - start, log.read_text()[-3000:])
-        assert "abandoned" in log.read_text()
 
         logged = len(_metric_lines(out))
         service = _start(out, port, ray_tmp, log, "trainer.reward_step_timeout_s=3")

@@ -54,7 +54,8 @@ def test_stuck_adapters_fail_with_the_reason_and_the_healthy_one_trains(tmp_path
     cfg = tiny_run_config(
         tmp_path / "out",
         list(specs.values()),
-        trainer={"max_skipped_steps": 2, "reward_kill_grace_s": 0.5},
+        # the step waits for the regex's scoring (cut at 1.5 s), so it fails in this step
+        trainer={"max_skipped_steps": 2, "reward_kill_grace_s": 0.5, "reward_wait_s": 10.0},
         algo={"dynamic_sampling": True, "max_refill_rounds": 1},
     )
     worker = RLStep.build(cfg)

@@ -56,3 +56,15 @@ def sleeps_forever(prompt: str, completion: str, answer: Any, metadata: dict[str
     """A reward that never returns (a blocked call to a service that is gone)."""
     while True:
         time.sleep(1.0)
+
+
+SLOW_REWARD_S = 0.6
+
+
+@reward_function
+def slow_lowercase(
+    prompts: list[str], completions: list[str], answers: list[Any], metadatas: list[dict[str, Any]]
+) -> list[float]:
+    """Batched: share of lowercase ASCII letters, after :data:`SLOW_REWARD_S` seconds (a slow verifier)."""
+    time.sleep(SLOW_REWARD_S)
+    return [_share(text, "abcdefghijklmnopqrstuvwxyz") for text in completions]

@@ -106,3 +106,40 @@ def test_the_prompt_budget_must_fit_the_models_context():
     with pytest.raises(SpecError, match="at most 254") as info:
         rules.check(parse_adapter_spec(spec(sampling={"max_new_tokens": 255})), remote=False)
     assert info.value.key == "sampling.max_new_tokens"
+
+
+def _reward_spec(name: str, **reward: float) -> dict:
+    return {**spec(name), "reward": {"type": "exact_match", **reward}}
+
+
+def test_a_reward_may_not_ask_more_time_or_failures_than_the_operators_caps(tmp_path: Path):
+    """controller.max_reward_timeout_s / max_reward_failures: above them a spec is refused at
+    registration (naming the cap, nothing changed), and a live adapter restored after the caps were
+    lowered is FAILED with the reason."""
+    rules = AdmissionRules(max_reward_timeout_s=30.0, max_reward_failures=5)
+    core = ControllerCore(num_slots=2, max_rank=16, rules=rules)
+    for reward, key, cap in (
+        ({"timeout_s": 31.0}, "reward.timeout_s", "controller.max_reward_timeout_s"),
+        (
+            {"max_consecutive_failures": 6},
+            "reward.max_consecutive_failures",
+            "controller.max_reward_failures",
+        ),
+    ):
+        with pytest.raises(SpecError, match=cap) as info:
+            core.register(_reward_spec("over", **reward))
+        assert info.value.key == key
+    assert core.list(all_runs=True) == []
+    core.register(_reward_spec("at_cap", timeout_s=30.0, max_consecutive_failures=5))
+    assert AdmissionRules().max_reward_timeout_s == 60.0 and AdmissionRules().max_reward_failures == 20
+
+    state = tmp_path / "state"
+    saved = ControllerCore(num_slots=2, max_rank=16, state_dir=state, rules=rules)
+    saved.register(_reward_spec("long", timeout_s=30.0))
+    saved.register(_reward_spec("short", timeout_s=5.0))
+    saved.snapshot()
+    lowered = AdmissionRules(max_reward_timeout_s=10.0)
+    restored = ControllerCore.restore(state, num_slots=2, max_rank=16, rules=lowered)
+    assert restored.get("long")["state"] == "FAILED"
+    assert "controller.max_reward_timeout_s" in restored.get("long")["reason"]
+    assert restored.get("short")["state"] == "RUNNING"

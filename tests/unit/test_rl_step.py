@@ -228,3 +228,63 @@ def test_adapters_that_swap_slots_start_again_in_their_new_ones(tmp_path: Path) 
     assert not swapped.failed and {n: r.step for n, r in swapped.results.items()} == {"a": 1, "b": 1}
     assert {s: o.name for s, o in fake.slots.items()} == {0: "b", 1: "a"}
     assert (rl.residents["a"].slot, rl.residents["b"].slot) == (1, 0)
+
+
+def test_a_late_reward_trains_at_a_later_step_and_the_ranks_agree(tmp_path: Path) -> None:
+    """Rewards that arrive after ``trainer.reward_wait_s``: the step goes on with the others, and the
+    late adapter's groups train at a later step (generated once, none lost), alike on both ranks."""
+    slow = adapter("slow", 2, reward={"type": "tests.e2e.toy_rewards:slow_lowercase", "batched": True})
+    core, steps, (rank0, rank1) = start(
+        tmp_path, [adapter("a", 6), slow], ranks=2, trainer={"reward_wait_s": 0.1}
+    )
+    reports = []
+    try:
+        while (both := drive(core, steps)) is not None and len(reports) < 200:
+            trained = [{n: (r.step, r.trained) for n, r in rep.results.items()} for rep in both]
+            assert trained[0] == trained[1] and both[0].failed == both[1].failed == {}
+            reports.append(both[0])
+    finally:
+        for rl in steps:
+            rl.rewards.close()
+    stepped = [sorted(n for n, r in rep.results.items() if r.trained) for rep in reports]
+    assert next(s for s in stepped if s) == ["a"]  # a trained while the slow one's rewards were out
+    assert sum("slow" in s for s in stepped) == 2 and sum("a" in s for s in stepped) == 6
+    assert core.get("slow")["state"] == core.get("a")["state"] == "DONE"
+    assert rank0.sampled == rank1.sampled
+    assert sum(g == "slow" for call in rank0.sampled for g in call) == 2 * 2  # 2 steps of 2 prompts, once
+
+
+def test_a_late_eval_is_reported_later_and_its_adapter_ends_once_it_is_in(tmp_path: Path) -> None:
+    """Held-out eval rewards arrive on their own time too: a slow eval does not hold the step (the
+    other adapter trains on), its metrics come with a later result of its adapter, and an adapter
+    whose final eval is still being scored ends (DONE, with that eval) once it is in."""
+    slow = adapter(
+        "slow",
+        1,
+        reward={"type": "tests.e2e.toy_rewards:slow_lowercase", "batched": True},
+        eval={"path": TOY_EVAL, "size": 4, "every": 0},  # at the start and at the end
+    )
+    core, steps, _ = start(tmp_path, [adapter("a", 6), slow], trainer={"reward_wait_s": 0.1})
+    reports = []
+    try:
+        for _ in range(200):
+            out = drive(core, steps)
+            if out is None:
+                break
+            reports.append(out[0])
+    finally:
+        for rl in steps:
+            rl.rewards.close()
+            rl.eval_rewards.close()
+    a_trained = next(i for i, r in enumerate(reports) if r.results.get("a") and r.results["a"].trained)
+    evaluated = [
+        i for i, r in enumerate(reports) if "eval/size" in getattr(r.results.get("slow"), "metrics", {})
+    ]
+    assert a_trained < evaluated[0]  # a trained while the slow one's step-0 eval was being scored
+    slow_results = [r.results["slow"] for r in reports if "slow" in r.results]
+    evals = [r.metrics for r in slow_results if "eval/size" in r.metrics]
+    assert len(evals) == 2 and "eval/error" not in evals[0]  # the start's and the end's, both in
+    assert [m["eval/step"] for m in evals] == [0, 1]  # the steps evaluated, whenever they were reported
+    assert "eval/size" in slow_results[-1].metrics  # its final result carries its final eval
+    assert core.get("slow")["state"] == core.get("a")["state"] == "DONE" and core.get("slow")["step"] == 1
+    assert not any(r.failed for r in reports)

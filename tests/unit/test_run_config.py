@@ -45,6 +45,9 @@ def test_default_configs_compose_and_validate():
         (["rollout=vllm", "rollout.max_versions_per_adapter=0"], "rollout.max_versions_per_adapter", ">= 1"),
         (["rollout=vllm", "rollout.vllm_logprobs_mode=raw"], "rollout.vllm_logprobs_mode", "--logprobs-mode"),
         (["rollout.engine=tgi"], "rollout.engine", "embedded, sglang or vllm"),
+        (["trainer.reward_wait_s=-1"], "trainer.reward_wait_s", ">= 0"),
+        (["controller.max_reward_timeout_s=0"], "controller.max_reward_timeout_s", "> 0"),
+        (["controller.max_reward_failures=0"], "controller.max_reward_failures", ">= 1"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, key, text):
