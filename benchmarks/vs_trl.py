@@ -50,6 +50,29 @@ import vs_trl_report as report  # noqa: E402
 from miles_multilora import third_party_noise  # noqa: E402
 
 LIVE = ("PENDING", "RUNNING", "DRAINING")
+DRIFT_KEYS = (
+    "logprob_diff_mean",
+    "logprob_diff_max",
+    "kl_sample_train_v1",
+    "kl_sample_train_v2",
+    "num_tokens",
+)
+
+
+def drift_summary(drift: list[dict[str, Any]]) -> dict[str, float]:
+    """Token-weighted means of the per-step drift (the largest for ``logprob_diff_max``)."""
+    rows = [d for d in drift if d.get("num_tokens")]
+    tokens = sum(d["num_tokens"] for d in rows)
+    if not tokens:
+        return {}
+    out = {
+        k: sum(d[k] * d["num_tokens"] for d in rows) / tokens
+        for k in DRIFT_KEYS[:4]
+        if k != "logprob_diff_max"
+    }
+    out["logprob_diff_max"] = max(d["logprob_diff_max"] for d in rows)
+    out["tokens"] = float(tokens)
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -167,6 +190,7 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
     failed: dict[str, str] = {}
     held: set[str] = set()
     eval_s, steps = 0.0, 0
+    drift: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     while True:
         snapshot = core.snapshot()
@@ -187,6 +211,8 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
         evals = []
         for name, result in step_report.results.items():
             m = result.metrics
+            if "logprob_diff_mean" in m:  # the sampler-trainer drift of this step's trained tokens
+                drift.append({"step": result.step, "adapter": name, **{k: m.get(k) for k in DRIFT_KEYS}})
             if "eval/error" in m:
                 print(f"  ours {name}: eval failed: {m['eval/error']}", flush=True)
             if "eval/accuracy" in m:
@@ -217,8 +243,16 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    summary = drift_summary(drift)
+    if summary:
+        print(
+            "ours: sampler-trainer drift over trained tokens: "
+            + ", ".join(f"{k} {v:.3g}" for k, v in summary.items())
+        )
     return {
         "adapters": curves,
+        "drift": drift,
+        "drift_summary": summary,
         "run_s": run_s,
         "run_s_with_eval": run_s + eval_s,
         "load_s": load_s,
