@@ -170,6 +170,19 @@ class Catalog:
         private_dir(staging.parent)
         return staging
 
+    def staged(self, tenant: str, run_id: str, kind: str, name: str, write: Callable[[Path], Any]) -> Path:
+        """Check there is room for the checkpoint ``<kind>/<name>`` (:meth:`check_room`), then
+        ``write(staging)`` into its staging directory (:meth:`staging_of`), removed if ``write``
+        fails; the written staging directory, for :meth:`put`."""
+        self.check_room(tenant, run_id, kind, name)
+        staging = self.staging_of(tenant, run_id, kind, name)
+        try:
+            write(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return staging
+
     def _run_file(self, run: RunRecord) -> Path:
         return self.root / run.tenant / "runs" / f"{run.run_id}.json"
 

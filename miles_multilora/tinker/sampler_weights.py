@@ -77,13 +77,13 @@ class SamplerWeights:
     ) -> SavedWeights:  # fmt: skip
         """Write the model's weights as ``tinker://<run>/sampler_weights/<name>`` (replacing a save
         of that name) and record it in the catalog."""
-        self.catalog.check_room(tenant, owned.run_id, SAMPLER, name)
-        staging = self.catalog.staging_of(tenant, owned.run_id, SAMPLER, name)
-        try:
-            self.backend.save_sampler_weights(owned.model_id, staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        staging = self.catalog.staged(
+            tenant,
+            owned.run_id,
+            SAMPLER,
+            name,
+            lambda staging: self.backend.save_sampler_weights(owned.model_id, staging),
+        )
         old = self._named(tenant, owned.run_id, name)
         record = self.catalog.put(
             tenant, owned.run_id, SAMPLER, name, staging, ttl_s=ttl_s, user_metadata=user_metadata

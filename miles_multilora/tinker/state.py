@@ -18,7 +18,6 @@ import json
 import logging
 import random
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -233,13 +232,13 @@ class ServerState:
         target = self.weights_dir(tenant, owned.run_id, name)
         if target.exists() and not overwrite:
             raise TinkerError("path", f"{path} exists; pass overwrite=True or choose another name")
-        self.catalog.check_room(tenant, owned.run_id, TRAINING, name)
-        staging = self.catalog.staging_of(tenant, owned.run_id, TRAINING, name)
-        try:
-            self.backend.save_state(owned.model_id, staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        staging = self.catalog.staged(
+            tenant,
+            owned.run_id,
+            TRAINING,
+            name,
+            lambda staging: self.backend.save_state(owned.model_id, staging),
+        )
         self.catalog.put(
             tenant, owned.run_id, TRAINING, name, staging, ttl_s=ttl_s, user_metadata=user_metadata
         )
@@ -251,13 +250,13 @@ class ServerState:
         target = self.catalog.files_of(tenant, owned.run_id, EXTERNAL, name)
         if target.exists():
             raise TinkerError("path", f"{path} exists; delete it or choose another name")
-        self.catalog.check_room(tenant, owned.run_id, EXTERNAL, name)
-        staging = self.catalog.staging_of(tenant, owned.run_id, EXTERNAL, name)
-        try:
-            self.backend.export_peft(owned.model_id, staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        staging = self.catalog.staged(
+            tenant,
+            owned.run_id,
+            EXTERNAL,
+            name,
+            lambda staging: self.backend.export_peft(owned.model_id, staging),
+        )
         record = self.catalog.put(
             tenant, owned.run_id, EXTERNAL, name, staging, ttl_s=ttl_s, user_metadata=None
         )

@@ -15,7 +15,6 @@ from miles_multilora.config.adapter import OptimizerSpec, parse_adapter_spec
 from miles_multilora.config.run import TinkerConfig
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.disk_usage import dir_size
-from miles_multilora.models import compat
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rl import checkpoint_quota
 from miles_multilora.rl.checkpoint_quota import DiskLimits
@@ -24,8 +23,6 @@ from miles_multilora.tinker.backend import TinkerBackend, TinkerError
 from miles_multilora.tinker.catalog import SAMPLER, TRAINING, Catalog
 from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.tinker.state import ServerState
-from miles_multilora.trainer.rank import TrainerRank
-from tests.e2e.conftest import tiny_run_config
 from tests.fake_rank import FakeRank
 
 NO_ROOM = 1 << 62  # more free bytes than any disk has
@@ -139,15 +136,6 @@ def test_the_tinker_catalog_refuses_a_save_past_the_tenants_bytes_or_the_disk_fl
     with pytest.raises(TinkerError, match="tinker.min_free_disk_bytes"):
         put(floor, "t-b", TRAINING, "s2", 1)
     assert files_under(tmp_path) == before
-
-
-@pytest.fixture
-def backend(tmp_path: Path) -> Iterator[TinkerBackend]:
-    cfg = tiny_run_config(tmp_path / "run", [], lora={"num_slots": 2, "max_rank": 8})
-    try:
-        yield TinkerBackend(TrainerRank(cfg))
-    finally:
-        compat.destroy_distributed()
 
 
 def test_a_real_save_state_over_the_quota_fails_clearly_and_leaves_nothing(

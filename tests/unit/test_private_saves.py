@@ -18,13 +18,10 @@ from miles_multilora.config.run import LoggingConfig, TinkerConfig
 from miles_multilora.controller import ControllerCore
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.launch.metrics import MetricsLogger, metrics_path, plot_rewards
-from miles_multilora.models import compat
 from miles_multilora.rl.checkpoint import write_checkpoint
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.tinker.state import ServerState
-from miles_multilora.trainer.rank import TrainerRank
-from tests.e2e.conftest import tiny_run_config
 
 
 @pytest.fixture
@@ -34,15 +31,6 @@ def umask_022() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
-
-
-@pytest.fixture
-def backend(tmp_path: Path) -> Iterator[TinkerBackend]:
-    cfg = tiny_run_config(tmp_path / "run", [], lora={"num_slots": 2, "max_rank": 8})
-    try:
-        yield TinkerBackend(TrainerRank(cfg))
-    finally:
-        compat.destroy_distributed()
 
 
 def not_private(root: Path) -> dict[str, str]:

@@ -4,31 +4,16 @@ unapplied gradients included; a batch of more models than slots runs in turns.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from miles_multilora.models import compat
 from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, TinkerBackend
-from miles_multilora.trainer.rank import TrainerRank
-from tests.e2e.conftest import tiny_run_config
 from tests.helpers import assert_close_at_scale
 
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]
 STEPS = 3
-
-
-@pytest.fixture
-def backend(tmp_path: Path) -> Iterator[TinkerBackend]:
-    cfg = tiny_run_config(
-        tmp_path / "run", [], lora={"num_slots": 2, "max_rank": 8}, trainer={"micro_batch_size": 4}
-    )
-    try:
-        yield TinkerBackend(TrainerRank(cfg))
-    finally:
-        compat.destroy_distributed()
 
 
 def sft(tokens: list[int]) -> ForwardBackwardRequest:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
-from miles_multilora.models import compat
 from miles_multilora.rollout.logprobs import forward_logits
 from miles_multilora.tinker.backend import (
     Datum,
@@ -24,23 +22,9 @@ from miles_multilora.tinker.backend import (
     TinkerError,
 )
 from miles_multilora.tinker.scheduler import BatchingQueue
-from miles_multilora.trainer.rank import TrainerRank
-from tests.e2e.conftest import tiny_run_config
 from tests.helpers import assert_close_at_scale
 
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]
-
-
-@pytest.fixture
-def backend(tmp_path: Path) -> Iterator[TinkerBackend]:
-    cfg = tiny_run_config(
-        tmp_path / "run", [], lora={"num_slots": 2, "max_rank": 8}, trainer={"micro_batch_size": 4}
-    )
-    rank = TrainerRank(cfg)
-    try:
-        yield TinkerBackend(rank)
-    finally:
-        compat.destroy_distributed()
 
 
 def sft_datum(tokens: list[int]) -> Datum:
