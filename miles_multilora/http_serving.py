@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import ipaddress
 import logging
@@ -57,6 +58,7 @@ from miles_multilora.errors import ConfigError
 
 BACKLOG = 2048
 SHUTDOWN_TIMEOUT_S = 5.0
+BIND_RETRY_S = 10.0  # a port in use is tried again this long (the server it replaces may be exiting)
 SPARE_FILES = 256  # open files kept free beside the connections (state files, logs, ...)
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
@@ -491,15 +493,21 @@ class BackgroundServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # proto=IPPROTO_TCP: asyncio then sets TCP_NODELAY on every accepted connection (with proto 0
         # it does not, and keep-alive responses wait ~40 ms on Nagle + delayed ACK).
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self.port))
-            sock.listen(BACKLOG)
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(self.port_key, f"cannot bind {self.host}:{self.port}: {exc}") from exc
-        return sock
+        deadline = time.monotonic() + BIND_RETRY_S
+        while True:
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((self.host, self.port))
+                sock.listen(BACKLOG)
+                return sock
+            except OSError as exc:
+                sock.close()
+                # a restarted service's port may still be held for a moment by the server it replaces
+                if exc.errno == errno.EADDRINUSE and self.port and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                raise ConfigError(self.port_key, f"cannot bind {self.host}:{self.port}: {exc}") from exc
 
     @property
     def alive(self) -> bool:

@@ -52,13 +52,15 @@ def _healthy_steps(core: ControllerCore, worker: RLStep, steps: int) -> list[flo
 
 
 def _mean_step_s(times: list[float]) -> float:
-    return statistics.mean(sorted(times)[:-2])
+    """The typical step: the median (a step that a reward process's restart on this 2-core machine
+    happens to slow does not count; without the fix every step waits the reward's 3 s)."""
+    return statistics.median(times)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1], ids=["synchronous", "continuous"])
 def test_an_always_timing_out_reward_does_not_slow_its_neighbour(tmp_path: Path, max_staleness: int) -> None:
     """The healthy adapter trains in every step beside the slow one, at >= 80% of its rate alone (the
-    mean step time without each run's 2 longest steps: the CPU is shared with other work)."""
+    median step time: the CPU is shared with other work)."""
     healthy, slow = _specs(slow_timeout_s=3.0)
     core, worker = _start(tmp_path, [healthy, slow], max_staleness)
     try:

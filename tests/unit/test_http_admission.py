@@ -411,3 +411,24 @@ def test_the_limits_are_checked_at_start() -> None:
     cfg = config_from_container(base)
     assert cfg.controller.max_body_mb == 1 and cfg.tinker.max_body_mb == 64
     assert HTTPLimits.of(cfg.tinker) == HTTPLimits()
+
+
+def test_a_port_still_held_by_the_server_being_replaced_is_bound_once_it_is_free() -> None:
+    """A restarted service binds its fixed port while the server it replaces is still exiting: the
+    bind is tried again (up to BIND_RETRY_S) instead of failing the new service at once."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    threading.Timer(0.5, holder.close).start()
+    app = FastAPI()
+    app.get("/hello")(lambda: {"ok": True})
+    server = BackgroundServer(
+        app, "127.0.0.1", port, name="again", port_key="port", logger=logger, limits=HTTPLimits()
+    )
+    try:
+        url = server.start()
+        assert url.endswith(f":{port}")
+        assert requests.get(f"{url}/hello", timeout=10).json() == {"ok": True}
+    finally:
+        server.stop()
