@@ -138,56 +138,31 @@ def closure(roots: tuple[str, ...], skip: set[str]) -> dict[str, str]:
     return found
 
 
+def pip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m pip ARGS`` (output captured when ``check`` is off: a failure is expected then)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args], check=check, capture_output=not check, text=True
+    )
+
+
 def download(pins: dict[str, str], dest: Path) -> list[Path]:
     """One wheel per pin for CPython 3.12 on x86-64 Linux; an sdist-only one is built here."""
     dest.mkdir(parents=True, exist_ok=True)
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     for name, version in sorted(pins.items()):
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--python-version",
-            "3.12",
-            "--implementation",
-            "cp",
-            *platforms,
-            "-d",
-            str(dest),
-            f"{name}=={version}",
-        ]
-        if subprocess.run(cmd, capture_output=True, text=True).returncode == 0:
+        pin = f"{name}=={version}"
+        binary = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", *platforms]
+        if pip("download", "-q", "--no-deps", *binary, "-d", str(dest), pin, check=False).returncode == 0:
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, f"{name}=={version}"],
-                check=True,
-            )
+            pip("wheel", "-q", "--no-deps", "-w", tmp, pin)
             (built,) = Path(tmp).glob("*.whl")
             if built.name.endswith("-py3-none-any.whl"):
-                say(f"no wheel of {name}=={version}: built one here")
+                say(f"no wheel of {pin}: built one here")
                 shutil.move(built, dest / built.name)
                 continue
-        say(f"no wheel of {name}=={version} and it compiles code: its source is packed, built there")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--no-binary=:all:",
-                "-d",
-                str(dest),
-                f"{name}=={version}",
-            ],
-            check=True,
-        )
+        say(f"no wheel of {pin} and it compiles code: its source is packed, built there")
+        pip("download", "-q", "--no-deps", "--no-binary=:all:", "-d", str(dest), pin)
     return sorted(p for p in dest.iterdir() if p.name.endswith((".whl", ".tar.gz", ".zip")))
 
 
@@ -264,22 +239,7 @@ def assemble(src: Path, out: Path) -> list[Path]:
             chunks.setdefault(match.group(1), []).append(path)
         elif path.name.endswith((".tar.gz", ".zip")):  # a source-only package with compiled code
             say(f"building {path.name} (needs a compiler and Python's headers)")
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "wheel",
-                    "-q",
-                    "--no-deps",
-                    "--no-index",
-                    "--no-build-isolation",
-                    "-w",
-                    str(out),
-                    str(path),
-                ],
-                check=True,
-            )
+            pip("wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation", "-w", str(out), str(path))
         elif path.suffix == ".whl":
             shutil.copy2(path, out / path.name)
     for name, paths in chunks.items():
@@ -305,23 +265,17 @@ def cmd_install(args: argparse.Namespace) -> None:
         if missing:
             say(f"not copied yet: {', '.join(missing)} (copy every part under {args.src}; install again)")
         say(f"installing {len(wheels)} wheels into {args.site}")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                "--no-cache-dir",
-                "--upgrade",
-                "--target",
-                str(args.site),
-                *map(str, wheels),
-            ],
-            check=True,
+        pip(
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(args.site),
+            *map(str, wheels),
         )
     problems = []
     for line in lines:
