@@ -141,42 +141,16 @@ def ours_config(args: argparse.Namespace, specs: list[Any], out: Path, cuda: boo
     return load_run_config("train", overrides)
 
 
-def admission(cfg: Any) -> Any:
-    """The controller's admission rules of the run (as ``launch/startup.py`` builds them, minus
-    the operator's reward modules and dataset roots: the specs are local files)."""
-    from miles_multilora.config.lora_targets import families_of_modules
-    from miles_multilora.controller.admission import AdmissionRules
-    from miles_multilora.models.paths import context_length
-
-    return AdmissionRules(
-        max_context=context_length(cfg), lora_families=families_of_modules(cfg.lora.target_modules)
-    )
-
-
-def apply_report(core: Any, step_report: Any) -> None:
-    """``launch/loop.py``'s ``apply_report`` on the in-process controller core."""
-    for slot in step_report.cleared:
-        core.slot_cleared(slot)
-    if step_report.results:
-        core.report_step(step_report.results)
-    for name, checkpoint in step_report.drained.items():
-        core.drained(name, checkpoint)
-    for name, checkpoint in step_report.finished.items():
-        core.mark_done(name, checkpoint)
-    for name, reason in step_report.failed.items():
-        if name not in step_report.finished:
-            core.mark_failed(name, reason)
-
-
 def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) -> dict[str, Any]:
     """Train ``specs`` together; each adapter's held-out curve on the clock of the module docstring."""
     import torch
 
+    from miles_multilora.controller.admission import rules_for_run
     from miles_multilora.controller.core import ControllerCore
     from miles_multilora.rl import RLStep
 
     cfg = ours_config(args, specs, out, cuda)
-    core = ControllerCore(cfg.lora.num_slots, cfg.lora.max_rank, rules=admission(cfg))
+    core = ControllerCore(cfg.lora.num_slots, cfg.lora.max_rank, rules=rules_for_run(cfg))
     for spec in specs:
         core.register(spec)
     print(f"ours: loading {cfg.model.source} ({cfg.model.dtype}) for {len(specs)} adapters ...", flush=True)
@@ -203,7 +177,7 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
         if cuda:
             torch.cuda.synchronize()
         held = {a.name for a in snapshot.adapters}
-        apply_report(core, step_report)
+        core.apply_report(step_report)
         timing = step_report.timing
         eval_s += timing.get("eval_s", 0.0)
         t = time.perf_counter() - t0 - eval_s

@@ -36,7 +36,7 @@ from miles_multilora.controller.endpoint import write_endpoint
 from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.http_api import ControllerHTTPServer
 from miles_multilora.controller.residency import ResidencyPolicy
-from miles_multilora.controller.snapshot import AdapterResult, Snapshot
+from miles_multilora.controller.snapshot import AdapterResult, Snapshot, StepReport
 from miles_multilora.errors import ConfigError
 
 DEFAULT_NAME = "multilora_controller"
@@ -110,6 +110,9 @@ class ControllerActor:
 
     def report_step(self, results: Mapping[str, AdapterResult]) -> dict[str, dict[str, float]]:
         return self._core.report_step(results)
+
+    def apply_report(self, report: StepReport) -> dict[str, dict[str, float]]:
+        return self._core.apply_report(report)
 
     def mark_done(self, name: str, checkpoint: str | None = None) -> dict[str, Any]:
         return self._core.mark_done(name, checkpoint)

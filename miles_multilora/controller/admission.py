@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec, check_sampling_vocab
-from miles_multilora.config.lora_targets import check_targets
+from miles_multilora.config.lora_targets import check_targets, families_of_modules
+from miles_multilora.config.run import RunConfig
 from miles_multilora.data.datasets import looks_local
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.data.spec_checks import SpecCheckLimits, check_spec_work
 from miles_multilora.errors import ConfigError, SpecError
+from miles_multilora.models.paths import context_length, vocab_size
 
 MIN_PROMPT_TOKENS = 1  # what sampling.max_new_tokens must leave of the context window
 ResourceValidator = Callable[[AdapterSpec], Any]
@@ -156,3 +158,21 @@ def resolve_resource_validator(validator: ResourceValidator | str | None) -> Res
     if not callable(func):
         raise ConfigError("controller.validate_resources", f"{validator!r} is not callable")
     return func
+
+
+def rules_for_run(cfg: RunConfig) -> AdmissionRules:
+    """The controller's rules for this run: reward modules, dataset roots, the model's context and
+    vocabulary."""
+    c = cfg.controller
+    return AdmissionRules(
+        reward_modules=tuple(c.reward_modules),
+        dataset_roots=tuple(c.dataset_roots),
+        max_context=context_length(cfg),
+        vocab_size=vocab_size(cfg),
+        max_live_adapters=c.max_live_adapters,
+        max_live_adapters_per_tenant=c.max_live_adapters_per_tenant,
+        spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),
+        lora_families=families_of_modules(cfg.lora.target_modules),
+        max_reward_timeout_s=c.max_reward_timeout_s,
+        max_reward_failures=c.max_reward_failures,
+    )

@@ -12,7 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from miles_multilora.config.adapter import AdapterSpec, parse_adapter_spec
 from miles_multilora.controller.errors import ControllerStateError
+from miles_multilora.controller.history import RunHistory
+from miles_multilora.controller.quotas import TokenWindow
+from miles_multilora.controller.record import AdapterRecord
+from miles_multilora.controller.slot_table import SlotTable
+from miles_multilora.controller.states import AdapterState
+from miles_multilora.errors import SpecError
 from miles_multilora.private_files import write_atomic
 
 STATE_FILE_NAME = "controller_state.json"
@@ -51,3 +58,83 @@ def load_state(state_dir: str | Path) -> dict[str, Any] | None:
             "move it away or point state_dir elsewhere"
         )
     return data
+
+
+class PersistedState:
+    """The :class:`~miles_multilora.controller.core.ControllerCore`'s live state in its state file:
+    what is saved, how it is loaded, and the write after every change (rolled back on failure)."""
+
+    num_slots: int
+    max_rank: int
+    _seq: int
+    _snapshot_id: int
+    _as_of: float
+    _runs: dict[str, AdapterRecord]
+    _latest: dict[str, str]
+    _history: RunHistory
+    _slots: SlotTable
+    _tokens: TokenWindow
+    _state_dir: Path | None
+    _saved: dict[str, Any] | None
+
+    def _finish(self, record: AdapterRecord, target: AdapterState, reason: str | None) -> None:
+        raise NotImplementedError  # the core's
+
+    def _to_state(self) -> dict[str, Any]:
+        return {
+            "num_slots": self.num_slots,
+            "max_rank": self.max_rank,
+            "seq": self._seq,
+            "snapshot_id": self._snapshot_id,
+            **self._slots.to_state(),
+            "runs": [r.to_state() for r in self._runs.values()],
+            "tenant_tokens": self._tokens.to_state(),
+            "as_of": self._as_of,
+        }
+
+    def _load(self, data: dict[str, Any], reset_slots: bool) -> None:
+        """Live runs from a state dict (runs the history already holds as finished are dropped:
+        a crash hit between the two writes of :meth:`_finish`)."""
+        self._seq = int(data["seq"])
+        self._snapshot_id = int(data["snapshot_id"])
+        self._tokens.load(data.get("tenant_tokens"))
+        self._as_of = float(data.get("as_of", self._as_of))
+        self._runs = {}
+        invalid: list[tuple[AdapterRecord, str]] = []
+        for item in data["runs"]:
+            if item["run_id"] in self._history:
+                continue
+            try:
+                spec = parse_adapter_spec(item["spec"])
+            except SpecError as exc:  # e.g. the schema changed since it was saved
+                spec, error = AdapterSpec(name=item["name"]), str(exc)
+            else:
+                error = None
+            record = AdapterRecord.from_state(item, spec)
+            if record.state.finished:  # a state file of an earlier version kept finished runs
+                self._history.append(record.history_entry())
+                continue
+            self._runs[item["run_id"]] = record
+            if error is not None:
+                invalid.append((record, error))
+        self._latest = {r.name: r.run_id for r in self._runs.values()}
+        if reset_slots:
+            self._slots.reset()
+        else:
+            self._slots.load(data)
+        for record, error in invalid:
+            record.slot = None if reset_slots else record.slot
+            self._finish(record, AdapterState.FAILED, reason=f"stored spec invalid: {error}")
+
+    def _commit(self) -> None:
+        """Persist the current state; if writing fails, roll memory back to the last saved state."""
+        if self._state_dir is None:
+            return
+        state = self._to_state()
+        try:
+            save_state(self._state_dir, state)
+        except BaseException:
+            if self._saved is not None:
+                self._load(self._saved, reset_slots=False)
+            raise
+        self._saved = state

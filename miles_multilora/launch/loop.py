@@ -20,18 +20,9 @@ from miles_multilora.launch.trainer_group import TrainerGroup
 
 
 def apply_report(controller: Any, report: StepReport) -> dict[str, dict[str, float]]:
-    """Tell the controller what the step did: slots cleared, steps, final checkpoints, failures.
+    """Tell the controller what the step did (:meth:`ControllerCore.apply_report`, one call).
     Returns the stepped adapters' queue times (``queue/pending_s``, ``queue/parked_s``)."""
-    ray.get([controller.slot_cleared.remote(slot) for slot in report.cleared])
-    queue = ray.get(controller.report_step.remote(report.results)) if report.results else None
-    for name, checkpoint in report.drained.items():
-        ray.get(controller.drained.remote(name, checkpoint))
-    for name, checkpoint in report.finished.items():
-        ray.get(controller.mark_done.remote(name, checkpoint))
-    for name, reason in report.failed.items():
-        if name not in report.finished:
-            ray.get(controller.mark_failed.remote(name, reason))
-    return queue or {}
+    return ray.get(controller.apply_report.remote(report))
 
 
 def must_step(snapshot: Snapshot, held: set[str]) -> bool:

@@ -14,40 +14,19 @@ from rich.console import Console
 from miles_multilora.api_token import read_token
 from miles_multilora.config.adapter import AdapterSpec
 from miles_multilora.config.http_limits import HTTPLimits
-from miles_multilora.config.lora_targets import families_of_modules
 from miles_multilora.config.run import CONFIG_DIR, RunConfig, parse_adapters, to_yaml
-from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
+from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, rules_for_run
 from miles_multilora.data.reward_registry import import_reward_modules
-from miles_multilora.data.spec_checks import SpecCheckLimits
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.launch.cluster import placement_lines
 from miles_multilora.launch.loop import run_loop
 from miles_multilora.launch.metrics import MetricsLogger, next_global_step
 from miles_multilora.launch.trainer_group import TrainerGroup
-from miles_multilora.models.paths import context_length, vocab_size
 from miles_multilora.private_files import private_dir, write_atomic
 
 
 def controller_state_dir(cfg: RunConfig) -> Path:
     return Path(cfg.controller.state_dir or Path(cfg.trainer.output_dir) / "controller")
-
-
-def admission_rules(cfg: RunConfig) -> AdmissionRules:
-    """The controller's rules for this run: reward modules, dataset roots, the model's context and
-    vocabulary."""
-    c = cfg.controller
-    return AdmissionRules(
-        reward_modules=tuple(c.reward_modules),
-        dataset_roots=tuple(c.dataset_roots),
-        max_context=context_length(cfg),
-        vocab_size=vocab_size(cfg),
-        max_live_adapters=c.max_live_adapters,
-        max_live_adapters_per_tenant=c.max_live_adapters_per_tenant,
-        spec_checks=SpecCheckLimits(c.spec_check_timeout_s, c.spec_check_memory_mb),
-        lora_families=families_of_modules(cfg.lora.target_modules),
-        max_reward_timeout_s=c.max_reward_timeout_s,
-        max_reward_failures=c.max_reward_failures,
-    )
 
 
 def prepare_run(cfg: RunConfig) -> tuple[list[AdapterSpec], Path, Path]:
@@ -57,7 +36,7 @@ def prepare_run(cfg: RunConfig) -> tuple[list[AdapterSpec], Path, Path]:
     from miles_multilora.data.validation import validate_adapter_resources
 
     import_reward_modules(cfg.controller.reward_modules)
-    rules = admission_rules(cfg)
+    rules = rules_for_run(cfg)
     specs = parse_adapters(cfg, base_dir=CONFIG_DIR.parent)
     for i, spec in enumerate(specs):
         try:
@@ -137,7 +116,7 @@ class Session:
             port=c.port if self.service else 0,
             token=read_token(c.token_file),
             validate_resources=DEFAULT_RESOURCE_VALIDATOR if self.service else None,
-            rules=admission_rules(self.cfg),
+            rules=rules_for_run(self.cfg),
             history_retention=c.history_retention,
             residency=ResidencyPolicy(
                 c.max_running or None,

@@ -19,7 +19,7 @@ from miles_multilora.controller import (
     UnknownAdapterError,
 )
 from miles_multilora.controller.admission import DEFAULT_RESOURCE_VALIDATOR, AdmissionRules
-from miles_multilora.controller.snapshot import AdapterResult
+from miles_multilora.controller.snapshot import AdapterResult, StepReport
 from miles_multilora.controller.states import FINISHED_STATES, check_transition
 from miles_multilora.errors import ConfigError, SpecError
 
@@ -346,3 +346,29 @@ def test_concurrent_registrations_and_snapshots_never_share_a_slot():
     assert len(core.list()) == 24 and sorted(slots) == [0, 1, 2, 3]
     assert sum(r["state"] == "PENDING" for r in core.list()) == 20
     assert {r["state"] for r in core.list()} == {AdapterState.PENDING.value, AdapterState.RUNNING.value}
+
+
+def test_one_step_report_clears_steps_finishes_and_fails_in_one_call():
+    core = running_core(num_slots=3, names=("done", "failed", "drain"))
+    core.cancel("drain")
+    core.register(spec("next"))
+    report = StepReport(
+        snapshot_id=core.snapshot().snapshot_id,
+        results={"done": AdapterResult(trained=True, step=1), "failed": AdapterResult(trained=True, step=1)},
+        finished={"done": "/ckpt/done/final"},
+        failed={"failed": "reward raised 3 times", "done": "ignored: it finished"},
+        drained={"drain": "/ckpt/drain/final"},
+        cleared=(),
+        timing={},
+    )
+    queue = core.apply_report(report)
+    assert set(queue) == {"done", "failed"} and "queue/pending_s" in queue["done"]
+    assert [state_of(core, n) for n in ("done", "failed", "drain", "next")] == [
+        "DONE", "FAILED", "CANCELLED", "PENDING"
+    ]  # fmt: skip
+    assert core.get("done")["last_checkpoint"] == "/ckpt/done/final" and core.get("done")["step"] == 1
+    assert core.snapshot().slots_to_clear == (0, 1, 2)
+    core.apply_report(
+        dataclasses.replace(report, results={}, finished={}, failed={}, drained={}, cleared=(0, 2))
+    )
+    assert [(a.name, a.slot) for a in core.snapshot().running] == [("next", 0)]

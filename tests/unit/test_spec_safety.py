@@ -288,11 +288,11 @@ def test_after_a_restart_a_spec_that_now_fails_is_failed_with_the_reason_and_the
 
 
 def test_the_service_admits_specs_against_its_models_vocabulary(tmp_path):
-    from miles_multilora.launch.startup import admission_rules
+    from miles_multilora.controller.admission import rules_for_run
     from tests.e2e.conftest import tiny_run_config
 
     cfg = tiny_run_config(tmp_path, [])
-    rules = admission_rules(cfg)
+    rules = rules_for_run(cfg)
     assert rules.vocab_size == cfg.model.tiny.vocab_size
     rules.check(parse_adapter_spec(spec("edge", sampling={"top_k": rules.vocab_size})), remote=True)
     with pytest.raises(SpecError, match=f"1..{rules.vocab_size} .the model's vocabulary") as info:
