@@ -26,7 +26,8 @@ import numpy as np
 import tinker
 import torch
 
-from miles_multilora.config.run import TinkerConfig, config_from_container
+from miles_multilora.config.run import config_from_container
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.tinker.serve import start
 
 

@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from miles_multilora.config.http_limits import HTTPLimits
-from miles_multilora.config.run import ControllerConfig
+from miles_multilora.config.sections.controller import ControllerConfig
 from miles_multilora.controller.core import ControllerCore
 from miles_multilora.controller.errors import ControllerAuthError, ControllerError
 from miles_multilora.errors import ConfigError

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from miles_multilora.config.run import LoggingConfig
+from miles_multilora.config.sections.logging import LoggingConfig
 from miles_multilora.data.evaluation import SE_SUFFIX
 from miles_multilora.private_files import make_private, private_dir, private_open
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from miles_multilora.rollout.remote_engine import RemoteEngine
 
 if TYPE_CHECKING:
-    from miles_multilora.config.run import RolloutConfig
+    from miles_multilora.config.sections.rollout import RolloutConfig
 
 
 def server_urls(value: str | None) -> list[str]:

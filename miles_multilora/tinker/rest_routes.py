@@ -30,7 +30,7 @@ from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from miles_multilora.config.lora_targets import FAMILIES
-from miles_multilora.config.run import TinkerConfig
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.http_serving import HTTPProblem, read_body
 from miles_multilora.tinker import params
 from miles_multilora.tinker.backend import TinkerError

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_multilora.config.run import TinkerConfig
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.disk_usage import low_disk
 from miles_multilora.tinker.backend import TinkerBackend, TinkerError
 from miles_multilora.tinker.catalog import SAMPLER, Catalog

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.config.adapter import SamplingSpec
-from miles_multilora.config.run import TinkerConfig
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.tinker.backend import (
     PromptScores,

@@ -55,7 +55,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_multilora.config.run import RunConfig, TinyModelConfig
+from miles_multilora.config.run import RunConfig
+from miles_multilora.config.sections.model import TinyModelConfig
 from miles_multilora.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from miles_multilora.algo.device_metrics import read_together
-from miles_multilora.config.run import TrainerConfig
+from miles_multilora.config.sections.trainer import TrainerConfig
 from miles_multilora.host_tensors import tensor_on, to_device
 from miles_multilora.lora import token_slots
 from miles_multilora.lora.inject import model_num_slots

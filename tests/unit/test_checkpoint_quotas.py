@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from miles_multilora.config.adapter import OptimizerSpec, parse_adapter_spec
-from miles_multilora.config.run import TinkerConfig
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.disk_usage import dir_size
 from miles_multilora.rl import checkpoint as ckpt

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from miles_multilora.config.adapter import eval_pool_size, eval_seed, parse_adapter_spec
-from miles_multilora.config.run import LoggingConfig
+from miles_multilora.config.sections.logging import LoggingConfig
 from miles_multilora.controller import ControllerCore
 from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.snapshot import AdapterResult

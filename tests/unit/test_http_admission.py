@@ -27,7 +27,7 @@ import requests
 from fastapi import FastAPI
 
 from miles_multilora.config.http_limits import HTTPLimits
-from miles_multilora.config.run import ControllerConfig
+from miles_multilora.config.sections.controller import ControllerConfig
 from miles_multilora.controller import ControllerCore
 from miles_multilora.controller.http_api import ControllerHTTPServer
 from miles_multilora.http_serving import BackgroundServer, Guard

@@ -18,8 +18,8 @@ import yaml
 from rich.console import Console
 
 from miles_multilora.config.http_limits import HTTPLimits
-from miles_multilora.config.run import ControllerConfig
 from miles_multilora.config.safe_yaml import load_yaml_no_aliases
+from miles_multilora.config.sections.controller import ControllerConfig
 from miles_multilora.controller import (
     AdapterConflictError,
     ControllerAuthError,

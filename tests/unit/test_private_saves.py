@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from miles_multilora.config.adapter import parse_adapter_spec
-from miles_multilora.config.run import LoggingConfig, TinkerConfig
+from miles_multilora.config.sections.logging import LoggingConfig
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.controller import ControllerCore
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.launch.metrics import MetricsLogger, metrics_path, plot_rewards

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from miles_multilora.cli import main
-from miles_multilora.config.run import load_run_config, parse_adapters
+from miles_multilora.config.run import config_from_container, load_run_config, parse_adapters
+from miles_multilora.config.sections.controller import ControllerConfig
+from miles_multilora.config.sections.logging import LoggingConfig
+from miles_multilora.config.sections.lora import LoRAConfig
+from miles_multilora.config.sections.model import ModelConfig, TinyModelConfig
+from miles_multilora.config.sections.rollout import RolloutConfig
+from miles_multilora.config.sections.tinker import TinkerConfig
+from miles_multilora.config.sections.trainer import TrainerConfig
 from miles_multilora.errors import ConfigError
 
 
@@ -89,3 +96,36 @@ def test_num_slots_is_a_number_or_auto():
     cfg = load_run_config("train", ["lora.num_slots=8"])
     assert cfg.lora.num_slots == 8 and type(cfg.lora.num_slots) is int
     assert (cfg.lora.auto_min_slots, cfg.lora.auto_max_slots, cfg.lora.auto_memory_fraction) == (2, 64, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("section", "cls", "values", "key", "text"),
+    [
+        ("model", ModelConfig, {"source": "gpt9"}, "model.source", "demo, hf or tiny"),
+        ("model", ModelConfig, {"pp": 2}, "model.pp", "use model.pp=1"),
+        ("model.tiny", TinyModelConfig, {"num_experts": 2, "moe_router_topk": 3}, "model.tiny.moe_router_topk",
+         "1..model.tiny.num_experts (2)"),
+        ("lora", LoRAConfig, {"auto_max_slots": 1}, "lora.auto_max_slots", ">= lora.auto_min_slots (2)"),
+        ("rollout", RolloutConfig, {"page_size": 12}, "rollout.page_size", "power of 2 >= 8, got 12"),
+        ("trainer", TrainerConfig, {"world_size": 0}, "trainer.world_size", ">= 1"),
+        ("logging", LoggingConfig, {"wandb_mode": "cloud"}, "logging.wandb_mode", "offline, online or disabled"),
+        ("controller", ControllerConfig, {"max_requests_per_key": 2048}, "controller.max_requests_per_key",
+         "<= controller.max_requests (1024)"),
+        ("controller", ControllerConfig, {"tenant_quotas": {"a/b": {}}}, "controller.tenant_quotas.a/b",
+         "not a tenant name"),
+        ("tinker", TinkerConfig, {"port": 70000}, "tinker.port", "TCP port"),
+        ("tinker", TinkerConfig, {"max_checkpoint_ttl_s": 60}, "tinker.max_checkpoint_ttl_s",
+         ">= tinker.min_checkpoint_ttl_s (3600)"),
+    ],
+)  # fmt: skip
+def test_each_section_checks_itself_with_the_error_the_run_config_gives(section, cls, values, key, text):
+    """A section's own validate() raises what validating the whole run config raises for it."""
+    with pytest.raises(ConfigError) as alone:
+        cls(**values).validate()
+    assert alone.value.key == key and text in str(alone.value)
+    data: dict = values
+    for part in reversed(section.split(".")):
+        data = {part: data}
+    with pytest.raises(ConfigError) as whole:
+        config_from_container(data)
+    assert (whole.value.key, whole.value.message) == (alone.value.key, alone.value.message)

@@ -416,7 +416,7 @@ def test_a_small_request_waits_for_one_batch_of_a_huge_one_and_tenants_share_fai
 
 
 def test_one_tenant_cannot_hold_every_model_of_the_server(backend: TinkerBackend, tmp_path: Path) -> None:
-    from miles_multilora.config.run import TinkerConfig
+    from miles_multilora.config.sections.tinker import TinkerConfig
     from miles_multilora.tinker.state import ServerState
 
     backend.max_models = 3
@@ -485,7 +485,7 @@ def test_unseeded_models_take_the_reproducible_seeds_stream(backend: TinkerBacke
     server started with it; without it, seeds are random."""
     import random
 
-    from miles_multilora.config.run import TinkerConfig
+    from miles_multilora.config.sections.tinker import TinkerConfig
     from miles_multilora.tinker.state import ServerState
 
     def seeds(settings: TinkerConfig, run: str) -> list[int]:

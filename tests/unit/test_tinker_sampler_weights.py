@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_multilora.config.run import TinkerConfig
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.models import compat
 from miles_multilora.tinker.backend import ForwardBackwardRequest, TinkerBackend, TinkerError
 from miles_multilora.tinker.catalog import Catalog

@@ -1,0 +1,97 @@
+"""``model.*``: which checkpoint, its dtype and how it is split over the ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles_multilora.config.sections.checks import check
+
+
+@dataclass
+class TinyModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    vocab_size: int = 128
+    max_seq_len: int = 256
+    num_experts: int = 0  # > 0: every MLP is a mixture of this many experts (lora targets their fc1/fc2)
+    moe_router_topk: int = 2  # experts per token
+    moe_ffn_hidden_size: int | None = None  # each expert's hidden size (None: ffn_hidden_size)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the ``model.tiny.*`` key of a value out of range."""
+        check(self.num_experts >= 0, "model.tiny.num_experts", "must be >= 0 (0: dense MLPs)")
+        check(
+            self.num_experts == 0 or 1 <= self.moe_router_topk <= self.num_experts,
+            "model.tiny.moe_router_topk",
+            f"must be in 1..model.tiny.num_experts ({self.num_experts}), got {self.moe_router_topk}",
+        )
+
+
+@dataclass
+class ModelConfig:
+    """``source``: ``demo`` (SmolLM2-135M-Instruct, converted by provision.sh), ``hf`` (hf_path) or ``tiny``."""
+
+    source: str = "demo"
+    hf_path: str | None = None
+    cache_dir: str = "~/.cache/miles_multilora"
+    dtype: str = "float32"
+    # the frozen base's GEMMs in the layers with LoRA slots: dtype (model.dtype) | fp8 (e4m3 copies of the
+    # base weights, scaled per channel, and activations scaled per token; trainer and embedded engine alike)
+    base_precision: str = "dtype"
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None  # data-parallel replicas; None: trainer.world_size / (tp * pp), else 1
+    moe_token_dispatcher: str = "alltoall"  # mixture-of-experts models: allgather | alltoall
+    # prompt + completion tokens; None: the checkpoint's max_position_embeddings (tiny: tiny.max_seq_len).
+    # A lower value caps it (less KV cache and activation memory); a higher one is refused.
+    max_context: int | None = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the ``model.*`` key of a value out of range."""
+        check(
+            self.source in ("demo", "hf", "tiny"),
+            "model.source",
+            f"must be demo, hf or tiny; got {self.source!r}",
+        )
+        check(
+            self.source != "hf" or bool(self.hf_path),
+            "model.hf_path",
+            "set model.hf_path for model.source=hf",
+        )
+        check(self.tp >= 1 and self.pp >= 1, "model.tp", "tp and pp must be >= 1")
+        check(
+            self.base_precision in ("dtype", "fp8"),
+            "model.base_precision",
+            f"must be dtype (model.dtype) or fp8, got {self.base_precision!r}",
+        )
+        check(
+            self.base_precision != "fp8" or self.tp == 1,
+            "model.base_precision",
+            f"fp8 needs model.tp=1 (tensor-parallel FP8 GEMMs are not built), got model.tp={self.tp}",
+        )
+        check(
+            self.base_precision != "fp8" or self.tiny.num_experts == 0 or self.source != "tiny",
+            "model.base_precision",
+            "fp8 is for dense models (expert layers have no FP8 path); set model.tiny.num_experts=0 or base_precision=dtype",
+        )
+        check(
+            self.max_context is None or self.max_context >= 2,
+            "model.max_context",
+            f"must be >= 2 tokens (or null: the checkpoint's), got {self.max_context}",
+        )
+        check(
+            self.moe_token_dispatcher in ("allgather", "alltoall"),
+            "model.moe_token_dispatcher",
+            f"must be allgather or alltoall, got {self.moe_token_dispatcher!r}",
+        )
+        self.tiny.validate()
+        check(self.dp is None or self.dp >= 1, "model.dp", "must be >= 1")
+        check(
+            self.pp == 1,
+            "model.pp",
+            "pipeline parallelism is not supported by the trainer yet; use model.pp=1",
+        )

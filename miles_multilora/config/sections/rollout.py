@@ -1,0 +1,77 @@
+"""``rollout.*``: the engine that samples (embedded, SGLang or vLLM), its KV cache and continuous rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_multilora.config.sections.checks import check
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "embedded"  # embedded | sglang | vllm
+    max_batch_size: int = 64  # rows the embedded engine decodes at once (continuous batching)
+    page_size: int = 16  # tokens per KV-cache page (a power of 2 >= 8)
+    # KV cache size in tokens; 0: kv_cache_fraction of the GPU's memory (CPU: a full batch of the
+    # longest request, at most 131072 tokens). Pages are taken as rows grow; when they run out, rows are preempted.
+    kv_cache_tokens: int = 0
+    kv_cache_fraction: float = 0.25  # the GPU memory share of the KV cache when kv_cache_tokens is 0
+    cuda_graphs: bool = True  # replay captured decode steps on CUDA
+    sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
+    sglang_url: str | None = None  # SGLang server URL(s), comma-separated
+    vllm_url: str | None = None  # vLLM server URL(s), comma-separated
+    # SGLang and vLLM: versions of one adapter loaded at once (the one being sampled and the next)
+    max_versions_per_adapter: int = 2
+    vllm_group_samples: bool = True  # a prompt's samples go as one request with n (seeds seed, seed+1, ...)
+    # what the vLLM servers run with (--logprobs-mode): raw_logprobs (vLLM's default) | processed_logprobs
+    vllm_logprobs_mode: str = "raw_logprobs"
+    # continuous rollout (embedded engine): the engine keeps decoding across steps and a step trains the
+    # groups that are complete; a trained token is at most this many versions old (0: synchronous steps)
+    max_staleness: int = 1
+    adapter_pace: bool = True  # an adapter whose step is complete trains without waiting for slower ones
+    # with adapter_pace: an engine run ends once fewer rows than this share of rollout.max_batch_size
+    # decode with nothing waiting and the ready adapters bring at least the rest in new work
+    occupancy_floor: float = 0.8
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the ``rollout.*`` key of a value out of range."""
+        check(
+            self.engine in ("embedded", "sglang", "vllm"),
+            "rollout.engine",
+            "must be embedded, sglang or vllm",
+        )
+        check(self.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1")
+        check(
+            self.page_size >= 8 and self.page_size & (self.page_size - 1) == 0,
+            "rollout.page_size",
+            f"must be a power of 2 >= 8, got {self.page_size}",
+        )
+        check(self.kv_cache_tokens >= 0, "rollout.kv_cache_tokens", "must be >= 0 (0: automatic)")
+        check(
+            0 < self.kv_cache_fraction < 1,
+            "rollout.kv_cache_fraction",
+            f"must be in (0, 1), got {self.kv_cache_fraction}",
+        )
+        check(self.sync_interval is None or self.sync_interval >= 1, "rollout.sync_interval", "must be >= 1")
+        check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0: synchronous steps)")
+        check(0 < self.occupancy_floor <= 1, "rollout.occupancy_floor", "must be in (0, 1]")
+        check(
+            self.engine != "sglang" or bool(self.sglang_url),
+            "rollout.sglang_url",
+            "set rollout.sglang_url for rollout.engine=sglang",
+        )
+        check(
+            self.engine != "vllm" or bool(self.vllm_url),
+            "rollout.vllm_url",
+            "set rollout.vllm_url (comma-separated URLs of vLLM servers) for rollout.engine=vllm",
+        )
+        check(
+            self.max_versions_per_adapter >= 1,
+            "rollout.max_versions_per_adapter",
+            f"must be >= 1 (2: the version being sampled and the next), got {self.max_versions_per_adapter}",
+        )
+        check(
+            self.vllm_logprobs_mode in ("raw_logprobs", "processed_logprobs"),
+            "rollout.vllm_logprobs_mode",
+            f"must be raw_logprobs or processed_logprobs (the vLLM servers' --logprobs-mode), got {self.vllm_logprobs_mode!r}",
+        )
