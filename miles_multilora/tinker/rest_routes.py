@@ -344,7 +344,12 @@ def register(app: FastAPI, state: ServerState) -> None:
         key = (tenant, owned.model_id, "save_weights_external", seq) if seq is not None else None
         lane = (owned.tenant, owned.session_id)
         rid = state.futures.submit(
-            tenant, key, lambda: state.queue.submit_calls(lane, [export]), encoder("json"), owned.session_id
+            tenant,
+            key,
+            lambda: state.queue.submit_calls(lane, [export]),
+            encoder("json"),
+            owned.session_id,
+            body,
         )
         return {"request_id": rid}
 
