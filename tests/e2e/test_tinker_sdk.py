@@ -503,6 +503,8 @@ def test_stable_reinforce_gspo_and_dro_from_the_sdk(server: Any) -> None:
         seq_ratio = float(np.exp(np.mean(np.asarray(o["logprobs"].data[pad:]) - np.asarray(s.logprobs))))
         expected -= len(s.tokens) * min(seq_ratio * a, min(max(seq_ratio, 0.8), 1.2) * a)
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    # without the mask (the cookbook's rl.train sends none): the ratio over the tokens with an advantage
+    assert tc.forward(datums(), "gspo").result().metrics["loss:sum"] == pytest.approx(expected, rel=1e-6)
     out = tc.forward(datums(), "dro", loss_fn_config={"beta": 0.2}).result()
     expected = 0.0
     for o, s, a in zip(out.loss_fn_outputs, seqs, advantage, strict=True):
@@ -511,8 +513,8 @@ def test_stable_reinforce_gspo_and_dro_from_the_sdk(server: Any) -> None:
         adv = np.asarray([0.0] * pad + [a] * len(s.tokens))
         expected -= float((lp * adv - 0.1 * (lp - q) ** 2).sum())
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
-    with pytest.raises(tinker.BadRequestError, match="gspo needs 'sequence_ratio_mask'"):
-        tc.forward_backward(datums(), "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="sequence_ratio_mask: marks no position"):
+        tc.forward_backward(datums(sequence_ratio_mask=[[0.0] * len(m) for m in masks]), "gspo").result()
     with pytest.raises(tinker.BadRequestError, match="stable_reinforce takes no beta"):
         tc.forward_backward(datums(), "stable_reinforce", loss_fn_config={"beta": 0.1}).result()
     _close(sc, server)
