@@ -34,7 +34,14 @@ from miles_multilora.errors import SpecError
 from miles_multilora.lora.targets import ATTN, MLP, UNEMBED
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.rollout.engine import unservable_sampling
-from miles_multilora.tinker.losses import LOSS_INPUTS, TOPK_LOSSES, check_input, check_loss, tinker_loss
+from miles_multilora.tinker.losses import (
+    LOSS_INPUTS,
+    TOPK_LOSSES,
+    check_input,
+    check_loss,
+    input_keys,
+    tinker_loss,
+)
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, TrainerRank
@@ -487,7 +494,7 @@ class TinkerBackend:
                 raise TinkerError(f"data[{i}].model_input", f"needs 1..{limit} tokens, got {n}")
             _token_ids(d.tokens, f"data[{i}].model_input", vocab)
             topk = _topk_width(request.loss_fn, d, f"data[{i}].loss_fn_inputs")
-            for key in LOSS_INPUTS[request.loss_fn]:
+            for key in input_keys(request.loss_fn, d.inputs):
                 where = f"data[{i}].loss_fn_inputs.{key}"
                 values = d.inputs.get(key)
                 if values is None:
@@ -522,8 +529,8 @@ class TinkerBackend:
         for tag, request in enumerate(requests):
             losses[tag] = (request.loss_fn, check_loss(request.loss_fn, request.loss_fn_config))
             slot = self._slot_of(request.model_id, keep=set(needed))
-            keys = [k for k in LOSS_INPUTS[request.loss_fn] if k != "target_tokens"]
             for d in request.data:
+                keys = [k for k in input_keys(request.loss_fn, d.inputs) if k != "target_tokens"]
                 targets = np.asarray(d.inputs["target_tokens"]).astype(np.int64)
                 k = targets.shape[1] if targets.ndim == 2 else 0
                 # [N, K] targets: position p scored K times, once per target (top-k distillation)

@@ -4,7 +4,9 @@
   restarts). An id belongs to the tenant that made the request: to any other tenant it is unknown.
 - A retried request (the same dedup key: tenant, target, operation and the SDK's ``seq_id``) gets
   its first id back while that result is held, so it never runs twice. Without a ``seq_id`` there
-  is no key and every request runs.
+  is no key and every request runs. A retry resends the same body: a different body under a held
+  key is refused (:class:`SeqIdReused`, naming the fields that differ and the first request),
+  never answered with the first request's result.
 - A finished result is encoded once and held until ``retrieved_ttl_s`` after its first retrieval
   (room for a client whose reply was lost to poll again) or ``result_ttl_s`` if never retrieved;
   past ``max_held_bytes`` of a tenant's results its oldest go first (retrieved ones before others).
@@ -16,13 +18,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
+from miles_multilora.errors import ConfigError
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import Unknown
 
@@ -44,6 +50,23 @@ class Busy(Exception):
     """The tenant has too many requests in flight (answered as 429; the SDK backs off and retries)."""
 
 
+class SeqIdReused(ConfigError):
+    """A request under a held dedup key with another body than the first's (answered as 400)."""
+
+
+def fingerprint(body: Mapping[str, Any]) -> dict[str, str]:
+    """Per top-level field of a request body, a digest of its value (JSON, or raw bytes)."""
+
+    def encoded(value: Any) -> bytes:
+        return value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
+
+    return {k: hashlib.sha256(encoded(v)).hexdigest() for k, v in body.items()}
+
+
+def _differing(first: dict[str, str], now: dict[str, str]) -> list[str]:
+    return sorted(k for k in first.keys() | now.keys() if first.get(k) != now.get(k))
+
+
 class Gone(Exception):
     """A request of this tenant whose result is no longer held, or one from an earlier start."""
 
@@ -58,6 +81,7 @@ class Entry:
     tenant: str
     key: Hashable | None
     session_id: str | None = None  # whose work it is
+    body: dict[str, str] | None = None  # the request body's fingerprint, when it has a key
     ready: Future = field(default_factory=Future)  # -> Outcome, once the work is done and encoded
     size: int = 0
     settled_at: float | None = None
@@ -96,11 +120,17 @@ class FutureStore:
         start: Callable[[], Future],
         encode: Callable[[Future], Outcome],
         session_id: str | None = None,
+        body: Mapping[str, Any] | None = None,
     ) -> str:
         """The request id of a new request of ``session_id`` (``start`` queues the work and must be
-        quick), or of the held request with the same ``key``."""
+        quick), or of the held request with the same ``key`` and ``body`` (a retry);
+        :class:`SeqIdReused` when that request had another body."""
+        digest = fingerprint(body) if key is not None and body is not None else None
         with self._lock:
             if key is not None and (rid := self._by_key.get(key)) is not None:
+                first = self._entries[rid].body
+                if first is not None and digest is not None and first != digest:
+                    raise SeqIdReused("seq_id", _reused(key, rid, _differing(first, digest)))
                 return rid
             if self._pending[tenant] >= self.max_pending:
                 raise Busy(
@@ -108,7 +138,7 @@ class FutureStore:
                     f"tinker.max_pending_requests allows; wait for some to finish"
                 )
             future = start()
-            entry = Entry(self.mint.new("req"), tenant, key, session_id)
+            entry = Entry(self.mint.new("req"), tenant, key, session_id, body=digest)
             self._entries[entry.request_id] = entry
             if key is not None:
                 self._by_key[key] = entry.request_id
@@ -192,3 +222,14 @@ class FutureStore:
         self._gone[rid] = (entry.tenant, why)
         while len(self._gone) > self.remembered:
             self._gone.popitem(last=False)
+
+
+def _reused(key: Hashable, rid: str, fields: list[str]) -> str:
+    """What a :class:`SeqIdReused` says: both requests, what differs and what to do."""
+    _, target, operation, seq = key if isinstance(key, tuple) and len(key) == 4 else (None, "?", "?", key)
+    return (
+        f"{operation} seq_id {seq} on {target!r} was already used by request {rid!r}, whose body differs "
+        f"from this one's in {', '.join(fields)}; a retry must resend the first body unchanged (and gets "
+        f"{rid!r}'s result), a new request needs a new seq_id (each SDK client numbers its own requests: "
+        "do not share one client's model or sampling session between processes)"
+    )

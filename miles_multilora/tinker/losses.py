@@ -11,7 +11,9 @@ with ``r = p / q`` the token's importance ratio:
 - ``dro``: ``-(log p * A - beta / 2 * (log p - log q)^2)`` (``beta``, default 0.05);
 - ``gspo`` (GSPO-token): every token's ratio has the value of the datum's sequence ratio
   ``s = exp(mean of log r over the positions sequence_ratio_mask marks)`` and the gradient of its
-  own ``log p``; then PPO's clipped objective (thresholds default 0.8 / 1.2);
+  own ``log p``; then PPO's clipped objective (thresholds default 0.8 / 1.2). Without a
+  ``sequence_ratio_mask`` the marked positions are those with a nonzero advantage (the sampled
+  tokens, as the cookbook builds its data);
 - ``stable_reinforce``: ``-sg(min(r, 1)) * log p * A`` (this server's stand-in: Tinker does not
   publish its objective, see docs/tinker.md).
 
@@ -36,10 +38,12 @@ LOSS_INPUTS = {
     "ppo": _RL,
     "cispo": _RL,
     "dro": _RL,
-    # our choice: the mask is required (Tinker defines the ratio over it and documents no default)
-    "gspo": (*_RL, "sequence_ratio_mask"),
+    "gspo": _RL,
     "stable_reinforce": _RL,
 }
+# inputs a loss reads when a datum sends them; gspo without its mask takes the sequence ratio over
+# the positions with a nonzero advantage (our choice: Tinker documents no default)
+OPTIONAL_INPUTS = {"gspo": ("sequence_ratio_mask",)}
 # losses whose target_tokens (and their other inputs) may be [N, K]: K targets per position, each
 # scored and weighted (top-k distillation: the loss sums weights * logprob over all N * K)
 TOPK_LOSSES = ("cross_entropy",)
@@ -77,6 +81,11 @@ def check_loss(name: str, config: Mapping[str, float] | None) -> dict[str, float
     return resolved
 
 
+def input_keys(name: str, inputs: Mapping[str, object]) -> tuple[str, ...]:
+    """The inputs of loss ``name`` a datum's ``inputs`` must carry, then the optional ones it sends."""
+    return LOSS_INPUTS[name] + tuple(k for k in OPTIONAL_INPUTS.get(name, ()) if k in inputs)
+
+
 def check_input(name: str, key: str, values: Sequence[float] | np.ndarray, where: str) -> None:
     """A loss's own rule on one (finite, right-sized) datum input: ``gspo``'s mask must mark a token."""
     if name == "gspo" and key == "sequence_ratio_mask" and not np.any(np.asarray(values) != 0):
@@ -101,12 +110,20 @@ def per_token_loss(name: str, config: Mapping[str, float], batch: MicroBatch) ->
         loss = -torch.clamp(ratio, max=1.0).detach() * lp * adv
     else:  # ppo, gspo: clipped surrogate; gspo's ratio is the sequence's, with each token's gradient
         if name == "gspo":
-            marked = (batch.values("sequence_ratio_mask") != 0).float() * batch.mask
+            marked = _ratio_positions(batch, adv) * batch.mask
             seq_log_ratio = ((lp.detach() - sampled) * marked).sum(1) / marked.sum(1).clamp(min=1)
             ratio = torch.exp(seq_log_ratio[:, None] + lp - lp.detach())
         clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
         loss = -torch.minimum(ratio * adv, clipped * adv)
     return loss * batch.mask
+
+
+def _ratio_positions(batch: MicroBatch, adv: torch.Tensor) -> torch.Tensor:
+    """``[rows, width]`` 0/1: where gspo takes each datum's sequence ratio (its
+    ``sequence_ratio_mask``, or where its advantage is nonzero when it sends none)."""
+    sent = [("sequence_ratio_mask" in r.values) for r in batch.rows]
+    has_mask = torch.tensor(sent, device=adv.device)[:, None]
+    return torch.where(has_mask, batch.values("sequence_ratio_mask") != 0, adv != 0).float()
 
 
 def tinker_loss(losses: Mapping[int, tuple[str, Mapping[str, float]]]):  # noqa: ANN201 - a LossFn

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from miles_multilora.config.lora_targets import FAMILIES
 from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.http_serving import HTTPProblem, read_body
-from miles_multilora.tinker import params
+from miles_multilora.tinker import age_export, params
 from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.catalog import (
     CHECKPOINT_TYPES,
@@ -334,17 +334,21 @@ def register(app: FastAPI, state: ServerState) -> None:
         owned = registry.model(tenant, params.text(body, "model_id"))
         name = checked_name(params.text(body, "path"))
         ttl = ttl_seconds(body, s)
-        if body.get("age_encryption_recipients"):
-            raise TinkerError("age_encryption_recipients", "encrypted exports are not served; leave it unset")
+        to = age_export.recipients(body, s.max_age_recipients)
         seq = params.integer(body, "seq_id", None)
 
         def export() -> dict[str, Any]:
-            return state.save_external(tenant, owned, name, ttl)
+            return state.save_external(tenant, owned, name, ttl, to)
 
         key = (tenant, owned.model_id, "save_weights_external", seq) if seq is not None else None
         lane = (owned.tenant, owned.session_id)
         rid = state.futures.submit(
-            tenant, key, lambda: state.queue.submit_calls(lane, [export]), encoder("json"), owned.session_id
+            tenant,
+            key,
+            lambda: state.queue.submit_calls(lane, [export]),
+            encoder("json"),
+            owned.session_id,
+            body,
         )
         return {"request_id": rid}
 

@@ -116,9 +116,10 @@ def create_app(
     def submit(
         tenant: str, key: Any, kind: str, lane: Any, calls: list[Work],
         combine: Callable[[list[Any]], Any] = lambda r: r[0], costs: list[int] | None = None,
+        body: dict[str, Any] | None = None,
     ) -> str:  # fmt: skip
         return futures.submit(
-            tenant, key, lambda: queue.submit_calls(lane, calls, combine, costs), encoder(kind), lane[1]
+            tenant, key, lambda: queue.submit_calls(lane, calls, combine, costs), encoder(kind), lane[1], body
         )
 
     # ---------------------------------------------------------------- client and session
@@ -197,9 +198,8 @@ def create_app(
                 tenant, session.session_id, model_id, rank, seed, base, metadata, targets
             )
 
-        rid = submit(
-            tenant, (tenant, session.session_id, "create_model", seq), "json", session.lane, [create]
-        )
+        key = (tenant, session.session_id, "create_model", seq)
+        rid = submit(tenant, key, "json", session.lane, [create], body=body)
         return {"request_id": rid}
 
     @app.post(f"{API}/get_info")
@@ -251,7 +251,7 @@ def create_app(
         )
         rid = futures.submit(
             tenant, key, lambda: queue.submit_forward_backward(fb, _lane(owned), checked=True),
-            encoder("forward_backward"), owned.session_id,
+            encoder("forward_backward"), owned.session_id, {"forward_backward_input": raw},
         )  # fmt: skip
         return {"request_id": rid}
 
@@ -266,7 +266,7 @@ def create_app(
             return {"metrics": backend.optim_step(owned.model_id, **adam)}
 
         key = (tenant, owned.model_id, "optim_step", seq) if seq is not None else None
-        return {"request_id": submit(tenant, key, "json", _lane(owned), [step])}
+        return {"request_id": submit(tenant, key, "json", _lane(owned), [step], body=body)}
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> Any:
@@ -280,7 +280,7 @@ def create_app(
             return state.save_weights(tenant, owned, name, overwrite, ttl, metadata)
 
         key = (tenant, owned.model_id, "save_weights", seq) if seq is not None else None
-        return {"request_id": submit(tenant, key, "json", _lane(owned), [save])}
+        return {"request_id": submit(tenant, key, "json", _lane(owned), [save], body=body)}
 
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> Any:
@@ -309,7 +309,7 @@ def create_app(
         def load() -> dict[str, Any]:
             return state.load_weights(tenant, path, model_id, with_optimizer, session_id, metadata)
 
-        return {"request_id": submit(tenant, key, "json", lane, [load])}
+        return {"request_id": submit(tenant, key, "json", lane, [load], body=body)}
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> Any:
@@ -334,7 +334,7 @@ def create_app(
             return state.save_for_sampler(tenant, owned, path, sampler_id, ttl, metadata)
 
         key = (tenant, owned.model_id, "save_weights_for_sampler", seq) if seq is not None else None
-        return {"request_id": submit(tenant, key, "json", _lane(owned), [snapshot])}
+        return {"request_id": submit(tenant, key, "json", _lane(owned), [snapshot], body=body)}
 
     # ---------------------------------------------------------------- sampling
     @app.post(f"{API}/create_sampling_session")
@@ -376,7 +376,8 @@ def create_app(
             state.sample_parts, sampler, prompt, n, spec, seed, scoring
         )
         key = (tenant, sampler.sampler_id, "sample", seq) if seq is not None else None
-        rid = submit(tenant, key, "sample", (tenant, sampler.session_id), calls, combine=combine, costs=costs)
+        lane = (tenant, sampler.session_id)
+        rid = submit(tenant, key, "sample", lane, calls, combine=combine, costs=costs, body=body)
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{j}" for j in range(n)]}
 
     # ---------------------------------------------------------------- futures

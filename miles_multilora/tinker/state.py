@@ -20,7 +20,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.errors import ConfigError
+from miles_multilora.tinker.age_export import encrypt_dir
 from miles_multilora.tinker.backend import (
     PromptScores,
     PromptScoring,
@@ -244,8 +245,17 @@ class ServerState:
         )
         return {"type": "save_weights", "path": path}
 
-    def save_external(self, tenant: str, owned: OwnedModel, name: str, ttl_s: int | None) -> dict[str, Any]:
-        """The model's LoRA as a PEFT adapter directory, ``tinker://<run>/external_weights/<name>``."""
+    def save_external(
+        self, tenant: str, owned: OwnedModel, name: str, ttl_s: int | None, recipients: Sequence[Any] = ()
+    ) -> dict[str, Any]:
+        """The model's LoRA as a PEFT adapter directory, ``tinker://<run>/external_weights/<name>``;
+        with ``recipients``, each file age-encrypted to them (:mod:`~miles_multilora.tinker.age_export`)."""
+
+        def export(staging: Path) -> None:
+            self.backend.export_peft(owned.model_id, staging)
+            if recipients:
+                encrypt_dir(staging, list(recipients))
+
         path = f"tinker://{owned.run_id}/{EXTERNAL}/{name}"
         target = self.catalog.files_of(tenant, owned.run_id, EXTERNAL, name)
         if target.exists():
@@ -255,7 +265,7 @@ class ServerState:
             owned.run_id,
             EXTERNAL,
             name,
-            lambda staging: self.backend.export_peft(owned.model_id, staging),
+            export,
         )
         record = self.catalog.put(
             tenant, owned.run_id, EXTERNAL, name, staging, ttl_s=ttl_s, user_metadata=None

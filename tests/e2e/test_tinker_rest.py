@@ -251,3 +251,27 @@ def test_the_tinker_cli_lists_and_downloads_a_checkpoint(served: Served, trained
     assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4
     left = [c.tinker_path for c in trained["rest_a"].list_user_checkpoints().result().checkpoints]
     assert not [p for p in left if p.endswith("/external_weights/download")]  # the CLI deleted its export
+
+
+def test_the_cookbooks_weights_download_decrypts_a_training_checkpoint(
+    served: Served, trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cookbook's ``weights.download`` at its defaults: a new session loads the training
+    checkpoint, exports it age-encrypted to a key made for the download (every file ``<name>.age``),
+    decrypts the files with pyrage and deletes the export. The adapter is the plain export's."""
+    weights = pytest.importorskip("tinker_cookbook.weights")
+    monkeypatch.setenv("TINKER_API_KEY", KEY_A)
+    out = served.root / "cookbook_download"
+    weights.download(tinker_path=trained["state"], output_dir=str(out), base_url=served.url)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    plain = trained["rest_a"].get_external_weights_urls(trained["external"]).result().urls
+    for name, url in plain.items():  # the same step's plain export
+        with urllib.request.urlopen(url, timeout=30) as response:
+            assert (out / name).read_bytes() == response.read(), name
+    left = [c.tinker_path for c in trained["rest_a"].list_user_checkpoints().result().checkpoints]
+    assert not [p for p in left if p.endswith("/external_weights/download")]  # deleted after the download
+    bad = {"model_id": trained["tc"].model_id, "path": "enc", "age_encryption_recipients": ["age1nope"]}
+    refused = requests.post(
+        f"{served.url}/api/v1/save_weights_external", json=bad, headers={"X-API-Key": KEY_A}, timeout=10
+    )
+    assert refused.status_code == 400 and "age_encryption_recipients[0]" in refused.json()["detail"]

@@ -206,6 +206,38 @@ def test_stop_token_ids_from_the_sdk_end_samples_at_the_token(server: Any) -> No
     _close(sc, server)
 
 
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")  # a mixed list fits no type
+def test_a_mixed_stop_list_stops_at_its_first_token_id_or_string(server: Any) -> None:
+    """A stop list of token ids and strings ends a sample at whichever comes first. SDK 0.38.0's
+    ``SamplingParams`` cannot send one as such: its ``stop`` is ``str | Sequence[str] |
+    Sequence[int]``, so pydantic turns a numeric string among token ids into a token id ("5" -> 5)
+    and refuses any other string there; ``SamplingParams.model_construct`` sends the list as written
+    (docs/tinker.md, Sampling)."""
+    sc = _client(server)
+    client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    assert list(tinker.SamplingParams(stop=[7, "5"]).stop) == [7, 5]  # the SDK's own conversion
+
+    def sample(stop: list[Any] | None = None) -> Any:
+        params = tinker.SamplingParams.model_construct(
+            max_tokens=24, temperature=1.0, top_k=-1, top_p=1.0, seed=11, stop=stop
+        )
+        prompt = tinker.ModelInput.from_ints(PROMPT)
+        return sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences[0]
+
+    free = list(sample().tokens)
+    # the toy tokenizer spells printable ASCII as itself: the first printable token is a 1-char string
+    first_char = next(i for i, t in enumerate(free) if 32 <= t < 127)
+    token_after = next(t for t in free[first_char + 1 :] if t not in free[: first_char + 1])
+    by_string = sample([token_after, chr(free[first_char])])
+    assert list(by_string.tokens) == free[: first_char + 1] and by_string.stop_reason == "stop"
+    token_first = free[0]
+    later_char = next(chr(t) for t in free[1:] if 32 <= t < 127 and t != token_first)
+    by_token = sample([token_first, later_char])
+    assert list(by_token.tokens) == free[:1] and by_token.stop_reason == "stop"
+    _close(sc, server)
+
+
 def test_prompt_logprobs_are_the_samplers_weights_forward_logprobs(server: Any) -> None:
     """``compute_logprobs`` and ``include_prompt_logprobs`` / ``topk_prompt_logprobs`` on a sample
     request score the prompt with the sampler's weights: a training client's ``forward`` of the same
@@ -471,6 +503,8 @@ def test_stable_reinforce_gspo_and_dro_from_the_sdk(server: Any) -> None:
         seq_ratio = float(np.exp(np.mean(np.asarray(o["logprobs"].data[pad:]) - np.asarray(s.logprobs))))
         expected -= len(s.tokens) * min(seq_ratio * a, min(max(seq_ratio, 0.8), 1.2) * a)
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    # without the mask (the cookbook's rl.train sends none): the ratio over the tokens with an advantage
+    assert tc.forward(datums(), "gspo").result().metrics["loss:sum"] == pytest.approx(expected, rel=1e-6)
     out = tc.forward(datums(), "dro", loss_fn_config={"beta": 0.2}).result()
     expected = 0.0
     for o, s, a in zip(out.loss_fn_outputs, seqs, advantage, strict=True):
@@ -479,8 +513,8 @@ def test_stable_reinforce_gspo_and_dro_from_the_sdk(server: Any) -> None:
         adv = np.asarray([0.0] * pad + [a] * len(s.tokens))
         expected -= float((lp * adv - 0.1 * (lp - q) ** 2).sum())
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
-    with pytest.raises(tinker.BadRequestError, match="gspo needs 'sequence_ratio_mask'"):
-        tc.forward_backward(datums(), "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="sequence_ratio_mask: marks no position"):
+        tc.forward_backward(datums(sequence_ratio_mask=[[0.0] * len(m) for m in masks]), "gspo").result()
     with pytest.raises(tinker.BadRequestError, match="stable_reinforce takes no beta"):
         tc.forward_backward(datums(), "stable_reinforce", loss_fn_config={"beta": 0.1}).result()
     _close(sc, server)

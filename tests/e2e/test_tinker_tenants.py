@@ -30,6 +30,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
 
 KEY_A, KEY_B = "tml-tenant-a", "tml-tenant-b"
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3, 27, 64]
@@ -517,6 +518,33 @@ def test_dedup_needs_a_seq_id_and_a_retrieved_result_is_released(served: Served)
     gone = post(served, KEY_A, "retrieve_future", {"request_id": third}).json()
     assert gone["category"] == "user" and "released 1 s after it was retrieved" in gone["error"]
     assert post(served, KEY_B, "retrieve_future", {"request_id": third}).status_code == 404
+    sc.close("success").result()
+
+
+def test_a_seq_id_reused_with_another_body_is_a_400_and_never_the_first_answer(served: Served) -> None:
+    """The same (model, seq_id) with a different body (3 datums where the first sent 2) is a 400
+    naming seq_id and the first request, and changes no state; the identical body is a retry that
+    gets the first request's id and result."""
+    sc = client(served, KEY_A)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+    model_id = tc.get_info().model_id
+    before = slot_state(served, model_id)
+    two = post(served, KEY_A, "forward_backward", raw=fb_body(model_id, [sft(TEXT)] * 2, seq_id=77))
+    rid = two.json()["request_id"]
+    retry = post(served, KEY_A, "forward_backward", raw=fb_body(model_id, [sft(TEXT)] * 2, seq_id=77))
+    assert retry.json()["request_id"] == rid
+    three = post(served, KEY_A, "forward_backward", raw=fb_body(model_id, [sft(TEXT)] * 3, seq_id=77))
+    assert three.status_code == 400 and three.json()["field"] == "seq_id", three.text
+    assert f"seq_id 77 on {model_id!r} was already used by request {rid!r}" in three.json()["detail"]
+    result = post(served, KEY_A, "retrieve_future", {"request_id": rid})
+    assert result.status_code == 200
+    assert len(deserialize_forward_backward_output(result.content).loss_fn_outputs) == 2  # the first body's
+    optim = {"model_id": model_id, "adam_params": {"learning_rate": 1e-3}, "seq_id": 78}
+    assert post(served, KEY_A, "optim_step", optim).status_code == 200
+    changed = post(served, KEY_A, "optim_step", {**optim, "adam_params": {"learning_rate": 1.0}})
+    assert changed.status_code == 400 and "differs from this one's in adam_params" in changed.json()["detail"]
+    wait_for(lambda: served.state.backend.model(model_id).version == 1, timeout=30)  # one step, lr 1e-3
+    assert not same(slot_state(served, model_id), before)
     sc.close("success").result()
 
 

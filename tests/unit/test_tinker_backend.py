@@ -237,8 +237,11 @@ def test_errors_are_clear_and_change_nothing(backend: TinkerBackend, tmp_path: P
         backend.check(ForwardBackwardRequest("a", [sft_datum(TEXT)], loss_fn="importance_sampling"))
     n = len(TEXT) - 1
     rl = {"target_tokens": TEXT[1:], "logprobs": [-1.0] * n, "advantages": [1.0] * n}
-    with pytest.raises(TinkerError, match="gspo needs 'sequence_ratio_mask'"):
-        backend.check(ForwardBackwardRequest("a", [Datum(TEXT[:-1], rl)], loss_fn="gspo"))
+    # gspo without sequence_ratio_mask (the cookbook's rl.train): the ratio over the advantaged tokens
+    assert backend.check(ForwardBackwardRequest("a", [Datum(TEXT[:-1], rl)], loss_fn="gspo"))
+    short = Datum(TEXT[:-1], {**rl, "sequence_ratio_mask": [1.0] * (n - 1)})
+    with pytest.raises(TinkerError, match=r"sequence_ratio_mask: has \d+ values for \d+ input tokens"):
+        backend.check(ForwardBackwardRequest("a", [short], loss_fn="gspo"))  # a mask sent is checked
     unmarked = Datum(TEXT[:-1], {**rl, "sequence_ratio_mask": [0.0] * n})
     with pytest.raises(SpecError, match=r"data\[0\]\.loss_fn_inputs\.sequence_ratio_mask: marks no position"):
         backend.check(ForwardBackwardRequest("a", [unmarked], loss_fn="gspo"))

@@ -70,7 +70,8 @@ def _run(name: str, config: dict[str, float] | None, rows: list[dict[str, torch.
         n = len(r["lp"])
         current[i, :n], mask[i, :n] = r["lp"], 1.0
         values = {"logprobs": r["q"].tolist(), "advantages": r["adv"].tolist()}
-        values["sequence_ratio_mask"] = r["mask"].tolist()
+        if "mask" in r:  # gspo's sequence_ratio_mask, when the datum sends one
+            values["sequence_ratio_mask"] = r["mask"].tolist()
         scored.append(ScoredRow(0, [0] * (n + 1), list(range(n)), values=values))
     current.requires_grad_(True)
     per_token = per_token_loss(name, check_loss(name, config), MicroBatch(scored, current, mask))
@@ -162,6 +163,29 @@ def test_gspo_clips_whole_sequences() -> None:
     _, (g_high, g_inside) = _run("gspo", None, [high, inside])
     assert not g_high.any()  # s = e^0.5 > 1.2, A > 0: the whole sequence is clipped
     torch.testing.assert_close(g_inside, torch.full((n,), -1.0, dtype=torch.float64))  # s = 1 exactly
+
+
+def test_gspo_without_a_mask_is_gspo_with_the_mask_the_cookbooks_rl_loop_builds() -> None:
+    """The cookbook's rl.train sends no ``sequence_ratio_mask``; its rl_loop sends 0 over the
+    prompt and 1 over the sampled tokens, where the advantage is nonzero. Without the mask, the
+    sequence ratio is over the positions with a nonzero advantage: the same values and gradients."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for prompt, sampled, advantage in [(3, 4, 0.7), (1, 6, -1.3), (4, 3, 0.0), (2, 5, 2.1)]:
+        n = prompt + sampled
+        lp = -torch.rand(n, generator=g, dtype=torch.float64) * 3 - 0.05
+        q = lp - torch.randn(n, generator=g, dtype=torch.float64) * 0.2
+        adv = torch.tensor([0.0] * prompt + [advantage] * sampled, dtype=torch.float64)
+        mask = torch.tensor([0.0] * prompt + [1.0] * sampled, dtype=torch.float64)
+        rows.append({"lp": lp, "q": q, "adv": adv, "mask": mask})
+    unmasked = [{k: v for k, v in r.items() if k != "mask"} for r in rows]
+    for config in (None, {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}):
+        sums, grads = _run("gspo", config, rows)
+        sums_without, grads_without = _run("gspo", config, unmasked)
+        torch.testing.assert_close(sums_without, sums)
+        for a, b in zip(grads_without, grads, strict=True):
+            torch.testing.assert_close(a, b)
+    _assert_matches("gspo", None, [r for r in rows if r["adv"].any()], _gspo_reference(0.8, 1.2))
 
 
 def test_gspo_with_equal_token_ratios_is_ppo() -> None:

@@ -55,3 +55,37 @@ def test_adam_params_the_optimizer_cannot_apply_are_refused(adam_params, key, hi
 def test_loss_config_must_be_finite():
     with pytest.raises(SpecError, match="loss_fn_config.clip_high_threshold: must be a finite number"):
         check_loss("ppo", {"clip_high_threshold": float("inf")})
+
+
+def test_age_recipients_are_parsed_capped_and_encrypt_every_file(tmp_path):
+    """``age_encryption_recipients``: age and SSH public keys, at most ``tinker.max_age_recipients``;
+    every exported file is replaced by ``<file>.age``, which each recipient's identity decrypts."""
+    pyrage = pytest.importorskip("pyrage")
+    from miles_multilora.tinker import age_export
+
+    ids = [pyrage.x25519.Identity.generate() for _ in range(2)]
+    body = {"age_encryption_recipients": [str(i.to_public()) for i in ids]}
+    to = age_export.recipients(body, limit=2)
+    assert len(to) == 2 and age_export.recipients({}, limit=2) == []
+    for bad, key, hint in (
+        ({"age_encryption_recipients": "age1x"}, "age_encryption_recipients", "must be a list"),
+        ({"age_encryption_recipients": ["age1nope"]}, "age_encryption_recipients[0]", "not an age recipient"),
+        ({"age_encryption_recipients": ["ssh-ed25519 AAAA"]}, "age_encryption_recipients[0]", "ssh-ed25519"),
+        ({"age_encryption_recipients": body["age_encryption_recipients"] * 2}, "age_encryption_recipients",
+         "tinker.max_age_recipients"),
+    ):  # fmt: skip
+        with pytest.raises(TinkerError) as info:
+            age_export.recipients(bad, limit=2)
+        assert info.value.key == key and hint in info.value.message
+    (tmp_path / "sub").mkdir()
+    files = {"adapter_config.json": b'{"r": 4}', "sub/adapter_model.safetensors": bytes(range(256)) * 4}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    age_export.encrypt_dir(tmp_path, to)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == sorted(
+        f"{name}.age" for name in files
+    )
+    for name, data in files.items():
+        sealed = (tmp_path / f"{name}.age").read_bytes()
+        assert data not in sealed
+        assert all(pyrage.decrypt(sealed, [identity]) == data for identity in ids)

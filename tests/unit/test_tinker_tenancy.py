@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from miles_multilora.errors import ConfigError
-from miles_multilora.tinker.futures import Busy, FutureStore, Gone, Outcome
+from miles_multilora.tinker.futures import Busy, FutureStore, Gone, Outcome, SeqIdReused
 from miles_multilora.tinker.ids import IdMint
 from miles_multilora.tinker.registry import Registry, Sampler, Unknown
 from miles_multilora.tinker.tenants import ANONYMOUS, KeyRing, read_key_file, tenant_id
@@ -112,6 +112,37 @@ def done(value: bytes) -> Future:
 
 def raw(future: Future) -> Outcome:
     return Outcome(future.result(), "application/octet-stream")
+
+
+def test_a_seq_id_reused_with_another_body_is_refused_and_an_identical_retry_deduplicated() -> None:
+    """A retry resends its body: the same body gets the first request's id (it runs once); another
+    body under the held key is a 400 naming the first request and the fields that differ, and
+    changes nothing (it never gets the first request's answer)."""
+    store = FutureStore(IdMint(), max_pending=2)
+    started: list[bytes] = []
+
+    def start(value: bytes) -> Future:
+        started.append(value)
+        return Future()  # still running: the key is held
+
+    key = ("t-a", "m1", "sample", 3)
+    body = {"sampling_session_id": "m1", "seq_id": 3, "num_samples": 2, "prompt": {"tokens": [1, 2]}}
+    first = store.submit("t-a", key, lambda: start(b"a"), raw, body=body)
+    assert store.submit("t-a", key, lambda: start(b"b"), raw, body=dict(body)) == first  # a retry
+    with pytest.raises(SeqIdReused) as info:
+        store.submit("t-a", key, lambda: start(b"c"), raw, body={**body, "num_samples": 3})
+    assert info.value.key == "seq_id"
+    message = info.value.message
+    assert f"sample seq_id 3 on 'm1' was already used by request {first!r}" in message
+    assert "differs from this one's in num_samples" in message and "new seq_id" in message
+    proto = store.submit("t-a", ("t-a", "m1", "forward_backward", 3), lambda: start(b"d"), raw,
+                         body={"forward_backward_input": b"\x01\x02"})  # fmt: skip
+    with pytest.raises(SeqIdReused, match="differs from this one's in forward_backward_input"):
+        store.submit("t-a", ("t-a", "m1", "forward_backward", 3), lambda: start(b"e"), raw,
+                     body={"forward_backward_input": b"\x01\x03"})  # fmt: skip
+    assert started == [b"a", b"d"] and len(store) == 2 and proto != first  # the refusals changed nothing
+    with pytest.raises(Busy):  # max_pending 2: the refusals took no place in the tenant's queue
+        store.submit("t-a", None, lambda: start(b"f"), raw)
 
 
 def test_results_dedup_by_key_and_are_released_after_retrieval_or_a_ttl() -> None:

@@ -36,6 +36,7 @@ class TinkerConfig(HTTPLimits):
     batch_sampling: bool = True  # sample parts of different clients share an engine call (off: one at a time)
     join_sampling: bool = True  # sample parts queued while an engine call decodes join it (free rows)
     max_topk_prompt_logprobs: int = 20  # top-k prompt logprobs of one sample request: k up to this
+    max_age_recipients: int = 16  # age_encryption_recipients of one save_weights_external request
     max_pending_requests: int = 256  # per tenant: queued and running requests; more get 429 (the SDK retries)
     max_sessions: int = 64  # per tenant: open sessions; more get 429
     # models beyond lora.num_slots are parked off the GPU (least recently used first) and restored exactly
@@ -79,6 +80,7 @@ class TinkerConfig(HTTPLimits):
         for key in ("max_forward_backward_tokens", "max_sample_tokens",
                     "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
                     "max_held_results_mb", "max_models", "max_models_per_tenant", "max_topk_prompt_logprobs",
+                    "max_age_recipients",
                     "max_sampler_copies_per_tenant", "max_unnamed_sampler_weights",
                     "min_checkpoint_ttl_s", "max_checkpoints", "max_runs", "max_list_limit",
                     "max_user_metadata_bytes"):  # fmt: skip
