@@ -33,7 +33,6 @@ from miles_multilora.config.lora_targets import FAMILIES
 from miles_multilora.config.run import TinkerConfig
 from miles_multilora.http_serving import HTTPProblem, read_body
 from miles_multilora.tinker import params
-from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.catalog import (
     CHECKPOINT_TYPES,
     EXTERNAL,
@@ -43,6 +42,7 @@ from miles_multilora.tinker.catalog import (
     RunRecord,
 )
 from miles_multilora.tinker.registry import Unknown
+from miles_multilora.tinker.requests import TinkerError
 from miles_multilora.tinker.state import PATH, ServerState, checked_name, encoder
 
 API = "/api/v1"

@@ -26,9 +26,9 @@ from miles_multilora.config.http_limits import HTTPLimits
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import Guard, HTTPProblem, read_body
 from miles_multilora.tinker import params, rest_routes
-from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.futures import Busy, Gone
 from miles_multilora.tinker.registry import OwnedModel, Unknown
+from miles_multilora.tinker.requests import TinkerError
 from miles_multilora.tinker.scheduler import QueueStopped, Work
 from miles_multilora.tinker.state import ServerState, checked_name, encoder
 from miles_multilora.tinker.wire import decode_forward_backward
