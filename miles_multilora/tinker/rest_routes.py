@@ -43,9 +43,9 @@ from miles_multilora.tinker.catalog import (
 )
 from miles_multilora.tinker.registry import Unknown
 from miles_multilora.tinker.requests import TinkerError
+from miles_multilora.tinker.route_kit import API
 from miles_multilora.tinker.state import PATH, ServerState, checked_name, encoder
 
-API = "/api/v1"
 DOWNLOAD = f"{API}/checkpoint_files"
 OPEN_PATHS = (DOWNLOAD,)  # no API key: the signed token is the credential
 _SCOPES = ("owned", "accessible")
