@@ -24,6 +24,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, KeysView, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,6 +54,26 @@ from miles_multilora.trainer.rank import OpenSlot, TrainerRank
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def reads(method: _Method) -> _Method:
+    """Mark a :class:`TinkerBackend` method that only reads or checks: on a server of several
+    trainer ranks, rank 0 answers it alone. Every other public method is an operation that every
+    rank runs (:mod:`~miles_multilora.launch.tinker_ranks`)."""
+    method.reads_only = True  # type: ignore[attr-defined]
+    return method
+
+
+def operations(backend: type) -> frozenset[str]:
+    """The public methods of a backend class not marked :func:`reads`: what every rank runs."""
+    return frozenset(
+        name
+        for name in dir(backend)
+        if not name.startswith("_")
+        and callable(attr := getattr(backend, name))
+        and not getattr(attr, "reads_only", False)
+    )
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
@@ -133,6 +154,7 @@ class TinkerBackend:
         """Every model this backend holds, resident or parked."""
         return self._ids.keys()
 
+    @reads
     def model(self, model_id: str) -> OpenSlot:
         """The model's LoRA rank, seed and weight version (``name`` is the model id; ``slot`` is -1
         while it is parked). Reads only, safe beside the thread that moves models: a model being
@@ -148,6 +170,7 @@ class TinkerBackend:
         m = parked.meta
         return OpenSlot(-1, m.name, m.rank, m.alpha, m.seed, m.version, parked.run, m.targets or ())
 
+    @reads
     def lora_targets(
         self, train_attn: bool, train_mlp: bool, train_unembed: bool, unembed_lora: str = "ignore"
     ) -> tuple[str, ...]:
@@ -186,6 +209,7 @@ class TinkerBackend:
         self._touch(model_id)
         return opened
 
+    @reads
     def check_new_model(self, model_id: str, rank: int) -> None:
         """Raise :class:`TinkerError` when :meth:`create_model` would refuse this model: its id is
         taken, its rank is out of range, or the server holds ``max_models`` models already."""
@@ -210,6 +234,7 @@ class TinkerBackend:
         self._ids.pop(model_id, None)
         self._loads.pop(model_id, None)
 
+    @reads
     def stamp(self, model_id: str) -> tuple[int, int]:
         """What names the weights a model holds now: its version and how many loads it had (a
         ``load_state`` with the optimizer may bring back a version number it had before)."""
@@ -321,6 +346,7 @@ class TinkerBackend:
         return Path(path)
 
     # ------------------------------------------------------------------ training
+    @reads
     def check(self, request: ForwardBackwardRequest) -> dict[str, float]:
         """Validate a request (model, loss, every datum's inputs) before it joins a batch
         (:func:`~miles_multilora.tinker.requests.check_forward_backward`)."""
@@ -404,6 +430,7 @@ class TinkerBackend:
             raise outcome
         return outcome
 
+    @reads
     def has_room(self) -> bool:
         """Whether one more model can get a slot during the running engine call: a slot is free, or
         a resident model without rows in it can be moved out."""
@@ -485,6 +512,7 @@ class TinkerBackend:
         self._check_generation(generation[0])
         return generation
 
+    @reads
     def check_scoring(self, prompt: list[int], scoring: PromptScoring) -> None:
         """Whether ``scoring`` fits this prompt and this model's vocabulary."""
         check_scoring(prompt, scoring, self.rank.vocab_size)
@@ -503,6 +531,7 @@ class TinkerBackend:
         logprobs = score.logprobs if scoring.logprobs else None
         return PromptScores(first, n, logprobs, scoring.topk, score.topk_ids, score.topk_logprobs)
 
+    @reads
     def check_sample(self, prompt: list[int], sampling: SamplingSpec) -> None:
         """Whether the engine can serve this prompt and these parameters (prompt ids in the
         vocabulary, ``top_k`` and stop token ids within it, room in the context window and the KV
