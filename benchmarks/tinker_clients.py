@@ -41,8 +41,8 @@ import torch
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.config.run import config_from_container
-from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, SampleRequest
-from miles_multilora.tinker.serve import start
+from miles_multilora.launch.tinker_ranks import start
+from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest, SampleRequest
 
 
 def datum(rng: np.random.Generator, tokens: int, vocab: int) -> tinker.Datum:

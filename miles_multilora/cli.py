@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_training(cfg)
         elif args.command == "tinker-serve":
-            from miles_multilora.tinker.serve import serve_forever
+            from miles_multilora.launch.tinker_ranks import serve_forever
 
             serve_forever(cfg, console)
         else:

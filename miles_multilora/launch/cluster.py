@@ -12,6 +12,7 @@ import ray
 
 from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
+from miles_multilora.launch.wiring import local_rendezvous, rank_env
 from miles_multilora.models.compat import free_port
 
 
@@ -130,9 +131,8 @@ def start_trainer_group(cfg: RunConfig) -> list[Any]:
     model_parallel = cfg.model.tp * cfg.model.pp
     gpus = cluster_gpus()
     actor_cls = _worker_class()
-    threads = max(1, (os.cpu_count() or 1) // world)
     options: list[dict[str, Any]] = [{"num_cpus": 0} for _ in range(world)]
-    master_addr, port = "127.0.0.1", free_port()
+    master_addr, port = local_rendezvous()
     if gpus:
         groups = _placement_groups(world, model_parallel, gpus)
         for rank, (group, bundle) in enumerate(rank_bundles(world, model_parallel)):
@@ -142,16 +142,8 @@ def start_trainer_group(cfg: RunConfig) -> list[Any]:
         master_addr, port = ray.get(_rendezvous.options(scheduling_strategy=first).remote())
     workers = []
     for rank in range(world):
-        env = {
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MILES_TORCH_THREADS": str(threads),
-            "OMP_NUM_THREADS": str(threads),
-        }
-        if gpus:
-            env["LOCAL_RANK"] = "0"  # Ray shows each actor only the GPU it assigned
+        # Ray shows each actor only the GPU it assigned: its LOCAL_RANK is 0
+        env = rank_env(master_addr, port, rank, world, local_rank=0 if gpus else None)
         workers.append(
             actor_cls.options(runtime_env={"env_vars": env}, **options[rank]).remote(cfg, rank, world)
         )

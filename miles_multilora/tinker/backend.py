@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, KeysView, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,13 +33,20 @@ from miles_multilora.errors import SpecError
 from miles_multilora.lora.targets import ATTN, MLP, UNEMBED
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.rollout.engine import unservable_sampling
-from miles_multilora.tinker.losses import (
-    LOSS_INPUTS,
-    TOPK_LOSSES,
-    check_input,
-    check_loss,
-    input_keys,
-    tinker_loss,
+from miles_multilora.tinker.losses import check_loss, input_keys, tinker_loss
+from miles_multilora.tinker.requests import (
+    ForwardBackwardOutput,
+    ForwardBackwardRequest,
+    PromptScores,
+    PromptScoring,
+    SampleJoiner,
+    SampleOutcome,
+    SampleRequest,
+    TinkerError,
+    Values,
+    check_forward_backward,
+    check_scoring,
+    sampling_params_key,
 )
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.primitives import ScoredRow
@@ -48,44 +54,26 @@ from miles_multilora.trainer.rank import OpenSlot, TrainerRank
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
-_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "stop": "stop"}
+def reads(method: _Method) -> _Method:
+    """Mark a :class:`TinkerBackend` method that only reads or checks: on a server of several
+    trainer ranks, rank 0 answers it alone. Every other public method is an operation that every
+    rank runs (:mod:`~miles_multilora.launch.tinker_ranks`)."""
+    method.reads_only = True  # type: ignore[attr-defined]
+    return method
 
 
-def sampling_params_key(key: str) -> str:
-    """A sampling field as a sample request names it: ``sampling.max_new_tokens`` (or
-    ``max_new_tokens``, ``stop[2]``) -> ``sampling_params.max_tokens`` (``sampling_params.stop``)."""
-    name = key.removeprefix("sampling.")
-    field = name.split("[")[0]
-    return "sampling_params." + _SAMPLING_NAMES.get(field, name)
-
-
-class TinkerError(SpecError):
-    """A request the backend refuses (unknown model, no free slot, malformed datum, ...)."""
-
-
-Values = Sequence[float] | np.ndarray
-
-
-@dataclass
-class Datum:
-    """One sequence of a forward/backward request: its input tokens and per-position loss inputs
-    (``target_tokens`` plus the loss's own, each as long as the input); lists or 1-D arrays."""
-
-    tokens: Sequence[int] | np.ndarray
-    inputs: dict[str, Values]
-
-    @property
-    def targets_per_token(self) -> int:
-        """K of ``[N, K]`` target_tokens (top-k distillation), else 1."""
-        shape = np.shape(self.inputs.get("target_tokens", ()))
-        return int(shape[1]) if len(shape) == 2 else 1
-
-    @property
-    def scored_tokens(self) -> int:
-        """Token positions the forward scores (K per input token for ``[N, K]`` targets): its cost."""
-        return len(self.tokens) * self.targets_per_token
+def operations(backend: type) -> frozenset[str]:
+    """The public methods of a backend class not marked :func:`reads`: what every rank runs."""
+    return frozenset(
+        name
+        for name in dir(backend)
+        if not name.startswith("_")
+        and callable(attr := getattr(backend, name))
+        and not getattr(attr, "reads_only", False)
+    )
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
@@ -96,124 +84,6 @@ def _floats(values: Values) -> list[float]:
     return (
         values.astype(np.float64).tolist() if isinstance(values, np.ndarray) else [float(v) for v in values]
     )
-
-
-def _token_ids(values: Values, where: str, vocab_size: int) -> None:
-    """Refuse anything but whole token ids in ``0 .. vocab_size - 1`` (a float id must be whole)."""
-    try:
-        array = np.asarray(values)
-    except (TypeError, ValueError) as exc:
-        raise TinkerError(where, "must be a 1-D list of token ids") from exc
-    if array.dtype.kind not in "iuf" or array.ndim != 1:
-        raise TinkerError(where, "must be a 1-D list of token ids")
-    if array.dtype.kind == "f":
-        bad = ~np.isfinite(array) | (array != np.round(array))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise TinkerError(
-                where, f"token ids must be whole numbers; got {float(array[i]):g} at position {i}"
-            )
-    if array.size and (array.min() < 0 or array.max() >= vocab_size):
-        raise TinkerError(where, f"token ids must be in 0..{vocab_size - 1}")
-
-
-def _topk_width(loss: str, d: Datum, where: str) -> int:
-    """K when the datum's targets are ``[N, K]`` (top-k distillation: ``cross_entropy`` only, its
-    ``weights`` of the same shape), else 0; a clear error for any other shape."""
-    shapes = {key: np.shape(d.inputs[key]) for key in LOSS_INPUTS[loss] if key in d.inputs}
-    target = shapes.get("target_tokens", ())
-    if len(target) != 2:
-        return 0
-    if loss not in TOPK_LOSSES:
-        raise TinkerError(
-            f"{where}.target_tokens",
-            f"is [N, K] (top-k distillation), which only {', '.join(sorted(TOPK_LOSSES))} takes; {loss} needs [N]",
-        )
-    for key, shape in shapes.items():
-        if shape != target:
-            raise TinkerError(
-                f"{where}.{key}", f"must have target_tokens' shape {list(target)}, got {list(shape)}"
-            )
-    if target[1] < 1:
-        raise TinkerError(f"{where}.target_tokens", "is [N, 0]: give at least one target per position")
-    return int(target[1])
-
-
-def _finite(values: Values, where: str) -> None:
-    try:
-        array = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TinkerError(where, "must be a 1-D list of numbers") from exc
-    bad = ~np.isfinite(array)
-    if array.ndim != 1 or bad.any():
-        i = int(np.argmax(bad)) if array.ndim == 1 else 0
-        raise TinkerError(where, f"must be finite numbers; got {float(array.flat[i])} at position {i}")
-
-
-@dataclass
-class ForwardBackwardRequest:
-    model_id: str
-    data: list[Datum]
-    loss_fn: str = "cross_entropy"
-    loss_fn_config: dict[str, float] = field(default_factory=dict)
-    forward_only: bool = False
-
-
-@dataclass
-class ForwardBackwardOutput:
-    logprobs: list[list[float]] | list[list[list[float]]]  # per datum, shaped as its target_tokens
-    metrics: dict[str, float]  # Tinker's "name:reduction" keys
-
-
-@dataclass(frozen=True)
-class PromptScoring:
-    """What a sample request asks of its prompt: its logprobs (``logprobs``), the ``topk`` most
-    likely tokens at each position (0: none), scored over the last ``last_n`` tokens (None: all)."""
-
-    logprobs: bool = False
-    topk: int = 0
-    last_n: int | None = None
-
-
-@dataclass
-class PromptScores:
-    """A prompt scored from position ``first`` on (positions before it, the first token at least,
-    are not scored): ``logprobs[j]`` is log p(prompt[first + j] | prompt[:first + j]) (None when not
-    asked for); ``topk_ids[j]`` / ``topk_logprobs[j]`` the most likely tokens there, highest first."""
-
-    first: int
-    length: int
-    logprobs: list[float] | None
-    k: int = 0
-    topk_ids: list[list[int]] | None = None
-    topk_logprobs: list[list[float]] | None = None
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    """``num_samples`` completions of ``prompt`` from a model's live slot (``model_id`` None: the
-    base model); sample ``j`` is seeded ``seed + j``."""
-
-    model_id: str | None
-    prompt: list[int]
-    num_samples: int
-    sampling: SamplingSpec
-    seed: int = 0
-
-
-SampleOutcome = list[GenerationResult] | Exception  # a request's samples, or why it was refused
-
-
-class SampleJoiner(Protocol):
-    """Sample requests that may join a running engine call (the server's queue)."""
-
-    def waiting(self) -> bool:
-        """Whether requests are waiting to join (asked at every host check: cheap)."""
-        ...
-
-    def take(self) -> Sequence[SampleRequest]:
-        """The requests that join now (possibly none)."""
-        ...
 
 
 class _Joiner:
@@ -251,14 +121,6 @@ class _Joiner:
         return groups
 
 
-@dataclass
-class SampleOutput:
-    """A sample request's answer: its sequences, and its prompt's scores when asked for."""
-
-    sequences: list[GenerationResult]
-    prompt: PromptScores | None = None
-
-
 class TinkerBackend:
     """The client models of one trainer rank (built without adapters): model id -> its slot, or
     its parked state when it is not resident."""
@@ -292,6 +154,7 @@ class TinkerBackend:
         """Every model this backend holds, resident or parked."""
         return self._ids.keys()
 
+    @reads
     def model(self, model_id: str) -> OpenSlot:
         """The model's LoRA rank, seed and weight version (``name`` is the model id; ``slot`` is -1
         while it is parked). Reads only, safe beside the thread that moves models: a model being
@@ -307,6 +170,7 @@ class TinkerBackend:
         m = parked.meta
         return OpenSlot(-1, m.name, m.rank, m.alpha, m.seed, m.version, parked.run, m.targets or ())
 
+    @reads
     def lora_targets(
         self, train_attn: bool, train_mlp: bool, train_unembed: bool, unembed_lora: str = "ignore"
     ) -> tuple[str, ...]:
@@ -345,6 +209,7 @@ class TinkerBackend:
         self._touch(model_id)
         return opened
 
+    @reads
     def check_new_model(self, model_id: str, rank: int) -> None:
         """Raise :class:`TinkerError` when :meth:`create_model` would refuse this model: its id is
         taken, its rank is out of range, or the server holds ``max_models`` models already."""
@@ -369,6 +234,7 @@ class TinkerBackend:
         self._ids.pop(model_id, None)
         self._loads.pop(model_id, None)
 
+    @reads
     def stamp(self, model_id: str) -> tuple[int, int]:
         """What names the weights a model holds now: its version and how many loads it had (a
         ``load_state`` with the optimizer may bring back a version number it had before)."""
@@ -480,35 +346,12 @@ class TinkerBackend:
         return Path(path)
 
     # ------------------------------------------------------------------ training
+    @reads
     def check(self, request: ForwardBackwardRequest) -> dict[str, float]:
-        """Validate a request (model, loss, every datum's inputs) before it joins a batch: token
-        ids whole and in the vocabulary, every loss input present, as long as the input and finite."""
+        """Validate a request (model, loss, every datum's inputs) before it joins a batch
+        (:func:`~miles_multilora.tinker.requests.check_forward_backward`)."""
         self.model(request.model_id)
-        config = check_loss(request.loss_fn, request.loss_fn_config)
-        if not request.data:
-            raise TinkerError("data", "a forward/backward request needs at least one datum")
-        limit, vocab = self.rank.max_seq_len, self.rank.vocab_size
-        for i, d in enumerate(request.data):
-            n = len(d.tokens)
-            if not 1 <= n <= limit:
-                raise TinkerError(f"data[{i}].model_input", f"needs 1..{limit} tokens, got {n}")
-            _token_ids(d.tokens, f"data[{i}].model_input", vocab)
-            topk = _topk_width(request.loss_fn, d, f"data[{i}].loss_fn_inputs")
-            for key in input_keys(request.loss_fn, d.inputs):
-                where = f"data[{i}].loss_fn_inputs.{key}"
-                values = d.inputs.get(key)
-                if values is None:
-                    raise TinkerError(f"data[{i}].loss_fn_inputs", f"{request.loss_fn} needs {key!r}")
-                if len(values) != n:
-                    raise TinkerError(where, f"has {len(values)} values for {n} input tokens")
-                if topk:  # [N, K]: checked as its N * K values
-                    values = np.asarray(values).reshape(-1)
-                if key == "target_tokens":
-                    _token_ids(values, where, vocab)
-                else:
-                    _finite(values, where)
-                    check_input(request.loss_fn, key, values, where)
-        return config
+        return check_forward_backward(request, self.rank.max_seq_len, self.rank.vocab_size)
 
     def forward_backward(self, requests: Sequence[ForwardBackwardRequest]) -> list[ForwardBackwardOutput]:
         """Checked requests of any models as one mixed batch; gradients accumulate in each model's
@@ -587,6 +430,7 @@ class TinkerBackend:
             raise outcome
         return outcome
 
+    @reads
     def has_room(self) -> bool:
         """Whether one more model can get a slot during the running engine call: a slot is free, or
         a resident model without rows in it can be moved out."""
@@ -668,18 +512,10 @@ class TinkerBackend:
         self._check_generation(generation[0])
         return generation
 
+    @reads
     def check_scoring(self, prompt: list[int], scoring: PromptScoring) -> None:
-        """Whether ``scoring`` fits this prompt and vocabulary (``last_n`` in 1..len - 1)."""
-        vocab = self.rank.vocab_size
-        if scoring.topk > vocab:
-            raise TinkerError(
-                "topk_prompt_logprobs", f"must be at most the vocabulary size {vocab}, got {scoring.topk}"
-            )
-        if scoring.last_n is not None and not 1 <= scoring.last_n <= len(prompt) - 1:
-            raise TinkerError(
-                "prompt_logprobs_last_n",
-                f"must be in 1..{len(prompt) - 1} (the prompt's length - 1), got {scoring.last_n}",
-            )
+        """Whether ``scoring`` fits this prompt and this model's vocabulary."""
+        check_scoring(prompt, scoring, self.rank.vocab_size)
 
     def score_prompt(self, model_id: str | None, prompt: list[int], scoring: PromptScoring) -> PromptScores:
         """log p(prompt[i] | prompt[:i]) for each scored position (temperature 1, fp32 log-softmax)
@@ -695,6 +531,7 @@ class TinkerBackend:
         logprobs = score.logprobs if scoring.logprobs else None
         return PromptScores(first, n, logprobs, scoring.topk, score.topk_ids, score.topk_logprobs)
 
+    @reads
     def check_sample(self, prompt: list[int], sampling: SamplingSpec) -> None:
         """Whether the engine can serve this prompt and these parameters (prompt ids in the
         vocabulary, ``top_k`` and stop token ids within it, room in the context window and the KV

@@ -39,8 +39,8 @@ from typing import Any
 from miles_multilora.controller.persistence import write_json_atomic
 from miles_multilora.disk_usage import dir_size, low_disk
 from miles_multilora.private_files import make_private, private_dir
-from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.registry import Unknown
+from miles_multilora.tinker.requests import TinkerError
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec, check_optimizer, check_sampling
 from miles_multilora.errors import SpecError
-from miles_multilora.tinker.backend import PromptScoring, TinkerError, sampling_params_key
+from miles_multilora.tinker.requests import PromptScoring, TinkerError, sampling_params_key
 
 DEFAULT_MAX_TOKENS = 128
 MIN_TEMPERATURE = 1e-3  # 0 is greedy; below this, logits / T overflow and sampling is noise

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.ids import IdMint
+from miles_multilora.tinker.requests import TinkerError
 
 if TYPE_CHECKING:
     from miles_multilora.tinker.sampler_weights import SavedWeights

@@ -33,7 +33,6 @@ from miles_multilora.config.lora_targets import FAMILIES
 from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.http_serving import HTTPProblem, read_body
 from miles_multilora.tinker import age_export, params
-from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.catalog import (
     CHECKPOINT_TYPES,
     EXTERNAL,
@@ -43,9 +42,10 @@ from miles_multilora.tinker.catalog import (
     RunRecord,
 )
 from miles_multilora.tinker.registry import Unknown
+from miles_multilora.tinker.requests import TinkerError
+from miles_multilora.tinker.route_kit import API
 from miles_multilora.tinker.state import PATH, ServerState, checked_name, encoder
 
-API = "/api/v1"
 DOWNLOAD = f"{API}/checkpoint_files"
 OPEN_PATHS = (DOWNLOAD,)  # no API key: the signed token is the credential
 _SCOPES = ("owned", "accessible")

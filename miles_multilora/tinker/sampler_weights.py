@@ -31,9 +31,10 @@ from pathlib import Path
 
 from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.disk_usage import low_disk
-from miles_multilora.tinker.backend import TinkerBackend, TinkerError
+from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.catalog import SAMPLER, Catalog
 from miles_multilora.tinker.registry import OwnedModel, Unknown
+from miles_multilora.tinker.requests import TinkerError
 
 UNNAMED = "sampler_sessions"  # <state_dir>/<tenant>/sampler_sessions/<session>/<n>/
 

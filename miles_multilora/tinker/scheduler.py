@@ -39,12 +39,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from miles_multilora.tinker.backend import (
+from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.requests import (
     ForwardBackwardOutput,
     ForwardBackwardRequest,
     SampleOutcome,
     SampleRequest,
-    TinkerBackend,
 )
 
 Lane = Hashable  # (tenant, session) on the server

@@ -1,27 +1,22 @@
-"""Start the Tinker server: its trainer rank in this process (rank 0; with ``model.dp`` > 1 the
-others follow in processes of their own, :mod:`miles_multilora.tinker.dp`), its batching queue, the
-HTTP app (served by :mod:`miles_multilora.http_serving`, like the controller's API) and a
+"""Start the Tinker server: its trainer rank in this process (or, with ``model.dp`` > 1, the backend
+of rank 0 that :mod:`miles_multilora.launch.tinker_ranks` started with its followers), its batching
+queue, the HTTP app (served by :mod:`miles_multilora.http_serving`, like the controller's API) and a
 housekeeping thread that expires silent sessions and releases old results."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from starlette.types import Scope
 
 from miles_multilora.config.http_limits import HTTPLimits
 from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import LOOPBACK_HOSTS, BackgroundServer
-from miles_multilora.models.compat import free_port
-from miles_multilora.tinker import dp
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.tinker.server import create_app
@@ -74,45 +69,30 @@ def make_backend(rank: Any, offload_dir: Path | None = None) -> TinkerBackend:
     )  # fmt: skip
 
 
-def _ranks(cfg: RunConfig) -> tuple[Any, Any]:
-    """Rank 0's trainer rank and backend; with ``trainer.world_size`` > 1 the other ranks start as
-    follower processes and the backend is mirrored to them (:mod:`miles_multilora.tinker.dp`)."""
-    from miles_multilora.trainer.rank import TrainerRank  # builds the model: imported when a server starts
+def _one_rank(cfg: RunConfig) -> Any:
+    # builds the model: imported when a server starts
+    from miles_multilora.trainer.rank import TrainerRank
 
-    world = cfg.trainer.world_size or 1
-    if world == 1:
-        rank = TrainerRank(cfg)
-        return rank, make_backend(rank)
-    gpus = torch.cuda.device_count()
-    if gpus and gpus < world:  # (a CPU machine runs the ranks as processes that share its cores)
-        raise ConfigError(
-            "model.dp",
-            f"{world} trainer ranks (model.dp x model.tp) need {world} GPUs of this machine, it has {gpus}",
-        )
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
-    os.environ.update(env, RANK="0", LOCAL_RANK="0")
-    followers = dp.start_followers(cfg, world, env, make_backend)
-    try:
-        rank = TrainerRank(cfg, 0, world)
-        group = dist.new_group(backend="gloo")
-    except BaseException:
-        for p in followers:
-            p.terminate()
-        raise
-    logger.info("tinker: %d trainer ranks (model.dp=%s, model.tp=%s)", world, cfg.model.dp, cfg.model.tp)
-    return rank, dp.MirroredBackend(make_backend(rank, dp.rank_offload_dir(cfg, 0)), group, followers)
+    return TrainerRank(cfg)
 
 
-def build_state(cfg: RunConfig, rank: Any | None = None) -> ServerState:
-    """The backend on the trainer ranks built from ``cfg`` (or on the given single rank)."""
-    if rank is not None:
-        if cfg.trainer.world_size not in (None, 1):
+def build_state(cfg: RunConfig, rank: Any | None = None, backend: Any | None = None) -> ServerState:
+    """The server's state over ``backend`` (rank 0's of several trainer ranks:
+    :func:`miles_multilora.launch.tinker_ranks.start`), else over a backend on the given single
+    rank or on one trainer rank built from ``cfg`` here."""
+    if backend is None:
+        world = cfg.trainer.world_size
+        if world not in (None, 1) and rank is not None:
             raise ConfigError(
                 "trainer.world_size", "a given trainer rank serves alone; use trainer.world_size=1"
             )
-        backend = make_backend(rank)
-    else:
-        rank, backend = _ranks(cfg)
+        if world not in (None, 1):
+            raise ConfigError(
+                "trainer.world_size",
+                f"{world} trainer ranks start from miles_multilora.launch.tinker_ranks.start (as tinker-serve "
+                "does)",
+            )
+        backend = make_backend(rank if rank is not None else _one_rank(cfg))
     t = cfg.tinker
     base = t.base_model or (cfg.model.hf_path if cfg.model.source == "hf" else cfg.model.source)
     return ServerState(
@@ -141,11 +121,14 @@ def read_keys(cfg: RunConfig) -> KeyRing:
     return KeyRing(read_key_file(t.api_key_file) if t.api_key_file else None)
 
 
-def start(cfg: RunConfig, rank: Any | None = None, port: int | None = None) -> TinkerServer:
-    """Serve in a background thread; returns once the socket accepts connections."""
+def start(
+    cfg: RunConfig, rank: Any | None = None, port: int | None = None, backend: Any | None = None
+) -> TinkerServer:
+    """Serve in a background thread (on ``backend``, ``rank`` or a rank built here:
+    :func:`build_state`); returns once the socket accepts connections."""
     t = cfg.tinker
     keys = read_keys(cfg)
-    state = build_state(cfg, rank)
+    state = build_state(cfg, rank, backend)
 
     def authenticate(scope: Scope) -> str | None:
         return keys.tenant_of(dict(scope["headers"]).get(b"x-api-key"))
@@ -174,25 +157,3 @@ def start(cfg: RunConfig, rank: Any | None = None, port: int | None = None) -> T
     if keys.open:
         logger.warning("tinker server on %s has no API key file: every local process is one tenant", url)
     return server
-
-
-def serve_forever(cfg: RunConfig, console: Any) -> None:
-    """``miles-multilora tinker-serve``: serve until SIGINT/SIGTERM."""
-    import signal
-
-    console.print("starting the trainer rank (loading the model) ...")
-    server = start(cfg)
-    tenants = "one tenant (no key file)" if server.keys.open else f"{len(server.keys.tenants)} tenant key(s)"
-    console.print(
-        f"[bold]miles_multilora tinker server[/bold] at {server.url}: base_model={server.state.base_model!r}, "
-        f"{cfg.lora.num_slots} slots (one per client model), max LoRA rank {cfg.lora.max_rank}, {tenants}; "
-        f"clients: tinker.ServiceClient(base_url={server.url!r}, api_key='tml-...')",
-        soft_wrap=True,
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0) and server.alive:
-        pass
-    server.stop()
-    console.print("tinker server stopped")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from miles_multilora.tinker.backend import (
+from miles_multilora.tinker.requests import (
     Datum,
     ForwardBackwardOutput,
     ForwardBackwardRequest,

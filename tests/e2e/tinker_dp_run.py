@@ -15,7 +15,7 @@ from pathlib import Path
 import tinker
 
 from miles_multilora.config.run import config_from_container
-from miles_multilora.tinker.serve import start
+from miles_multilora.launch.tinker_ranks import start
 from tests.e2e.conftest import sft_datum
 
 KEY = "tml-dp-test-key"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, TinkerBackend
+from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest
 from tests.helpers import assert_close_at_scale
 
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]

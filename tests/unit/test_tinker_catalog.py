@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog
 from miles_multilora.tinker.registry import Unknown
+from miles_multilora.tinker.requests import TinkerError
 
 
 class Clock:

@@ -7,8 +7,8 @@ import pytest
 
 from miles_multilora.errors import SpecError
 from miles_multilora.tinker import params
-from miles_multilora.tinker.backend import TinkerError
 from miles_multilora.tinker.losses import check_loss
+from miles_multilora.tinker.requests import TinkerError
 
 
 def sample_body(**sampling_params: object) -> dict:

@@ -11,9 +11,10 @@ import pytest
 
 from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.models import compat
-from miles_multilora.tinker.backend import ForwardBackwardRequest, TinkerBackend, TinkerError
+from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.catalog import Catalog
 from miles_multilora.tinker.registry import OwnedModel
+from miles_multilora.tinker.requests import ForwardBackwardRequest, TinkerError
 from miles_multilora.tinker.sampler_weights import SamplerWeights
 from miles_multilora.trainer.rank import TrainerRank
 from tests.e2e.conftest import tiny_run_config

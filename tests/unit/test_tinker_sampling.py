@@ -15,13 +15,8 @@ from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.models import compat
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.tinker import scheduler
-from miles_multilora.tinker.backend import (
-    Datum,
-    ForwardBackwardRequest,
-    SampleRequest,
-    TinkerBackend,
-    TinkerError,
-)
+from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest, SampleRequest, TinkerError
 from miles_multilora.tinker.scheduler import BatchingQueue, SamplePart
 from miles_multilora.trainer.rank import TrainerRank
 from tests.e2e.conftest import tiny_run_config

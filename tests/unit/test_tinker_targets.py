@@ -15,7 +15,8 @@ from miles_multilora.errors import SpecError
 from miles_multilora.lora import multi_lora_layers
 from miles_multilora.lora.targets import family_of
 from miles_multilora.models import compat
-from miles_multilora.tinker.backend import Datum, ForwardBackwardRequest, TinkerBackend, TinkerError
+from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest, TinkerError
 from miles_multilora.trainer.rank import TrainerRank
 from tests.e2e.conftest import tiny_run_config
 

@@ -1,0 +1,229 @@
+"""The Tinker protocol's requests as the backend takes them, and their checks.
+
+The types a route builds from a request body (:mod:`~miles_multilora.tinker.params`,
+:mod:`~miles_multilora.tinker.wire`) and :class:`~miles_multilora.tinker.backend.TinkerBackend`
+runs: a forward/backward request of datums, a sample request and what it asks of its prompt, and
+their answers. The checks here need only the model's sequence limit and vocabulary: every one
+raises :class:`TinkerError` naming the field, so a bad request fails alone and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from miles_multilora.config.adapter import SamplingSpec
+from miles_multilora.errors import SpecError
+from miles_multilora.rollout import GenerationResult
+from miles_multilora.tinker.losses import LOSS_INPUTS, TOPK_LOSSES, check_input, check_loss, input_keys
+
+_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "stop": "stop"}
+
+
+def sampling_params_key(key: str) -> str:
+    """A sampling field as a sample request names it: ``sampling.max_new_tokens`` (or
+    ``max_new_tokens``, ``stop[2]``) -> ``sampling_params.max_tokens`` (``sampling_params.stop``)."""
+    name = key.removeprefix("sampling.")
+    field = name.split("[")[0]
+    return "sampling_params." + _SAMPLING_NAMES.get(field, name)
+
+
+class TinkerError(SpecError):
+    """A request the backend refuses (unknown model, no free slot, malformed datum, ...)."""
+
+
+Values = Sequence[float] | np.ndarray
+
+
+@dataclass
+class Datum:
+    """One sequence of a forward/backward request: its input tokens and per-position loss inputs
+    (``target_tokens`` plus the loss's own, each as long as the input); lists or 1-D arrays."""
+
+    tokens: Sequence[int] | np.ndarray
+    inputs: dict[str, Values]
+
+    @property
+    def targets_per_token(self) -> int:
+        """K of ``[N, K]`` target_tokens (top-k distillation), else 1."""
+        shape = np.shape(self.inputs.get("target_tokens", ()))
+        return int(shape[1]) if len(shape) == 2 else 1
+
+    @property
+    def scored_tokens(self) -> int:
+        """Token positions the forward scores (K per input token for ``[N, K]`` targets): its cost."""
+        return len(self.tokens) * self.targets_per_token
+
+
+def _token_ids(values: Values, where: str, vocab_size: int) -> None:
+    """Refuse anything but whole token ids in ``0 .. vocab_size - 1`` (a float id must be whole)."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise TinkerError(where, "must be a 1-D list of token ids") from exc
+    if array.dtype.kind not in "iuf" or array.ndim != 1:
+        raise TinkerError(where, "must be a 1-D list of token ids")
+    if array.dtype.kind == "f":
+        bad = ~np.isfinite(array) | (array != np.round(array))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TinkerError(
+                where, f"token ids must be whole numbers; got {float(array[i]):g} at position {i}"
+            )
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        raise TinkerError(where, f"token ids must be in 0..{vocab_size - 1}")
+
+
+def _topk_width(loss: str, d: Datum, where: str) -> int:
+    """K when the datum's targets are ``[N, K]`` (top-k distillation: ``cross_entropy`` only, its
+    ``weights`` of the same shape), else 0; a clear error for any other shape."""
+    shapes = {key: np.shape(d.inputs[key]) for key in LOSS_INPUTS[loss] if key in d.inputs}
+    target = shapes.get("target_tokens", ())
+    if len(target) != 2:
+        return 0
+    if loss not in TOPK_LOSSES:
+        raise TinkerError(
+            f"{where}.target_tokens",
+            f"is [N, K] (top-k distillation), which only {', '.join(sorted(TOPK_LOSSES))} takes; {loss} needs [N]",
+        )
+    for key, shape in shapes.items():
+        if shape != target:
+            raise TinkerError(
+                f"{where}.{key}", f"must have target_tokens' shape {list(target)}, got {list(shape)}"
+            )
+    if target[1] < 1:
+        raise TinkerError(f"{where}.target_tokens", "is [N, 0]: give at least one target per position")
+    return int(target[1])
+
+
+def _finite(values: Values, where: str) -> None:
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TinkerError(where, "must be a 1-D list of numbers") from exc
+    bad = ~np.isfinite(array)
+    if array.ndim != 1 or bad.any():
+        i = int(np.argmax(bad)) if array.ndim == 1 else 0
+        raise TinkerError(where, f"must be finite numbers; got {float(array.flat[i])} at position {i}")
+
+
+@dataclass
+class ForwardBackwardRequest:
+    model_id: str
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass
+class ForwardBackwardOutput:
+    logprobs: list[list[float]] | list[list[list[float]]]  # per datum, shaped as its target_tokens
+    metrics: dict[str, float]  # Tinker's "name:reduction" keys
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """What a sample request asks of its prompt: its logprobs (``logprobs``), the ``topk`` most
+    likely tokens at each position (0: none), scored over the last ``last_n`` tokens (None: all)."""
+
+    logprobs: bool = False
+    topk: int = 0
+    last_n: int | None = None
+
+
+@dataclass
+class PromptScores:
+    """A prompt scored from position ``first`` on (positions before it, the first token at least,
+    are not scored): ``logprobs[j]`` is log p(prompt[first + j] | prompt[:first + j]) (None when not
+    asked for); ``topk_ids[j]`` / ``topk_logprobs[j]`` the most likely tokens there, highest first."""
+
+    first: int
+    length: int
+    logprobs: list[float] | None
+    k: int = 0
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """``num_samples`` completions of ``prompt`` from a model's live slot (``model_id`` None: the
+    base model); sample ``j`` is seeded ``seed + j``."""
+
+    model_id: str | None
+    prompt: list[int]
+    num_samples: int
+    sampling: SamplingSpec
+    seed: int = 0
+
+
+SampleOutcome = list[GenerationResult] | Exception  # a request's samples, or why it was refused
+
+
+class SampleJoiner(Protocol):
+    """Sample requests that may join a running engine call (the server's queue)."""
+
+    def waiting(self) -> bool:
+        """Whether requests are waiting to join (asked at every host check: cheap)."""
+        ...
+
+    def take(self) -> Sequence[SampleRequest]:
+        """The requests that join now (possibly none)."""
+        ...
+
+
+@dataclass
+class SampleOutput:
+    """A sample request's answer: its sequences, and its prompt's scores when asked for."""
+
+    sequences: list[GenerationResult]
+    prompt: PromptScores | None = None
+
+
+def check_forward_backward(
+    request: ForwardBackwardRequest, max_seq_len: int, vocab_size: int
+) -> dict[str, float]:
+    """The request's loss config, checked with every datum's inputs: token ids whole and in the
+    vocabulary, every loss input present, as long as the input and finite."""
+    config = check_loss(request.loss_fn, request.loss_fn_config)
+    if not request.data:
+        raise TinkerError("data", "a forward/backward request needs at least one datum")
+    limit, vocab = max_seq_len, vocab_size
+    for i, d in enumerate(request.data):
+        n = len(d.tokens)
+        if not 1 <= n <= limit:
+            raise TinkerError(f"data[{i}].model_input", f"needs 1..{limit} tokens, got {n}")
+        _token_ids(d.tokens, f"data[{i}].model_input", vocab)
+        topk = _topk_width(request.loss_fn, d, f"data[{i}].loss_fn_inputs")
+        for key in input_keys(request.loss_fn, d.inputs):
+            where = f"data[{i}].loss_fn_inputs.{key}"
+            values = d.inputs.get(key)
+            if values is None:
+                raise TinkerError(f"data[{i}].loss_fn_inputs", f"{request.loss_fn} needs {key!r}")
+            if len(values) != n:
+                raise TinkerError(where, f"has {len(values)} values for {n} input tokens")
+            if topk:  # [N, K]: checked as its N * K values
+                values = np.asarray(values).reshape(-1)
+            if key == "target_tokens":
+                _token_ids(values, where, vocab)
+            else:
+                _finite(values, where)
+                check_input(request.loss_fn, key, values, where)
+    return config
+
+
+def check_scoring(prompt: list[int], scoring: PromptScoring, vocab_size: int) -> None:
+    """Whether ``scoring`` fits this prompt and vocabulary (``last_n`` in 1..len - 1)."""
+    if scoring.topk > vocab_size:
+        raise TinkerError(
+            "topk_prompt_logprobs", f"must be at most the vocabulary size {vocab_size}, got {scoring.topk}"
+        )
+    if scoring.last_n is not None and not 1 <= scoring.last_n <= len(prompt) - 1:
+        raise TinkerError(
+            "prompt_logprobs_last_n",
+            f"must be in 1..{len(prompt) - 1} (the prompt's length - 1), got {scoring.last_n}",
+        )
