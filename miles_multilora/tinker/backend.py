@@ -11,9 +11,10 @@ Models are not limited to the slots: when an operation needs a model that is not
 slot is free, the least recently used resident model is parked (its whole state, unapplied
 gradients included, to host memory, and past ``offload_host_bytes`` of parked state on to disk)
 and the model comes back into the freed slot exactly as it was; the rank's
-:class:`~miles_multilora.trainer.residency.Residency` holds the slots and parked states. Only
-``max_models`` bounds how many a server holds (and, per tenant, the server state's
-``tinker.max_models_per_tenant``).
+:class:`~miles_multilora.trainer.residency.Residency` holds the slots and parked states. The
+queue names the models its work needs next (``upcoming``): those parked start their copy back
+to the GPU while the current batch runs. Only ``max_models`` bounds how many a server holds
+(and, per tenant, the server state's ``tinker.max_models_per_tenant``).
 
 Besides the client models, a slot may hold a **sampling copy**: saved sampler weights loaded for
 sampling only (:meth:`TinkerBackend.load_copy`, :mod:`~miles_multilora.tinker.sampler_weights`).
@@ -501,17 +502,22 @@ class TinkerBackend:
                     check_input(request.loss_fn, key, values, where)
         return config
 
-    def forward_backward(self, requests: Sequence[ForwardBackwardRequest]) -> list[ForwardBackwardOutput]:
+    def forward_backward(
+        self, requests: Sequence[ForwardBackwardRequest], upcoming: Sequence[str] | None = None
+    ) -> list[ForwardBackwardOutput]:
         """Checked requests of any models as one mixed batch; gradients accumulate in each model's
-        slot (``forward_only`` requests score without a backward)."""
+        slot (``forward_only`` requests score without a backward). ``upcoming``: the models the
+        work after this needs, prefetched while it runs (None: prefetches are left as they are)."""
         needed = list(dict.fromkeys(r.model_id for r in requests))
         width = self.rank.num_slots
         if len(needed) > width:  # more models than slots: in turns of at most num_slots models
             outputs: dict[int, ForwardBackwardOutput] = {}
-            for start in range(0, len(needed), width):
-                turn = set(needed[start : start + width])
+            turns = [needed[start : start + width] for start in range(0, len(needed), width)]
+            for k, turn in enumerate(turns):
+                ahead = turns[k + 1] if k + 1 < len(turns) else upcoming
                 picked = [i for i, r in enumerate(requests) if r.model_id in turn]
-                for i, out in zip(picked, self.forward_backward([requests[i] for i in picked]), strict=True):
+                done = self.forward_backward([requests[i] for i in picked], ahead)
+                for i, out in zip(picked, done, strict=True):
                     outputs[i] = out
             return [outputs[i] for i in range(len(requests))]
         rows: list[ScoredRow] = []
@@ -535,6 +541,8 @@ class TinkerBackend:
                     )
                 )
                 widths.append(k)
+        if upcoming is not None:  # this batch's models are in their slots: the next ones' copies start
+            self.residency.prefetch(upcoming)
         loss = tinker_loss(losses)
         logprobs: list[list[float]] = [[] for _ in rows]
         metrics: dict[int, dict[str, float]] = {}
@@ -588,6 +596,7 @@ class TinkerBackend:
         requests: Sequence[SampleRequest],
         on_done: Callable[[int, SampleOutcome], None] | None = None,
         more: SampleJoiner | None = None,
+        upcoming: Sequence[str] | None = None,
     ) -> list[SampleOutcome]:
         """The requests of any models (and of the base model) as one engine call with mixed slots,
         in turns of at most ``lora.num_slots`` models. Each request keeps its own seeds, and a row's
@@ -602,7 +611,8 @@ class TinkerBackend:
 
         ``more`` (a streaming engine on one rank): requests that arrive while the last turn decodes
         join its batch at a host check, numbered on from the last, into free rows; a model with
-        rows in flight is never parked or evicted to make room for them."""
+        rows in flight is never parked or evicted to make room for them. ``upcoming``: the models
+        the work after this needs, prefetched while it decodes (as in :meth:`forward_backward`)."""
         outcomes: list[SampleOutcome | None] = [None] * len(requests)
 
         def done(i: int, outcome: SampleOutcome) -> None:
@@ -626,6 +636,9 @@ class TinkerBackend:
                     done(i, exc)
                     continue
                 where.append(i)
+            ahead = turns[k + 1] if k + 1 < len(turns) else upcoming
+            if ahead is not None:  # this turn's models are in their slots: the next ones' copies start
+                self.residency.prefetch(ahead)
             joiner = _Joiner(self, more, outcomes, where, done) if more and k == len(turns) - 1 else None
             if groups:
                 self._decoding = set(keep)
