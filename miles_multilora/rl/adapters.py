@@ -3,13 +3,14 @@
 Starting an adapter registers it everywhere it lives for the RL recipe: its prompts (the data
 source), its reward and held-out rewards (reward managers), its held-out set, and its slot on the
 trainer rank (fresh, or restored from its resume checkpoint). :meth:`Residents.forget` undoes all
-of it at once, so an adapter is either wholly resident or not at all.
+of it at once, so an adapter is either wholly resident or not at all. Its slot, and its state
+parked off the GPU while others take their turn, are the rank's
+:class:`~miles_multilora.trainer.residency.Residency` (``Residents.held``).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +22,8 @@ from miles_multilora.data.evaluation import HeldOutSet, build_held_out
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rl.resume import check_run_dir_is_ours, load_resume_point
-from miles_multilora.trainer.host_copies import device_room
-from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.rank import TrainerRank
+from miles_multilora.trainer.residency import Residency
 
 
 @dataclass
@@ -69,9 +69,13 @@ class Residents:
         self.rewards = rewards
         self.eval_rewards = eval_rewards
         self._adapters: dict[str, ResidentAdapter] = {}
-        self.parked: dict[str, tuple[ResidentAdapter, ParkedSlot]] = {}  # off the GPU, registrations kept
-        self._parked_order: dict[str, int] = {}  # when each was parked (the oldest spill to disk first)
-        self._clock = itertools.count()
+        self._parked: dict[str, ResidentAdapter] = {}  # off the GPU, registrations kept
+        self.held = Residency(
+            rank,
+            host_bytes=int(cfg.trainer.offload_host_gb * (1 << 30)),
+            spill_dir=Path(cfg.trainer.output_dir) / "offload" / f"rank{rank.global_rank}",
+            prefetch_bytes=int(cfg.trainer.prefetch_gb * (1 << 30)),
+        )
         self.on_forget: list[Callable[[str], None]] = []  # told of every adapter forgotten
         self.on_park: list[Callable[[str], None]] = []  # told of every adapter parked (before it moves)
         self.has_carried: Callable[[str], bool] = lambda name: False  # drawn prompts not trained yet
@@ -87,6 +91,11 @@ class Residents:
 
     def get(self, name: str) -> ResidentAdapter | None:
         return self._adapters.get(name)
+
+    @property
+    def parked(self) -> Mapping[str, ResidentAdapter]:
+        """The adapters parked off the GPU (their registrations kept)."""
+        return self._parked
 
     def version(self, name: str) -> int:
         """The adapter's weight version: optimizer steps applied to its slot (the rank's count)."""
@@ -143,8 +152,8 @@ class Residents:
                 resumed = Resumed(str(restore), int(state["step"]))
         else:
             check_run_dir_is_ours(self.run_dir(assignment), assignment)
-        self.rank.open_slot(
-            assignment.slot, spec.rank, spec.alpha, spec.seed, spec.optimizer, spec.name,
+        self.held.open(
+            spec.name, assignment.slot, spec.rank, spec.alpha, spec.seed, spec.optimizer,
             total_steps=spec.num_steps, run=assignment.run_id, restore=restore, targets=spec.lora_targets,
         )  # fmt: skip
         if state is not None:
@@ -167,62 +176,34 @@ class Residents:
         return current.assignment.needs_init and self.version(current.name) == assignment.step
 
     def park(self, name: str) -> None:
-        """Move resident ``name`` off the GPU (its whole slot state to host memory) and free its
-        slot; its data position, rewards and held-out set stay registered (reward processes are
-        bounded by ``trainer.reward_max_processes``, least recently used ended first). Its prompts
-        in flight go back to its data (``on_park``), so it draws them again when it is back."""
+        """Move resident ``name`` off the GPU (its whole slot state to host memory, past
+        ``trainer.offload_host_gb`` the longest parked to disk) and free its slot; its data
+        position, rewards and held-out set stay registered (reward processes are bounded by
+        ``trainer.reward_max_processes``, least recently used ended first). Its prompts in flight
+        go back to its data (``on_park``), so it draws them again when it is back."""
         adapter = self._adapters[name]
         for hook in self.on_park:
             hook(name)
-        parked = park(self.rank, adapter.slot)
-        self.parked[name] = (adapter, parked)
+        self.held.touch(name)  # its turn ends now: the longest parked spill first
+        self.held.park(name)
+        self._parked[name] = adapter
         del self._adapters[name]
-        self.rank.close_slot(adapter.slot)
-        self._parked_order[name] = next(self._clock)
-        states = {n: p for n, (_, p) in self.parked.items()}
-        budget = int(self.cfg.trainer.offload_host_gb * (1 << 30))
-        directory = Path(self.cfg.trainer.output_dir) / "offload" / f"rank{self.rank.global_rank}"
-        spill_over_budget(states, budget, directory, self.rank.layout.tp_rank, self._parked_order.__getitem__)
-
-    def prefetch(self, names: tuple[str, ...]) -> int:
-        """Start copying parked ``names`` (the controller's next turn, most likely first) back to
-        the GPU while this step runs, within ``trainer.prefetch_gb`` of device memory and what the
-        device can hold at the step's peak (less a 1 GiB margin); copies started for others that
-        did not get their turn are given back. Returns how many are on their way. Nothing to do on
-        a CPU or for a state spilled to disk."""
-        wanted = [n for n in names if n in self.parked]
-        for name, (_, parked) in self.parked.items():
-            if name not in wanted:
-                parked.drop_prefetch()
-        if self.rank.device.type != "cuda":
-            return 0
-        cap = int(self.cfg.trainer.prefetch_gb * (1 << 30))  # all copies on their way
-        room = device_room(self.rank.device) - (1 << 30)  # the new ones (the others hold theirs)
-        used = sum(p.staged.nbytes for _, p in self.parked.values() if p.staged is not None)
-        for name in wanted:
-            parked = self.parked[name][1]
-            if parked.can_prefetch and used + parked.nbytes <= cap and parked.nbytes <= room:
-                started = parked.prefetch()
-                used, room = used + started, room - started
-        return sum(self.parked[n][1].staged is not None for n in wanted)
 
     def _unpark(self, assignment: SlotAssignment) -> bool:
         """Restore parked ``assignment.name`` into its (new) slot, exactly; False when it is not
         parked here as this run (e.g. the trainer restarted: it resumes from its checkpoint)."""
-        entry = self.parked.get(assignment.name)
-        if entry is None:
+        adapter = self._parked.get(assignment.name)
+        if adapter is None:
             return False
-        adapter, parked = entry
-        if parked.run != assignment.run_id:
-            self.parked.pop(assignment.name)[1].discard()
+        if self.held.parked[assignment.name].run != assignment.run_id:
+            del self._parked[assignment.name]
+            self.held.close(assignment.name)
             return False
         self._forget_holders_of(assignment)
-        unpark(self.rank, parked, assignment.slot)
+        self.held.restore(assignment.name, assignment.slot)
         adapter.assignment = assignment
         self._adapters[assignment.name] = adapter
-        del self.parked[assignment.name]
-        self._parked_order.pop(assignment.name, None)
-        parked.discard()  # its spill on disk, if any
+        del self._parked[assignment.name]
         return True
 
     def run_dir(self, assignment: SlotAssignment) -> Path:
@@ -231,11 +212,8 @@ class Residents:
     def forget(self, name: str) -> None:
         """Drop ``name`` from this rank: its record, prompts, rewards and slot (erased, unserved),
         or its parked state."""
-        adapter = self._adapters.pop(name, None)
-        parked = self.parked.pop(name, None)
-        self._parked_order.pop(name, None)
-        if parked is not None:
-            parked[1].discard()
+        self._adapters.pop(name, None)
+        self._parked.pop(name, None)
         for hook in self.on_forget:
             hook(name)
         if name in self.data.names:
@@ -244,9 +222,7 @@ class Residents:
             self.rewards.remove_adapter(name)
         if name in self.eval_rewards.names:
             self.eval_rewards.remove_adapter(name)
-        if adapter is not None and self.rank.slots.get(adapter.slot) is not None:
-            if self.rank.slots[adapter.slot].name == name:
-                self.rank.close_slot(adapter.slot)
+        self.held.close(name)  # its slot (when it is still its own) or its parked state
 
     def clear_slots(self, slots: tuple[int, ...]) -> None:
         """Erase ``slots`` (the controller's ``slots_to_clear``), forgetting their adapters."""

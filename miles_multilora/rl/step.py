@@ -121,7 +121,7 @@ class RLStep:
                 self.pending.drop(a.name)  # its scoring in flight is abandoned: cancel waits for nothing
                 self.eval_pending.drop(a.name)
             running = self._finish_at_budget(snapshot.running, failures, resumed, results, finished)
-            self.residents.prefetch(snapshot.next_turn)  # copied back to the GPU while this step runs
+            self.residents.held.prefetch(snapshot.next_turn)  # copied back to the GPU while this step runs
             # adapters due for their step-0 eval only evaluate this step (with the others' evals)
             starting = {
                 a.name for a in running if start_eval_due(self.residents[a.name], self.version(a.name))

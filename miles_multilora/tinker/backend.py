@@ -9,10 +9,12 @@ batch, so a bad one fails alone; :mod:`~miles_multilora.tinker.scheduler` runs t
 
 Models are not limited to the slots: when an operation needs a model that is not resident and no
 slot is free, the least recently used resident model is parked (its whole state, unapplied
-gradients included, to host memory, and past ``offload_host_bytes`` of parked state on to disk;
-:mod:`~miles_multilora.trainer.offload`) and the model comes back into the freed slot exactly as it
-was. Only ``max_models`` bounds how many a server holds (and, per tenant, the server state's
-``tinker.max_models_per_tenant``).
+gradients included, to host memory, and past ``offload_host_bytes`` of parked state on to disk)
+and the model comes back into the freed slot exactly as it was; the rank's
+:class:`~miles_multilora.trainer.residency.Residency` holds the slots and parked states. The
+queue names the models its work needs next (``upcoming``): those parked start their copy back
+to the GPU while the current batch runs. Only ``max_models`` bounds how many a server holds
+(and, per tenant, the server state's ``tinker.max_models_per_tenant``).
 
 Besides the client models, a slot may hold a **sampling copy**: saved sampler weights loaded for
 sampling only (:meth:`TinkerBackend.load_copy`, :mod:`~miles_multilora.tinker.sampler_weights`).
@@ -48,9 +50,10 @@ from miles_multilora.tinker.requests import (
     check_scoring,
     sampling_params_key,
 )
-from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
+from miles_multilora.trainer.offload import ParkedSlot
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, TrainerRank
+from miles_multilora.trainer.residency import Residency
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
@@ -132,21 +135,50 @@ class TinkerBackend:
         max_models: int = 1024,
         offload_host_bytes: int = 16 << 30,
         offload_dir: str | Path | None = None,
+        prefetch_bytes: int | None = None,
     ) -> None:
         self.rank = rank
         self.max_models = max_models
-        self.offload_host_bytes = offload_host_bytes
-        self.offload_dir = Path(offload_dir or Path(rank.cfg.trainer.output_dir) / "offload")
-        shutil.rmtree(self.offload_dir, ignore_errors=True)  # a previous server's spills: its models ended
+        offload_dir = Path(offload_dir or Path(rank.cfg.trainer.output_dir) / "offload")
+        shutil.rmtree(offload_dir, ignore_errors=True)  # a previous server's spills: its models ended
+        if prefetch_bytes is None:  # the rank's share of device memory for copies on their way back
+            prefetch_bytes = int(rank.cfg.trainer.prefetch_gb * (1 << 30))
+        # models and sampling copies (resident only) -> their slots, parked models' states, the LRU clock
+        self.residency = Residency(
+            rank, host_bytes=offload_host_bytes, spill_dir=offload_dir, prefetch_bytes=prefetch_bytes
+        )
         self._ids: dict[str, None] = {}  # every model held (read by HTTP threads while models move)
-        self.resident: dict[str, int] = {}  # model id -> its slot
-        self.parked: dict[str, ParkedSlot] = {}  # model id -> its state off the GPU
-        self._used: dict[str, int] = {}  # model id -> when an operation last needed it (LRU)
         self._loads: dict[str, int] = {}  # model id -> how many saved states were loaded into it
         self.copies: dict[str, str] = {}  # sampling copy -> the tenant it counts toward (resident only)
         self._decoding: set[str] = set()  # models with rows in the running engine call: never moved
-        self._clock = 0
-        self.stats = {"parked": 0, "restored": 0, "spilled": 0, "copies_loaded": 0, "copies_evicted": 0}
+        self._copy_stats = {"copies_loaded": 0, "copies_evicted": 0}
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """Model id (or sampling copy) -> its slot."""
+        return self.residency.slots
+
+    @property
+    def parked(self) -> dict[str, ParkedSlot]:
+        """Model id -> its state off the GPU."""
+        return self.residency.parked
+
+    @property
+    def offload_dir(self) -> Path:
+        return self.residency.spill_dir
+
+    @property
+    def offload_host_bytes(self) -> int:
+        return self.residency.host_bytes
+
+    @offload_host_bytes.setter
+    def offload_host_bytes(self, value: int) -> None:
+        self.residency.host_bytes = value
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Models parked, restored, spilled, restores prefetched; sampling copies loaded and evicted."""
+        return {**self.residency.stats, **self._copy_stats}
 
     # ------------------------------------------------------------------ models
     @property
@@ -201,12 +233,10 @@ class TinkerBackend:
         wraps) in a slot (parking the least recently used model when none is free)."""
         self.check_new_model(model_id, rank)
         slot = self._free_slot(keep=set())
-        opened = self.rank.open_slot(
-            slot, rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), model_id, targets=targets
+        opened = self.residency.open(
+            model_id, slot, rank, LORA_ALPHA, seed, OptimizerSpec(clip_grad=0.0), targets=targets
         )
-        self.resident[model_id] = opened.slot
         self._ids[model_id] = None
-        self._touch(model_id)
         return opened
 
     @reads
@@ -226,11 +256,7 @@ class TinkerBackend:
     def unload_model(self, model_id: str) -> None:
         """Forget the model: weights, grads and optimizer state are erased (resident or parked)."""
         self.model(model_id)
-        if model_id in self.resident:
-            self.rank.close_slot(self.resident.pop(model_id))
-        else:
-            self.parked.pop(model_id).discard()
-        self._used.pop(model_id, None)
+        self.residency.close(model_id)
         self._ids.pop(model_id, None)
         self._loads.pop(model_id, None)
 
@@ -240,18 +266,15 @@ class TinkerBackend:
         ``load_state`` with the optimizer may bring back a version number it had before)."""
         return self.model(model_id).version, self._loads.get(model_id, 0)
 
-    def _touch(self, model_id: str) -> None:
-        self._clock += 1
-        self._used[model_id] = self._clock
-
     def _free_slot(self, keep: set[str]) -> int:
-        """A free slot, parking the least recently used resident model not in ``keep`` if needed."""
+        """A free slot, parking the least recently used resident model not in ``keep`` if needed
+        (a sampling copy is evicted instead: its weights are on disk)."""
         free = self.rank.free_slots()
         if free:
             return free[0]
         victims = sorted(
             (m for m in self.resident if m not in keep and m not in self._decoding),
-            key=lambda m: self._used.get(m, 0),
+            key=self.residency.last_used,
         )
         if not victims:
             raise TinkerError(
@@ -259,43 +282,22 @@ class TinkerBackend:
             )
         victim = victims[0]
         slot = self.resident[victim]
-        if victim in self.copies:  # a sampling copy: its weights are on disk, nothing to keep
+        if victim in self.copies:
             self.drop_copy(victim)
-            return slot
-        self.parked[victim] = park(self.rank, slot)
-        del self.resident[victim]
-        self.rank.close_slot(slot)
-        self.stats["parked"] += 1
-        self._spill_past_budget()
+        else:
+            self.residency.park(victim)
         return slot
-
-    def _spill_past_budget(self) -> None:
-        """Move the least recently used parked states to disk while host memory holds too much."""
-        self.stats["spilled"] += spill_over_budget(
-            self.parked, self.offload_host_bytes, self.offload_dir, self.rank.layout.tp_rank,
-            lambda m: self._used.get(m, 0),
-        )  # fmt: skip
 
     def _slot_of(self, model_id: str, keep: set[str] | None = None) -> int:
         """The slot of ``model_id`` for an operation, restoring it if it is parked (``keep``: the
         other models the same operation needs, never parked to make room)."""
         self.model(model_id)
-        self._touch(model_id)
+        self.residency.touch(model_id)
         slot = self.resident.get(model_id)
         if slot is not None:
             return slot
         slot = self._free_slot(keep={model_id, *(keep or ())})
-        parked = self.parked[model_id]
-        try:
-            unpark(self.rank, parked, slot)
-        except BaseException:  # the model stays parked, the slot free
-            if slot in self.rank.slots:
-                self.rank.close_slot(slot)
-            raise
-        self.resident[model_id] = slot
-        del self.parked[model_id]
-        parked.discard()
-        self.stats["restored"] += 1
+        self.residency.restore(model_id, slot)
         return slot
 
     # ------------------------------------------------------------------ sampling copies
@@ -305,11 +307,11 @@ class TinkerBackend:
         Past ``max_per_owner`` resident copies of ``owner``, its least recently used one goes first;
         a slot is freed as for a model (the least recently used resident is evicted or parked)."""
         if key in self.resident:
-            self._touch(key)
+            self.residency.touch(key)
             return
         mine = sorted(
             (k for k, o in self.copies.items() if o == owner and k not in self._decoding),
-            key=lambda k: self._used.get(k, 0),
+            key=self.residency.last_used,
         )
         for victim in mine[: max(len(mine) - max_per_owner + 1, 0)]:
             self.drop_copy(victim)
@@ -318,26 +320,23 @@ class TinkerBackend:
         if meta is None:
             raise TinkerError("model_path", "not readable sampler weights: no meta")
         slot = self._free_slot(keep=set())
-        self.rank.open_slot(
-            slot, meta.rank, meta.alpha, meta.seed, OptimizerSpec(clip_grad=0.0), key, targets=meta.targets
+        self.residency.open(
+            key, slot, meta.rank, meta.alpha, meta.seed, OptimizerSpec(clip_grad=0.0), targets=meta.targets
         )
         try:
             self.rank.load_slot(slot, saved, optimizer=False)
         except BaseException:
-            self.rank.close_slot(slot)
+            self.residency.close(key)
             raise
-        self.resident[key] = slot
         self.copies[key] = owner
-        self.stats["copies_loaded"] += 1
-        self._touch(key)
+        self._copy_stats["copies_loaded"] += 1
 
     def drop_copy(self, key: str) -> None:
         """Evict the sampling copy ``key`` (nothing when it is not resident)."""
         if self.copies.pop(key, None) is None:
             return
-        self.rank.close_slot(self.resident.pop(key))
-        self._used.pop(key, None)
-        self.stats["copies_evicted"] += 1
+        self.residency.close(key)
+        self._copy_stats["copies_evicted"] += 1
 
     def save_sampler_weights(self, model_id: str, path: str | Path) -> Path:
         """The model's LoRA weights and meta alone (no optimizer state), at its own rank, in the
@@ -353,17 +352,22 @@ class TinkerBackend:
         self.model(request.model_id)
         return check_forward_backward(request, self.rank.max_seq_len, self.rank.vocab_size)
 
-    def forward_backward(self, requests: Sequence[ForwardBackwardRequest]) -> list[ForwardBackwardOutput]:
+    def forward_backward(
+        self, requests: Sequence[ForwardBackwardRequest], upcoming: Sequence[str] | None = None
+    ) -> list[ForwardBackwardOutput]:
         """Checked requests of any models as one mixed batch; gradients accumulate in each model's
-        slot (``forward_only`` requests score without a backward)."""
+        slot (``forward_only`` requests score without a backward). ``upcoming``: the models the
+        work after this needs, prefetched while it runs (None: prefetches are left as they are)."""
         needed = list(dict.fromkeys(r.model_id for r in requests))
         width = self.rank.num_slots
         if len(needed) > width:  # more models than slots: in turns of at most num_slots models
             outputs: dict[int, ForwardBackwardOutput] = {}
-            for start in range(0, len(needed), width):
-                turn = set(needed[start : start + width])
+            turns = [needed[start : start + width] for start in range(0, len(needed), width)]
+            for k, turn in enumerate(turns):
+                ahead = turns[k + 1] if k + 1 < len(turns) else upcoming
                 picked = [i for i, r in enumerate(requests) if r.model_id in turn]
-                for i, out in zip(picked, self.forward_backward([requests[i] for i in picked]), strict=True):
+                done = self.forward_backward([requests[i] for i in picked], ahead)
+                for i, out in zip(picked, done, strict=True):
                     outputs[i] = out
             return [outputs[i] for i in range(len(requests))]
         rows: list[ScoredRow] = []
@@ -387,6 +391,8 @@ class TinkerBackend:
                     )
                 )
                 widths.append(k)
+        if upcoming is not None:  # this batch's models are in their slots: the next ones' copies start
+            self.residency.prefetch(upcoming)
         loss = tinker_loss(losses)
         logprobs: list[list[float]] = [[] for _ in rows]
         metrics: dict[int, dict[str, float]] = {}
@@ -441,6 +447,7 @@ class TinkerBackend:
         requests: Sequence[SampleRequest],
         on_done: Callable[[int, SampleOutcome], None] | None = None,
         more: SampleJoiner | None = None,
+        upcoming: Sequence[str] | None = None,
     ) -> list[SampleOutcome]:
         """The requests of any models (and of the base model) as one engine call with mixed slots,
         in turns of at most ``lora.num_slots`` models. Each request keeps its own seeds, and a row's
@@ -455,7 +462,8 @@ class TinkerBackend:
 
         ``more`` (a streaming engine on one rank): requests that arrive while the last turn decodes
         join its batch at a host check, numbered on from the last, into free rows; a model with
-        rows in flight is never parked or evicted to make room for them."""
+        rows in flight is never parked or evicted to make room for them. ``upcoming``: the models
+        the work after this needs, prefetched while it decodes (as in :meth:`forward_backward`)."""
         outcomes: list[SampleOutcome | None] = [None] * len(requests)
 
         def done(i: int, outcome: SampleOutcome) -> None:
@@ -479,6 +487,9 @@ class TinkerBackend:
                     done(i, exc)
                     continue
                 where.append(i)
+            ahead = turns[k + 1] if k + 1 < len(turns) else upcoming
+            if ahead is not None:  # this turn's models are in their slots: the next ones' copies start
+                self.residency.prefetch(ahead)
             joiner = _Joiner(self, more, outcomes, where, done) if more and k == len(turns) - 1 else None
             if groups:
                 self._decoding = set(keep)

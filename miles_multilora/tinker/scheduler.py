@@ -12,7 +12,9 @@ forward/backward pieces within ``batch_tokens`` run as one mixed-slot forward/ba
 parts within ``sample_batch_tokens`` as one engine call with mixed slots (each part's model
 resolved first, failing alone; ``batch_sampling=False``: one part per call, as a call), and a call runs alone.
 Sample parts queued while an engine call decodes join it at its host checks (``join_sampling``),
-while its unanswered parts fit ``sample_batch_tokens`` and no other kind of work waits.
+while its unanswered parts fit ``sample_batch_tokens`` and no other kind of work waits. Each batch
+names the models of the work queued after it (:meth:`BatchingQueue.upcoming`), so the backend
+brings back those that are parked while the batch runs.
 
 "Owed the most" is the least service received, first among tenants, then among the lanes of that
 tenant. Service is counted in forward/backward tokens; a call is charged the time it took, at the
@@ -399,8 +401,9 @@ class BatchingQueue:
                 continue
             self.batches.append(len(ok))
             started = time.perf_counter()
+            upcoming = self.upcoming()  # brought back while this batch runs
             try:
-                outputs = self.backend.forward_backward([item.piece for item in ok])  # type: ignore[misc]
+                outputs = self.backend.forward_backward([item.piece for item in ok], upcoming)  # type: ignore[misc]
             except Exception as exc:  # noqa: BLE001 - the shared batch failed: every caller hears it
                 for item in ok:
                     item.job.fail(exc)
@@ -440,8 +443,9 @@ class BatchingQueue:
 
         try:
             self.backend.sample_many(
-                requests, on_done=done, more=joins if self.join_sampling and self.batch_sampling else None
-            )
+                requests, on_done=done, more=joins if self.join_sampling and self.batch_sampling else None,
+                upcoming=self.upcoming(),
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the shared engine call failed: its callers waiting hear it
             for i, item in enumerate(ok):
                 if i not in heard:
@@ -452,6 +456,26 @@ class BatchingQueue:
                 total, guessed = (time.perf_counter() - started) * self._rate, sum(item.cost for item in ok)
                 for item in ok:
                     self._charge(item.lane, total * item.cost / max(guessed, 1e-9) - item.cost)
+
+    def upcoming(self) -> list[str]:
+        """The models of the work queued next: those of the lanes' heads, the lane owed the most
+        first, at most ``lora.num_slots`` (calls and base-model samples name none)."""
+        with self._cv:
+            heads = sorted(
+                (queue[0] for queue in self._lanes.values() if queue and not queue[0].job.over),
+                key=lambda it: (
+                    self._tenant_served[self._tenant(it.lane)],
+                    self._lane_served[it.lane],
+                    self._since[it.lane],
+                ),
+            )
+        models = [
+            item.piece.model_id if item.piece is not None else item.sample.request.model_id
+            for item in heads
+            if item.piece is not None or item.sample is not None
+        ]
+        names = [m for m in dict.fromkeys(models) if m is not None]
+        return names[: self.backend.rank.num_slots]
 
     def _resolved(self, item: _Item) -> SampleRequest | None:
         """A sample part's request naming the model it samples from now; None when the request is

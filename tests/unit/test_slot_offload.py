@@ -1,9 +1,11 @@
 """Models beyond the resident slots (tiny model, fp32 CPU, two slots): parked off the GPU and back,
 through host memory and through disk, a model trains bit for bit like one that never left its slot,
-unapplied gradients included; a batch of more models than slots runs in turns."""
+unapplied gradients included; a batch of more models than slots runs in turns; the queue prefetches
+the parked model its next batch needs."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest
+from miles_multilora.tinker.scheduler import BatchingQueue
 from tests.helpers import assert_close_at_scale
 
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]
@@ -70,6 +73,43 @@ def test_parked_models_train_exactly_like_one_that_never_moved(
         assert backend.model(name).version == STEPS
         assert_same_state(saved_state(backend, name, tmp_path / name), reference)
     assert not any((backend.offload_dir).glob("*/slot_rank0.pt"))  # restored spills are removed
+
+
+def test_the_queue_prefetches_the_parked_model_its_next_batch_needs(
+    backend: TinkerBackend, tmp_path: Path
+) -> None:
+    """While one model's batch runs, the queue names the models of the work queued next and the
+    parked one among them is restored as prefetched (on a GPU its copy back was on its way); the
+    models train exactly like one that never moved."""
+    backend.create_model("ref", rank=4, seed=7)
+    for step in range(STEPS):
+        backend.forward_backward([request("ref", step)])
+        backend.optim_step("ref", lr=1e-2)
+    reference = saved_state(backend, "ref", tmp_path / "ref")
+    backend.unload_model("ref")
+
+    names = ["m0", "m1", "m2"]  # three models on two slots: one is parked at any time
+    for name in names:
+        backend.create_model(name, rank=4, seed=7)
+    queue = BatchingQueue(backend, window_s=0.0, batch_tokens=len(TEXT))  # one request per batch
+    try:
+        for step in range(STEPS):
+            gate = threading.Event()
+            queue.submit(gate.wait)  # every model's request is queued before the first batch runs
+            trained = [queue.submit_forward_backward(request(n, step), lane=("t", n)) for n in names]
+            gate.set()
+            for future in trained:
+                future.result(timeout=300)
+            for name in names:
+                queue.submit_calls(("t", name), [lambda n=name: backend.optim_step(n, lr=1e-2)]).result(300)
+    finally:
+        queue.close()
+    assert backend.residency.stats["prefetch_hits"] >= STEPS  # a restore found its model on its way
+    if backend.rank.device.type == "cuda":
+        assert backend.rank.offload_stats["unpark_prefetched"] >= STEPS
+    for name in names:
+        assert backend.model(name).version == STEPS
+        assert_same_state(saved_state(backend, name, tmp_path / name), reference)
 
 
 def test_a_batch_of_more_models_than_slots_runs_in_turns(backend: TinkerBackend) -> None:
