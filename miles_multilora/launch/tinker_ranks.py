@@ -38,7 +38,8 @@ from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.launch.wiring import local_rendezvous, rank_env
 from miles_multilora.tinker import serve
-from miles_multilora.tinker.backend import TinkerBackend, operations
+from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.operations import operations
 from miles_multilora.trainer.rank import TrainerRank
 
 logger = logging.getLogger(__name__)

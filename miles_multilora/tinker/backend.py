@@ -26,102 +26,39 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, KeysView, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import numpy as np
 
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec, check_sampling_vocab
 from miles_multilora.errors import SpecError
-from miles_multilora.lora.targets import ATTN, MLP, UNEMBED
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.rollout.engine import unservable_sampling
 from miles_multilora.tinker.losses import check_loss, input_keys, tinker_loss
+from miles_multilora.tinker.operations import reads
 from miles_multilora.tinker.requests import (
     ForwardBackwardOutput,
     ForwardBackwardRequest,
     PromptScores,
     PromptScoring,
+    SampleJoin,
     SampleJoiner,
     SampleOutcome,
     SampleRequest,
     TinkerError,
-    Values,
     check_forward_backward,
     check_scoring,
+    floats,
+    ints,
+    lora_targets,
+    read_state,
     sampling_params_key,
 )
-from miles_multilora.trainer.offload import ParkedSlot
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, TrainerRank
 from miles_multilora.trainer.residency import Residency
-from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
+from miles_multilora.trainer.shard import read_shard, shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def reads(method: _Method) -> _Method:
-    """Mark a :class:`TinkerBackend` method that only reads or checks: on a server of several
-    trainer ranks, rank 0 answers it alone. Every other public method is an operation that every
-    rank runs (:mod:`~miles_multilora.launch.tinker_ranks`)."""
-    method.reads_only = True  # type: ignore[attr-defined]
-    return method
-
-
-def operations(backend: type) -> frozenset[str]:
-    """The public methods of a backend class not marked :func:`reads`: what every rank runs."""
-    return frozenset(
-        name
-        for name in dir(backend)
-        if not name.startswith("_")
-        and callable(attr := getattr(backend, name))
-        and not getattr(attr, "reads_only", False)
-    )
-
-
-def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
-    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
-
-
-def _floats(values: Values) -> list[float]:
-    return (
-        values.astype(np.float64).tolist() if isinstance(values, np.ndarray) else [float(v) for v in values]
-    )
-
-
-class _Joiner:
-    """The rank's :class:`~miles_multilora.trainer.rank.GroupJoiner` for :meth:`TinkerBackend.sample_many`:
-    each joining request's model gets its slot (never moving a model with rows in flight), and its
-    group is numbered on after the call's others."""
-
-    def __init__(
-        self,
-        backend: TinkerBackend,
-        more: SampleJoiner,
-        outcomes: list[SampleOutcome | None],
-        where: list[int],
-        done: Callable[[int, SampleOutcome], None],
-    ) -> None:
-        self.backend, self.more, self.outcomes, self.where, self.done = backend, more, outcomes, where, done
-
-    def waiting(self) -> bool:
-        return self.more.waiting()
-
-    def join(self) -> list[list[GenerationRequest]]:
-        groups = []
-        for request in self.more.take():
-            i = len(self.outcomes)
-            self.outcomes.append(None)
-            decoding = self.backend._decoding
-            try:
-                groups.append(self.backend._generation_requests(request, decoding))
-            except Exception as exc:  # noqa: BLE001 - this request's own failure
-                self.done(i, exc)
-                continue
-            if request.model_id is not None:
-                decoding.add(request.model_id)
-            self.where.append(i)
-        return groups
 
 
 class TinkerBackend:
@@ -154,28 +91,6 @@ class TinkerBackend:
         self._copy_stats = {"copies_loaded": 0, "copies_evicted": 0}
 
     @property
-    def resident(self) -> dict[str, int]:
-        """Model id (or sampling copy) -> its slot."""
-        return self.residency.slots
-
-    @property
-    def parked(self) -> dict[str, ParkedSlot]:
-        """Model id -> its state off the GPU."""
-        return self.residency.parked
-
-    @property
-    def offload_dir(self) -> Path:
-        return self.residency.spill_dir
-
-    @property
-    def offload_host_bytes(self) -> int:
-        return self.residency.host_bytes
-
-    @offload_host_bytes.setter
-    def offload_host_bytes(self, value: int) -> None:
-        self.residency.host_bytes = value
-
-    @property
     def stats(self) -> dict[str, int]:
         """Models parked, restored, spilled, restores prefetched; sampling copies loaded and evicted."""
         return {**self.residency.stats, **self._copy_stats}
@@ -192,11 +107,11 @@ class TinkerBackend:
         while it is parked). Reads only, safe beside the thread that moves models: a model being
         parked or restored is in ``parked`` until its slot holds it and in ``resident`` until its
         parked state is complete."""
-        slot = self.resident.get(model_id)
+        slot = self.residency.slots.get(model_id)
         opened = self.rank.slots.get(slot) if slot is not None else None
         if opened is not None and opened.name == model_id:
             return opened
-        parked = self.parked.get(model_id)
+        parked = self.residency.parked.get(model_id)
         if parked is None:
             raise TinkerError("model_id", f"unknown model {model_id!r} (never created, or unloaded)")
         m = parked.meta
@@ -206,25 +121,9 @@ class TinkerBackend:
     def lora_targets(
         self, train_attn: bool, train_mlp: bool, train_unembed: bool, unembed_lora: str = "ignore"
     ) -> tuple[str, ...]:
-        """The module families a client's ``lora_config`` trains. ``train_unembed`` where the model
-        has no unembed LoRA (``output_layer`` not in ``lora.target_modules``): ``unembed_lora``
-        ``ignore`` trains the rest, ``error`` refuses. Training nothing is refused."""
-        available = self.rank.lora_families
-        if train_unembed and UNEMBED not in available and unembed_lora == "error":
-            raise TinkerError(
-                "lora_config.train_unembed",
-                "this server has no unembedding LoRA (lora.target_modules has no output_layer): pass "
-                "train_unembed=False, or serve with tinker.unembed_lora=ignore",
-            )
-        asked = {ATTN: train_attn, MLP: train_mlp, UNEMBED: train_unembed}
-        targets = tuple(f for f in available if asked[f])
-        if not targets:
-            raise TinkerError(
-                "lora_config",
-                f"trains nothing: this server's LoRA covers {' and '.join(available)} "
-                f"(train_{', train_'.join(available)}); set at least one of them to True",
-            )
-        return targets
+        """The module families a client's ``lora_config`` trains on this rank
+        (:func:`~miles_multilora.tinker.requests.lora_targets`)."""
+        return lora_targets(self.rank.lora_families, train_attn, train_mlp, train_unembed, unembed_lora)
 
     def create_model(
         self, model_id: str, rank: int, seed: int = 0, targets: Sequence[str] | None = None
@@ -273,7 +172,7 @@ class TinkerBackend:
         if free:
             return free[0]
         victims = sorted(
-            (m for m in self.resident if m not in keep and m not in self._decoding),
+            (m for m in self.residency.slots if m not in keep and m not in self._decoding),
             key=self.residency.last_used,
         )
         if not victims:
@@ -281,7 +180,7 @@ class TinkerBackend:
                 "model", f"one batch needs more than the {self.rank.num_slots} slots (lora.num_slots)"
             )
         victim = victims[0]
-        slot = self.resident[victim]
+        slot = self.residency.slots[victim]
         if victim in self.copies:
             self.drop_copy(victim)
         else:
@@ -293,7 +192,7 @@ class TinkerBackend:
         other models the same operation needs, never parked to make room)."""
         self.model(model_id)
         self.residency.touch(model_id)
-        slot = self.resident.get(model_id)
+        slot = self.residency.slots.get(model_id)
         if slot is not None:
             return slot
         slot = self._free_slot(keep={model_id, *(keep or ())})
@@ -306,7 +205,7 @@ class TinkerBackend:
         :meth:`save_sampler_weights`) in a slot, with no optimizer state, counted toward ``owner``.
         Past ``max_per_owner`` resident copies of ``owner``, its least recently used one goes first;
         a slot is freed as for a model (the least recently used resident is evicted or parked)."""
-        if key in self.resident:
+        if key in self.residency.slots:
             self.residency.touch(key)
             return
         mine = sorted(
@@ -384,10 +283,10 @@ class TinkerBackend:
                 positions = (
                     np.repeat(np.arange(len(d.tokens)), k).tolist() if k else list(range(len(d.tokens)))
                 )
-                values = {key: _floats(np.asarray(d.inputs[key]).reshape(-1)) for key in keys}
+                values = {key: floats(np.asarray(d.inputs[key]).reshape(-1)) for key in keys}
                 rows.append(
                     ScoredRow(
-                        slot, _ints(d.tokens), positions, _ints(targets.reshape(-1)), values=values, tag=tag
+                        slot, ints(d.tokens), positions, ints(targets.reshape(-1)), values=values, tag=tag
                     )
                 )
                 widths.append(k)
@@ -440,7 +339,7 @@ class TinkerBackend:
     def has_room(self) -> bool:
         """Whether one more model can get a slot during the running engine call: a slot is free, or
         a resident model without rows in it can be moved out."""
-        return bool(self.rank.free_slots()) or any(m not in self._decoding for m in self.resident)
+        return bool(self.rank.free_slots()) or any(m not in self._decoding for m in self.residency.slots)
 
     def sample_many(
         self,
@@ -490,7 +389,11 @@ class TinkerBackend:
             ahead = turns[k + 1] if k + 1 < len(turns) else upcoming
             if ahead is not None:  # this turn's models are in their slots: the next ones' copies start
                 self.residency.prefetch(ahead)
-            joiner = _Joiner(self, more, outcomes, where, done) if more and k == len(turns) - 1 else None
+            joiner = (
+                SampleJoin(more, self._generation_requests, self._decoding, outcomes, where, done)
+                if more and k == len(turns) - 1
+                else None
+            )
             if groups:
                 self._decoding = set(keep)
                 try:
@@ -592,17 +495,3 @@ class TinkerBackend:
             )
         self.rank.load_slot(self._slot_of(model_id), path, optimizer=optimizer)
         self._loads[model_id] = self._loads.get(model_id, 0) + 1
-
-
-def read_state(path: str | Path) -> SlotMeta:
-    """What a state written by :meth:`TinkerBackend.save_state` holds (checked to be readable:
-    tensors only, ``weights_only``)."""
-    try:
-        saved = read_shard(path, 0)
-        meta = shard_meta(saved)
-        saved["slot"], saved["optimizer"]  # noqa: B018 - both must be there
-    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
-        raise TinkerError("path", f"not a readable saved state: {type(exc).__name__}") from exc
-    if meta is None:
-        raise TinkerError("path", "not a readable saved state: no meta")
-    return meta

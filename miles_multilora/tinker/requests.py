@@ -9,16 +9,19 @@ raises :class:`TinkerError` naming the field, so a bad request fails alone and c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
-from miles_multilora.rollout import GenerationResult
+from miles_multilora.lora.targets import ATTN, MLP, UNEMBED
+from miles_multilora.rollout import GenerationRequest, GenerationResult
 from miles_multilora.tinker.losses import LOSS_INPUTS, TOPK_LOSSES, check_input, check_loss, input_keys
+from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
 
 _SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "stop": "stop"}
 
@@ -227,3 +230,88 @@ def check_scoring(prompt: list[int], scoring: PromptScoring, vocab_size: int) ->
             "prompt_logprobs_last_n",
             f"must be in 1..{len(prompt) - 1} (the prompt's length - 1), got {scoring.last_n}",
         )
+
+
+def lora_targets(
+    available: Sequence[str], train_attn: bool, train_mlp: bool, train_unembed: bool, unembed_lora: str
+) -> tuple[str, ...]:
+    """The module families (of the rank's ``available`` ones) a client's ``lora_config`` trains.
+    ``train_unembed`` where the model has no unembed LoRA (``output_layer`` not in
+    ``lora.target_modules``): ``unembed_lora`` ``ignore`` trains the rest, ``error`` refuses.
+    Training nothing is refused."""
+    if train_unembed and UNEMBED not in available and unembed_lora == "error":
+        raise TinkerError(
+            "lora_config.train_unembed",
+            "this server has no unembedding LoRA (lora.target_modules has no output_layer): pass "
+            "train_unembed=False, or serve with tinker.unembed_lora=ignore",
+        )
+    asked = {ATTN: train_attn, MLP: train_mlp, UNEMBED: train_unembed}
+    targets = tuple(f for f in available if asked[f])
+    if not targets:
+        raise TinkerError(
+            "lora_config",
+            f"trains nothing: this server's LoRA covers {' and '.join(available)} "
+            f"(train_{', train_'.join(available)}); set at least one of them to True",
+        )
+    return targets
+
+
+def ints(values: Sequence[int] | np.ndarray) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
+
+
+def floats(values: Values) -> list[float]:
+    return (
+        values.astype(np.float64).tolist() if isinstance(values, np.ndarray) else [float(v) for v in values]
+    )
+
+
+class SampleJoin:
+    """The rank's :class:`~miles_multilora.trainer.rank.GroupJoiner` for a sample call of the
+    backend: each joining request becomes its generation requests (``prepare``, which gives its
+    model a slot, never moving a model in ``decoding``: those with rows in flight), and its group
+    is numbered on after the call's others."""
+
+    def __init__(
+        self,
+        more: SampleJoiner,
+        prepare: Callable[[SampleRequest, set[str]], list[GenerationRequest]],
+        decoding: set[str],
+        outcomes: list[SampleOutcome | None],
+        where: list[int],
+        done: Callable[[int, SampleOutcome], None],
+    ) -> None:
+        self.more, self.prepare, self.decoding = more, prepare, decoding
+        self.outcomes, self.where, self.done = outcomes, where, done
+
+    def waiting(self) -> bool:
+        return self.more.waiting()
+
+    def join(self) -> list[list[GenerationRequest]]:
+        groups = []
+        for request in self.more.take():
+            i = len(self.outcomes)
+            self.outcomes.append(None)
+            try:
+                groups.append(self.prepare(request, self.decoding))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                self.done(i, exc)
+                continue
+            if request.model_id is not None:
+                self.decoding.add(request.model_id)
+            self.where.append(i)
+        return groups
+
+
+def read_state(path: str | Path) -> SlotMeta:
+    """What a state written by :meth:`~miles_multilora.tinker.backend.TinkerBackend.save_state` holds (checked to be readable:
+    tensors only, ``weights_only``)."""
+    try:
+        saved = read_shard(path, 0)
+        meta = shard_meta(saved)
+        saved["slot"], saved["optimizer"]  # noqa: B018 - both must be there
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
+        raise TinkerError("path", f"not a readable saved state: {type(exc).__name__}") from exc
+    if meta is None:
+        raise TinkerError("path", "not a readable saved state: no meta")
+    return meta

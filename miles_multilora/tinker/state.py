@@ -30,7 +30,7 @@ from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.tinker.age_export import encrypt_dir
-from miles_multilora.tinker.backend import TinkerBackend, read_state
+from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog
 from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
@@ -41,6 +41,7 @@ from miles_multilora.tinker.requests import (
     SampleOutput,
     SampleRequest,
     TinkerError,
+    read_state,
 )
 from miles_multilora.tinker.sampler_weights import SamplerWeights
 from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped, SamplePart, Work

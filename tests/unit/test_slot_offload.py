@@ -61,18 +61,18 @@ def test_parked_models_train_exactly_like_one_that_never_moved(
     for name in names:
         backend.create_model(name, rank=4, seed=7)
     for step in range(STEPS):
-        backend.offload_host_bytes = 0 if step == 1 else 16 << 30  # step 1: parked states go to disk
+        backend.residency.host_bytes = 0 if step == 1 else 16 << 30  # step 1: parked states go to disk
         for name in names:  # every model's gradient waits while the others take the slots
             backend.forward_backward([request(name, step)])
         for name in names:
             backend.optim_step(name, lr=1e-2)
     assert backend.stats["parked"] >= 2 * STEPS * len(names) - 4  # each model left its slot every pass
     assert backend.stats["spilled"] > 0 and backend.stats["restored"] > 0
-    assert sorted(backend.models) == names and len(backend.resident) == 2
+    assert sorted(backend.models) == names and len(backend.residency.slots) == 2
     for name in names:
         assert backend.model(name).version == STEPS
         assert_same_state(saved_state(backend, name, tmp_path / name), reference)
-    assert not any((backend.offload_dir).glob("*/slot_rank0.pt"))  # restored spills are removed
+    assert not any(backend.residency.spill_dir.glob("*/slot_rank0.pt"))  # restored spills are removed
 
 
 def test_the_queue_prefetches_the_parked_model_its_next_batch_needs(
@@ -128,7 +128,7 @@ def test_a_batch_of_more_models_than_slots_runs_in_turns(backend: TinkerBackend)
 def test_unloading_a_parked_model_forgets_it(backend: TinkerBackend) -> None:
     for name in ("a", "b", "c"):
         backend.create_model(name, rank=4, seed=1)
-    assert "a" in backend.parked and backend.model("a").slot == -1  # the least recently used
+    assert "a" in backend.residency.parked and backend.model("a").slot == -1  # the least recently used
     backend.unload_model("a")
     assert sorted(backend.models) == ["b", "c"]
     with pytest.raises(Exception, match="unknown model"):

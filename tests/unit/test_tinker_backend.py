@@ -467,9 +467,9 @@ def test_a_sampling_copy_samples_the_saved_weights_and_is_evicted_never_parked(
     assert "copy-1" not in backend.models  # not a client model
     backend.sample("a", TEXT[:4], 1, spec)  # "a" is used last: the copy is the least recently used
     backend.create_model("b", rank=2, seed=2)  # both slots were taken
-    assert "copy-1" not in backend.copies and "copy-1" not in backend.parked
+    assert "copy-1" not in backend.copies and "copy-1" not in backend.residency.parked
     assert backend.stats["copies_evicted"] == 1 and backend.stats["parked"] == 0
-    assert set(backend.resident) == {"a", "b"}
+    assert set(backend.residency.slots) == {"a", "b"}
 
     backend.unload_model("b")
     backend.load_copy("copy-1", saved, "t-a", max_per_owner=1)

@@ -4,7 +4,8 @@ so an operation added to the backend is mirrored to the follower ranks without a
 
 from __future__ import annotations
 
-from miles_multilora.tinker.backend import TinkerBackend, operations, reads
+from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.operations import operations, reads
 
 
 def test_every_public_method_not_marked_reads_is_an_operation() -> None:

@@ -281,7 +281,7 @@ def test_a_join_never_moves_a_model_whose_rows_decode(
     backend.create_model("d", rank=4, seed=9)  # a fourth model in three slots: one is parked
     try:
         alone = [backend.sample_many([r])[0] for r in running]  # a, b, c resident; d parked
-        assert "d" in backend.parked
+        assert "d" in backend.residency.parked
         queue = BatchingQueue(backend, window_s=0.0)
         late: list = []
         _at_first_host_check(

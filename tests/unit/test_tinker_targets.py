@@ -68,12 +68,12 @@ def test_targets_survive_park_spill_and_restore(backend: TinkerBackend) -> None:
     _step(backend, "a")
     backend.create_model("b", rank=4, seed=1)
     backend.create_model("c", rank=4, seed=2)  # two slots: "a" is parked, and spilled (budget 0)
-    assert "a" in backend.parked and backend.parked["a"].path is not None
+    assert "a" in backend.residency.parked and backend.residency.parked["a"].path is not None
     assert backend.model("a").targets == ("attn",)
     _step(backend, "a")  # restored into a slot, and trained on
     assert backend.model("a").targets == ("attn",) and backend.model("a").slot >= 0
     assert all(not t.any() for t in _mlp_slot(backend, "a"))
-    other = next(m for m in backend.resident if m != "a")
+    other = next(m for m in backend.residency.slots if m != "a")
     assert backend.model(other).targets == ("attn", "mlp")
     assert all(t.any() for t in _mlp_slot(backend, other)[0::2])  # its MLP A: a fresh draw, not zero
     _step(backend, "a")
