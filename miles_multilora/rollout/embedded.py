@@ -256,9 +256,10 @@ class EmbeddedEngine(RolloutEngine):
             )
             self._graphs = DecodeGraphs(self._batch, self.model) if self.use_graphs else None
             if self._stream is not None:
-                self._stream.rebind()
+                self._stream.rebind(self._batch, self._cache, self._graphs)
         if self._stream is None:
-            self._stream = Scheduler(self)
+            assert self._batch is not None and self._cache is not None
+            self._stream = Scheduler(self, self._batch, self._cache, self._graphs)
 
     # --------------------------------------------------------------- generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from miles_multilora.rollout.decode_batch import bucket_for
+from miles_multilora.rollout.decode_batch import DecodeBatch, DecodeGraphs, bucket_for
 from miles_multilora.rollout.engine import RolloutError
+from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.prefill import RowStarter
 from miles_multilora.rollout.rows import Group, Row, group_admission_pages, pages_for
 from miles_multilora.rollout.types import FinishReason, GenerationRequest, GenerationResult
@@ -67,12 +68,16 @@ StopCondition = Callable[[StreamState], bool]
 
 
 class Scheduler:
-    """The engine's work: waiting groups, preempted rows, the rows in the batch, finished results."""
+    """The engine's work: waiting groups, preempted rows, the rows in the batch, finished results.
 
-    def __init__(self, engine: EmbeddedEngine) -> None:
+    It decodes in the engine's ``batch`` over its KV ``cache``, replaying ``graphs`` (None: eager
+    steps); the ``engine`` gives its settings, stats and per-request decisions."""
+
+    def __init__(
+        self, engine: EmbeddedEngine, batch: DecodeBatch, cache: PagedKVCache, graphs: DecodeGraphs | None
+    ) -> None:
         self.engine = engine
-        assert engine._batch is not None and engine._cache is not None
-        self.batch, self.cache = engine._batch, engine._cache
+        self.batch, self.cache, self.graphs = batch, cache, graphs
         self.page_size = self.cache.page_size
         self.requests: list[GenerationRequest] = []  # every submitted request, by id
         self.results: dict[int, GenerationResult] = {}  # finished, not yet taken
@@ -89,11 +94,11 @@ class Scheduler:
         """Nothing waits, decodes or is preempted."""
         return not (self.waiting or self.preempted or self.rows)
 
-    def rebind(self) -> None:
-        """Take the engine's new cache and batch (a larger cache); the rows of the old one were
-        preempted (:meth:`preempt_all`) before it was freed, and resume in the new one."""
+    def rebind(self, batch: DecodeBatch, cache: PagedKVCache, graphs: DecodeGraphs | None) -> None:
+        """Take the engine's new batch, cache and graphs (a larger cache); the rows of the old one
+        were preempted (:meth:`preempt_all`) before it was freed, and resume in the new one."""
         assert not self.rows, "preempt_all() before the cache is replaced"
-        self.batch, self.cache = self.engine._batch, self.engine._cache
+        self.batch, self.cache, self.graphs = batch, cache, graphs
         self.starter.batch, self.starter.cache = self.batch, self.cache
         self.batch.reset_rows(0, self.batch.max_rows)
 
@@ -311,9 +316,9 @@ class Scheduler:
         return max(1, min(interval, soonest))
 
     def _decode(self, steps: int) -> None:
-        engine, batch = self.engine, self.batch
+        engine, batch, graphs = self.engine, self.batch, self.graphs
         n = len(self.rows)
-        if engine._graphs is not None:
+        if graphs is not None:
             rows = bucket_for(n, batch.max_rows)
         elif engine.device.type == "cpu":  # the BLAS kernel, hence a row's rounding, depends on the row count
             rows = min(-(-n // CPU_DECODE_ROW_MULTIPLE) * CPU_DECODE_ROW_MULTIPLE, batch.max_rows)
@@ -321,12 +326,12 @@ class Scheduler:
             rows = n
         filtered = any(r.filtered for r in self.rows)
         dense = batch.dense_shrink_for(rows, (self.requests[r.request].slot for r in self.rows))
-        if engine._graphs is not None:
-            engine._graphs.prepare(rows, filtered, dense)  # a first use captures outside the timed steps
+        if graphs is not None:
+            graphs.prepare(rows, filtered, dense)  # a first use captures outside the timed steps
         timer = _StepTimer(engine.device)
         for _ in range(steps):
-            if engine._graphs is not None:
-                engine._graphs.replay(rows, filtered, dense)
+            if graphs is not None:
+                graphs.replay(rows, filtered, dense)
             else:
                 longest = max(r.prompt_len + r.budget for r in self.rows)
                 batch.step(rows, filtered, dense, block_pages=self.cache.pages_for(longest))

@@ -55,6 +55,7 @@ from miles_multilora.trainer.primitives import (
 )
 from miles_multilora.trainer.slot_rows import PackedRows, SlotRows
 from miles_multilora.trainer.slot_write import write_slot_state
+from miles_multilora.trainer.stream import SampleStream, StreamGroup
 
 
 @dataclass
@@ -207,6 +208,15 @@ class TrainerRank:
         return self.slot(slot).version
 
     # ----------------------------------------------------------------- sampling
+    @property
+    def streams(self) -> bool:
+        """Whether the engine keeps work across calls: :meth:`stream` sessions (the embedded engine)."""
+        return self.engine.streams
+
+    def stream(self) -> SampleStream:
+        """A new streaming sample session on this rank's engine (:mod:`~miles_multilora.trainer.stream`)."""
+        return SampleStream(self.engine, self.layout, self.gather)
+
     def check_request(self, request: GenerationRequest) -> None:
         """Raise :class:`RolloutError` when the engine cannot serve ``request``."""
         self.engine.check_request(request)
@@ -227,7 +237,7 @@ class TrainerRank:
         A failed engine call is generated again without the group that fails it
         (:mod:`~miles_multilora.rollout.isolation`): that group's outcome is a :class:`RolloutError`
         with the reason, the others' their samples. When no group succeeds the error is raised."""
-        if on_group is not None and self.layout.world_size == 1 and self.engine.streams:
+        if on_group is not None and self.layout.world_size == 1 and self.streams:
             return self._sample_streaming(groups, on_group, joiner)
 
         # a TP-sharded (embedded) engine needs every rank of the TP group; an HTTP one only the first
@@ -261,34 +271,31 @@ class TrainerRank:
         taken (and heard) at the first host check after its last sample ends; groups the
         ``joiner`` brings are submitted at a host check and fill the rows others leave. When the
         stream fails, the groups not yet heard are generated again, split around the failing ones."""
+        stream = self.stream()
         out: list[GroupOutcome] = []
         every: list[Sequence[GenerationRequest]] = []  # each group, by its number
-        pending: dict[int, list[int]] = {}
+        pending: dict[int, StreamGroup] = {}
 
         def submit(new: Sequence[Sequence[GenerationRequest]]) -> None:
             first = len(out)
             every.extend(new)
             out.extend([] for _ in new)
-            ids = self.engine.submit([r for group in new for r in group])
-            for i, group in enumerate(new, first):
-                pending[i], ids = ids[: len(group)], ids[len(group) :]
-
-        def finished(state: Any, group: list[int]) -> bool:
-            return all(j in state.finished for j in group)
+            for i, sent in enumerate(stream.submit(new), first):
+                pending[i] = sent
 
         heard: set[int] = set()
         ask = joiner is not None
         try:
             submit(groups)
             while pending:
-                state = self.engine.run(
+                state = stream.run(
                     lambda st, ask=ask: (
-                        any(finished(st, g) for g in pending.values()) or (ask and joiner.waiting())
+                        any(g.finished(st) for g in pending.values()) or (ask and joiner.waiting())
                     )  # type: ignore[union-attr]
                 )
-                done = [i for i, group in pending.items() if finished(state, group)]
+                done = [i for i, group in pending.items() if group.finished(state)]
                 for i in done:
-                    out[i] = self.engine.take(pending.pop(i))
+                    out[i] = stream.take([pending.pop(i)])[0]
                     heard.add(i)
                     on_group(i, out[i])
                 joined = list(joiner.join()) if joiner is not None else []
@@ -299,7 +306,7 @@ class TrainerRank:
                 # a wait that brought nothing is not asked again until the next group ends
                 ask = joiner is not None and bool(done or joined)
         except Exception:  # noqa: BLE001 - the groups not heard yet, split around the failing ones
-            self.engine.cancel([j for group in pending.values() for j in group])
+            stream.cancel(pending.values())
             left = [i for i in range(len(every)) if i not in heard]
             retried = split_failures([every[i] for i in left], self._generate)
             raise_if_all_failed(retried, succeeded_before=bool(heard))
@@ -307,7 +314,7 @@ class TrainerRank:
                 out[i] = outcome
                 on_group(i, outcome)
         except BaseException:
-            self.engine.cancel([j for group in pending.values() for j in group])
+            stream.cancel(pending.values())
             raise
         return out
 
