@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_command(args.command, args, console=console)
         if args.command == "schedule":
-            from miles_multilora.controller.schedule import run_schedule_command
+            from miles_multilora.controller.timed_submissions import run_schedule_command
 
             return run_schedule_command(
                 args.schedule,

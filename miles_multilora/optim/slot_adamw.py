@@ -23,7 +23,7 @@ from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.host_tensors import tensor_on
 from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.lora.layer import MultiLoRALinear
-from miles_multilora.optim.schedule import learning_rate
+from miles_multilora.optim.lr_schedule import learning_rate
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 

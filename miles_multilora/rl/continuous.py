@@ -31,7 +31,7 @@ from miles_multilora.data.records import PromptItem
 from miles_multilora.rl.adapters import Residents
 from miles_multilora.rl.faults import AdapterFailures
 from miles_multilora.rl.rollout import Group, build_groups, training_requests
-from miles_multilora.rollout.scheduler import StreamState
+from miles_multilora.rollout.continuous_batching import StreamState
 from miles_multilora.trainer.stream import StreamGroup
 
 log = logging.getLogger(__name__)

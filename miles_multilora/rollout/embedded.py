@@ -13,7 +13,7 @@ to :meth:`EmbeddedEngine.generate` runs:
    rows ended, checks stop strings on the new tokens (truncating exactly where a per-token check
    would have stopped), returns finished rows, compacts the batch and admits waiting groups into
    the free rows at once, so the longest sample never holds the whole batch
-   (:class:`~.scheduler.Scheduler`);
+   (:class:`~.continuous_batching.Scheduler`);
 4. KV pages are taken as rows grow, not reserved for a row's whole budget: at each host check
    every row takes the pages of its next ``sync_interval`` steps; when they run out, the most
    recently admitted rows give theirs back and later resume exactly where they stopped.
@@ -32,13 +32,13 @@ import torch
 from megatron.core import parallel_state
 
 from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.rollout.continuous_batching import Scheduler, StopCondition, StreamState
 from miles_multilora.rollout.decode_batch import DecodeBatch, DecodeGraphs
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
 from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.paged_model import PagedModel
 from miles_multilora.rollout.routing import check_servable_slots
 from miles_multilora.rollout.rows import pages_for
-from miles_multilora.rollout.scheduler import Scheduler, StopCondition, StreamState
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail

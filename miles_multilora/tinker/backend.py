@@ -5,7 +5,7 @@
 version are the rank's. The forward/backward requests of several models run as *one* mixed-slot
 batch; each model's gradient is what it would get alone (its loss is a sum over its own tokens and
 its LoRA weights are its own). :meth:`TinkerBackend.check` validates a request before it joins a
-batch, so a bad one fails alone; :mod:`~miles_multilora.tinker.scheduler` runs the operations.
+batch, so a bad one fails alone; :mod:`~miles_multilora.tinker.batching_queue` runs the operations.
 
 Models are not limited to the slots: when an operation needs a model that is not resident and no
 slot is free, the least recently used resident model is parked (its whole state, unapplied

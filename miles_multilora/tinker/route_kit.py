@@ -16,9 +16,9 @@ from starlette.requests import ClientDisconnect
 
 from miles_multilora.http_serving import read_body
 from miles_multilora.tinker import params
+from miles_multilora.tinker.batching_queue import Work
 from miles_multilora.tinker.registry import OwnedModel
 from miles_multilora.tinker.requests import TinkerError
-from miles_multilora.tinker.scheduler import Work
 from miles_multilora.tinker.state import ServerState, encoder
 
 API = "/api/v1"

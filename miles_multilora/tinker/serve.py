@@ -18,7 +18,7 @@ from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.http_serving import LOOPBACK_HOSTS, BackgroundServer
 from miles_multilora.tinker.backend import TinkerBackend
-from miles_multilora.tinker.scheduler import BatchingQueue
+from miles_multilora.tinker.batching_queue import BatchingQueue
 from miles_multilora.tinker.server import create_app
 from miles_multilora.tinker.state import ServerState
 from miles_multilora.tinker.tenants import KeyRing, read_key_file

@@ -3,7 +3,7 @@
 Every route checks its fields (a malformed field is a 400 naming it, ``category: user``; an id the
 caller's tenant does not own is a 404 exactly like an unknown one), then queues its operation
 (:class:`~miles_multilora.tinker.state.ServerState`) on the
-:class:`~miles_multilora.tinker.scheduler.BatchingQueue` in its session's lane and answers with a
+:class:`~miles_multilora.tinker.batching_queue.BatchingQueue` in its session's lane and answers with a
 request id. ``retrieve_future`` long-polls for the result: JSON for most operations, protobuf for
 forward/backward and sampling; a failure is ``{"error", "category"}`` (``user`` for anything the
 request itself got wrong, ``server`` otherwise).
@@ -35,10 +35,10 @@ from miles_multilora.tinker import (
     session_routes,
     weight_routes,
 )
+from miles_multilora.tinker.batching_queue import QueueStopped
 from miles_multilora.tinker.futures import Busy
 from miles_multilora.tinker.registry import Unknown
 from miles_multilora.tinker.route_kit import problem
-from miles_multilora.tinker.scheduler import QueueStopped
 from miles_multilora.tinker.state import ServerState
 
 logger = logging.getLogger(__name__)

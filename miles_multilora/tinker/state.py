@@ -31,6 +31,7 @@ from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.tinker.age_export import encrypt_dir
 from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.batching_queue import BatchingQueue, QueueStopped, SamplePart, Work
 from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog
 from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
@@ -44,7 +45,6 @@ from miles_multilora.tinker.requests import (
     read_state,
 )
 from miles_multilora.tinker.sampler_weights import SamplerWeights
-from miles_multilora.tinker.scheduler import BatchingQueue, QueueStopped, SamplePart, Work
 from miles_multilora.tinker.wire import PROTOBUF, encode_forward_backward, encode_samples
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from miles_multilora.rollout.continuous_batching import StopCondition, StreamState
 from miles_multilora.rollout.engine import RolloutError
-from miles_multilora.rollout.scheduler import StopCondition, StreamState
 from miles_multilora.rollout.types import GenerationRequest, GenerationResult
 from miles_multilora.trainer.data_parallel import DPLayout
 

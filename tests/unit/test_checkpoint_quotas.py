@@ -20,9 +20,9 @@ from miles_multilora.rl import checkpoint_quota
 from miles_multilora.rl.checkpoint_quota import DiskLimits
 from miles_multilora.tinker import catalog as catalog_module
 from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.batching_queue import BatchingQueue
 from miles_multilora.tinker.catalog import SAMPLER, TRAINING, Catalog
 from miles_multilora.tinker.requests import TinkerError
-from miles_multilora.tinker.scheduler import BatchingQueue
 from miles_multilora.tinker.state import ServerState
 from tests.fake_rank import FakeRank
 

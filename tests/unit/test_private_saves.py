@@ -21,7 +21,7 @@ from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.launch.metrics import MetricsLogger, metrics_path, plot_rewards
 from miles_multilora.rl.checkpoint import write_checkpoint
 from miles_multilora.tinker.backend import TinkerBackend
-from miles_multilora.tinker.scheduler import BatchingQueue
+from miles_multilora.tinker.batching_queue import BatchingQueue
 from miles_multilora.tinker.state import ServerState
 
 

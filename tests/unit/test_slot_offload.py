@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.batching_queue import BatchingQueue
 from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest
-from miles_multilora.tinker.scheduler import BatchingQueue
 from tests.helpers import assert_close_at_scale
 
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]

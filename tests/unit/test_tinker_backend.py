@@ -15,8 +15,8 @@ from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
 from miles_multilora.rollout.logprobs import forward_logits
 from miles_multilora.tinker.backend import TinkerBackend
+from miles_multilora.tinker.batching_queue import BatchingQueue
 from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest, PromptScoring, TinkerError
-from miles_multilora.tinker.scheduler import BatchingQueue
 from tests.helpers import assert_close_at_scale
 
 TEXT = [5, 17, 33, 9, 60, 2, 44, 71, 8, 19, 90, 3]
@@ -509,8 +509,8 @@ def test_topk_targets_count_k_times_toward_batches_and_charges() -> None:
     so K cannot slip a tenant's work past tinker.batch_tokens or its fair share."""
     import numpy as np
 
+    from miles_multilora.tinker.batching_queue import split_forward_backward
     from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest
-    from miles_multilora.tinker.scheduler import split_forward_backward
 
     flat = Datum(list(range(10)), {"target_tokens": np.zeros(10, np.int64), "weights": np.ones(10)})
     topk = Datum(list(range(10)), {"target_tokens": np.zeros((10, 4), np.int64), "weights": np.ones((10, 4))})

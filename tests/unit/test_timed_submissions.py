@@ -15,8 +15,8 @@ from miles_multilora.cli import main
 from miles_multilora.controller.client import ControllerClient
 from miles_multilora.controller.core import ControllerCore
 from miles_multilora.controller.http_api import ControllerHTTPServer
-from miles_multilora.controller.schedule import ScheduleRunner, load_schedule, parse_schedule
 from miles_multilora.controller.snapshot import AdapterResult
+from miles_multilora.controller.timed_submissions import ScheduleRunner, load_schedule, parse_schedule
 from miles_multilora.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
