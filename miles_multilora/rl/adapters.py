@@ -20,7 +20,7 @@ from miles_multilora.controller.snapshot import Resumed, SlotAssignment
 from miles_multilora.data import MultiLoRADataSource, RewardManager
 from miles_multilora.data.evaluation import HeldOutSet, build_held_out
 from miles_multilora.data.reward_registry import check_remote_reward
-from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.rl.resume import check_run_dir_is_ours, load_resume_point
 from miles_multilora.trainer.rank import TrainerRank
 from miles_multilora.trainer.residency import Residency
@@ -207,7 +207,7 @@ class Residents:
         return True
 
     def run_dir(self, assignment: SlotAssignment) -> Path:
-        return ckpt.run_dir(self.cfg.trainer.output_dir, assignment.name, assignment.run_id)
+        return layout.run_dir(self.cfg.trainer.output_dir, assignment.name, assignment.run_id)
 
     def forget(self, name: str) -> None:
         """Drop ``name`` from this rank: its record, prompts, rewards and slot (erased, unserved),

@@ -15,7 +15,7 @@ re-registered name never shares, prunes or resumes another run's checkpoints; re
 deletes inside it. Shards load with ``torch.load(weights_only=True)``: tensors and plain values only.
 Every directory is ``0700`` and every file ``0600`` (:mod:`miles_multilora.private_files`). A save
 past its tenant's byte quota or below the free-disk floor is refused and its staging directory
-removed (:mod:`~miles_multilora.rl.checkpoint_quota`).
+removed (:mod:`~miles_multilora.rl.checkpoint_quota`). The layout's names are :mod:`~miles_multilora.rl.checkpoint_layout`.
 """
 
 from __future__ import annotations
@@ -30,51 +30,15 @@ from typing import Any, Protocol
 from miles_multilora.controller.quotas import tenant_of
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.private_files import make_private, private_dir, private_open
+from miles_multilora.rl.checkpoint_layout import (
+    COMPLETE_MARKER,
+    is_complete,
+    run_dir,
+    staging_dir,
+    step_name,
+)
 from miles_multilora.rl.checkpoint_quota import DiskLimits, QuotaExceeded, check_free_disk, usage_of
 from miles_multilora.rl.faults import failure_reason, first_error
-
-COMPLETE_MARKER = "COMPLETE"
-
-
-def adapter_dir(output_dir: str | Path, adapter: str) -> Path:
-    """Where every run of ``adapter`` keeps its run directory."""
-    return Path(output_dir) / "checkpoints" / adapter
-
-
-def run_dir(output_dir: str | Path, adapter: str, run_id: str) -> Path:
-    return adapter_dir(output_dir, adapter) / run_id
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def staging_dir(run: Path, step: int) -> Path:
-    return run / f".tmp-{step_name(step)}"
-
-
-def is_complete(path: str | Path) -> bool:
-    return (Path(path) / COMPLETE_MARKER).is_file()
-
-
-def complete_checkpoints(run: str | Path) -> list[Path]:
-    """Complete checkpoints of one run directory, oldest first (half-written ones are ignored)."""
-    root = Path(run)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.startswith("step_") and is_complete(p))
-
-
-def _run_seq(path: Path) -> int:
-    tail = path.name.rpartition("-")[2]
-    return int(tail) if tail.isdigit() else -1
-
-
-def latest_run_dir(output_dir: str | Path, adapter: str) -> Path | None:
-    """The run directory of ``adapter``'s newest registration (by the run id's sequence number)."""
-    root = adapter_dir(output_dir, adapter)
-    runs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-    return max(runs, key=_run_seq) if runs else None
 
 
 def finalize(stage: Path, state: dict[str, Any], keep: int) -> Path:

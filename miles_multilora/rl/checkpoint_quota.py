@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_multilora.disk_usage import dir_size, low_disk
+from miles_multilora.rl.checkpoint_layout import complete_checkpoints
 
 BYTES_SETTING = "trainer.max_checkpoint_bytes_per_tenant"
 FLOOR_SETTING = "trainer.min_free_disk_bytes"
@@ -49,7 +50,7 @@ class CheckpointUsage:
             self._runs = {}
             adapters = sorted(self.root.iterdir()) if self.root.is_dir() else []
             for run in (r for a in adapters if a.is_dir() for r in sorted(a.iterdir()) if r.is_dir()):
-                kept = _complete(run)
+                kept = complete_checkpoints(run)
                 if kept:
                     self._runs[run] = (_tenant_of(kept[-1]), sum(dir_size(p) for p in kept))
         for run in [r for r in self._runs if not r.is_dir()]:  # deleted by hand
@@ -63,7 +64,7 @@ class CheckpointUsage:
     def update(self, run: Path, tenant: str) -> int:
         """Measure ``run`` again (after a save and its retention); returns the tenant's bytes."""
         runs = self._index()
-        runs[run] = (tenant, sum(dir_size(p) for p in _complete(run)))
+        runs[run] = (tenant, sum(dir_size(p) for p in complete_checkpoints(run)))
         return self.tenant_bytes(tenant)
 
     def admit(self, stage: Path, run: Path, tenant: str, keep: int, limits: DiskLimits) -> None:
@@ -75,7 +76,9 @@ class CheckpointUsage:
             return
         new = dir_size(stage)
         final_name = stage.name.removeprefix(".tmp-")
-        older = [p for p in _complete(run) if p.name != final_name][-(keep - 1) :] if keep > 1 else []
+        older = (
+            [p for p in complete_checkpoints(run) if p.name != final_name][-(keep - 1) :] if keep > 1 else []
+        )
         total = self.tenant_bytes(tenant, without=run) + sum(dir_size(p) for p in older) + new
         if total > limit:
             raise QuotaExceeded(
@@ -102,12 +105,6 @@ def usage_of(output_dir: str | Path) -> CheckpointUsage:
     if root not in _USAGE:
         _USAGE[root] = CheckpointUsage(root)
     return _USAGE[root]
-
-
-def _complete(run: Path) -> list[Path]:
-    from miles_multilora.rl.checkpoint import complete_checkpoints  # the layout is written once, there
-
-    return complete_checkpoints(run)
 
 
 def _tenant_of(checkpoint: Path) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.trainer.shard import read_shard
 
 
@@ -38,7 +39,7 @@ def load_resume_point(
     """
     assert assignment.resume_checkpoint is not None
     wanted = Path(assignment.resume_checkpoint)
-    others = [p for p in reversed(ckpt.complete_checkpoints(wanted.parent)) if p != wanted]
+    others = [p for p in reversed(layout.complete_checkpoints(wanted.parent)) if p != wanted]
     errors = []
     for path in [wanted, *others]:
         try:
@@ -57,7 +58,7 @@ def check_run_dir_is_ours(run: Path, assignment: SlotAssignment) -> None:
     controller state over an old output dir): refuse rather than prune them. Checkpoints of this
     very run (same id and spec: a crash hit before the controller recorded them) are fine."""
     spec = assignment.spec.to_dict()
-    for path in ckpt.complete_checkpoints(run):
+    for path in layout.complete_checkpoints(run):
         try:
             state = ckpt.read_state(path)
             owner = state.get("run_id")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.config.run import RunConfig, config_from_container
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
-from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.trainer.shard import read_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -84,8 +84,8 @@ def snapshot_of(
 
 def adapter_checkpoints(output_dir: str | Path, adapter: str) -> list[Path]:
     """Complete checkpoints of ``adapter``'s newest run, oldest first."""
-    run = ckpt.latest_run_dir(output_dir, adapter)
-    return ckpt.complete_checkpoints(run) if run is not None else []
+    run = layout.latest_run_dir(output_dir, adapter)
+    return layout.complete_checkpoints(run) if run is not None else []
 
 
 def final_checkpoint(output_dir: str | Path, adapter: str) -> Path:

@@ -15,7 +15,7 @@ from miles_multilora.config.adapter import parse_adapter_spec
 from miles_multilora.controller.snapshot import SlotAssignment, Snapshot
 from miles_multilora.models import compat
 from miles_multilora.rl import RLStep
-from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from tests.e2e.conftest import tiny_run_config, toy_adapter
 
 
@@ -28,7 +28,7 @@ def test_resumed_at_budget_finishes_without_training(tmp_path: Path, fallback: b
         worker.step(Snapshot(1, 2, (SlotAssignment("a", "a-1", 0, spec, 0, 0, None, True),), (), ()))
         out = worker.step(Snapshot(2, 2, (SlotAssignment("a", "a-1", 0, spec, 1, 1, None, False),), (), ()))
         assert list(out.finished) == ["a"] and out.results["a"].step == 2
-        first, last = ckpt.complete_checkpoints(ckpt.run_dir(tmp_path / "out", "a", "a-1"))
+        first, last = layout.complete_checkpoints(layout.run_dir(tmp_path / "out", "a", "a-1"))
         if fallback:  # the controller still names step 1, which is now unreadable
             (first / "slot_rank0.pt").write_bytes(b"not a torch file")
         named = first if fallback else last
@@ -38,6 +38,6 @@ def test_resumed_at_budget_finishes_without_training(tmp_path: Path, fallback: b
         assert out.finished == {"a": str(last)} and not out.failed
         assert out.results["a"].trained is False and out.results["a"].step == 2
         assert worker.version("a") == 2
-        assert [p.name for p in ckpt.complete_checkpoints(last.parent)] == ["step_000001", "step_000002"]
+        assert [p.name for p in layout.complete_checkpoints(last.parent)] == ["step_000001", "step_000002"]
     finally:
         compat.destroy_distributed()

@@ -25,6 +25,7 @@ from miles_multilora.controller.errors import ControllerUnavailableError
 from miles_multilora.controller.persistence import load_state
 from miles_multilora.models.compat import free_port
 from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, adapter_checkpoints, toy_adapter
 
 SCRIPTS = REPO_ROOT / "examples" / "multi_lora"
@@ -290,7 +291,7 @@ def test_service_schedule_kill_and_resume(tmp_path: Path, dp: int) -> None:
             assert resumed[0] == resume_from[name] + 1, (name, resumed, resume_from)
             assert sorted(set(resumed)) == list(range(resume_from[name] + 1, STEPS[name] + 1))
             assert _checkpoint_steps(out, name)[-1] == STEPS[name]
-            assert final[name]["last_checkpoint"].endswith(ckpt.step_name(STEPS[name]))
+            assert final[name]["last_checkpoint"].endswith(layout.step_name(STEPS[name]))
         assert _checkpoint_steps(out, "b")[-1] == final["b"]["step"]  # drained: final checkpoint at cancel
         for name in ("a", "b", "c"):  # one shard per TP rank, whatever the number of DP ranks
             shards = sorted(p.name for p in adapter_checkpoints(out, name)[-1].glob("slot_rank*.pt"))

@@ -23,7 +23,7 @@ import requests
 
 from miles_multilora.controller.client import ControllerClient
 from miles_multilora.models.compat import free_port
-from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from tests.e2e.conftest import REPO_ROOT, REWARDS, TOY_PROMPTS, toy_adapter
 from tests.e2e.test_service import (
     _env,
@@ -75,8 +75,8 @@ def _records(client: ControllerClient) -> dict[str, dict[str, Any]]:
 
 
 def _steps(out: Path, name: str) -> list[int]:
-    run = ckpt.latest_run_dir(out, name)
-    return [int(p.name.removeprefix("step_")) for p in ckpt.complete_checkpoints(run)] if run else []
+    run = layout.latest_run_dir(out, name)
+    return [int(p.name.removeprefix("step_")) for p in layout.complete_checkpoints(run)] if run else []
 
 
 def _spoil(checkpoint: Path) -> None:
@@ -157,10 +157,10 @@ def test_bad_specs_fail_alone_names_never_collide_and_restart_falls_back(tmp_pat
             _wait_for(
                 "again to finish", lambda: _records(client)["again"]["state"] == "DONE", 120, service, log
             )
-        runs = sorted(p.name for p in ckpt.adapter_dir(out, "again").iterdir())
+        runs = sorted(p.name for p in layout.adapter_dir(out, "again").iterdir())
         assert len(runs) == 2, runs
         for run in runs:
-            steps = [p.name for p in ckpt.complete_checkpoints(ckpt.adapter_dir(out, "again") / run)]
+            steps = [p.name for p in layout.complete_checkpoints(layout.adapter_dir(out, "again") / run)]
             assert steps == ["step_000001", "step_000002"], (run, steps)
         assert not (out / "checkpoints" / "step_000001").exists()
 
@@ -171,11 +171,11 @@ def test_bad_specs_fail_alone_names_never_collide_and_restart_falls_back(tmp_pat
         assert _ray_gone(ray_tmp), f"Ray outlived the killed service: {_ray_pids(ray_tmp)}"
 
         # Spoil every checkpoint of "healthy" but its oldest, and every one of "doomed".
-        healthy_run = ckpt.latest_run_dir(out, "healthy")
-        kept = ckpt.complete_checkpoints(healthy_run)
+        healthy_run = layout.latest_run_dir(out, "healthy")
+        kept = layout.complete_checkpoints(healthy_run)
         for path in kept[1:]:
             _spoil(path)
-        for path in ckpt.complete_checkpoints(ckpt.latest_run_dir(out, "doomed")):
+        for path in layout.complete_checkpoints(layout.latest_run_dir(out, "doomed")):
             _spoil(path)
         fallback = int(kept[0].name.removeprefix("step_"))
         logged = len(_metric_lines(out))

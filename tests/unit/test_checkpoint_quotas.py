@@ -16,6 +16,7 @@ from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.disk_usage import dir_size
 from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.rl import checkpoint_quota
 from miles_multilora.rl.checkpoint_quota import DiskLimits
 from miles_multilora.tinker import catalog as catalog_module
@@ -72,8 +73,8 @@ def test_a_tenants_checkpoints_stay_within_its_byte_quota_counting_what_retentio
     limits = DiskLimits(max_bytes_per_tenant=int(2.5 * one))
     for step in (1, 2, 3, 4):  # retention keeps two: the tenant stays under its quota
         saved = adapters.save("a", step, limits)
-    run = ckpt.run_dir(tmp_path / "out", "a", "a-1")
-    assert [p.name for p in ckpt.complete_checkpoints(run)] == ["step_000003", "step_000004"]
+    run = layout.run_dir(tmp_path / "out", "a", "a-1")
+    assert [p.name for p in layout.complete_checkpoints(run)] == ["step_000003", "step_000004"]
     assert saved.tenant_bytes == dir_size(run)  # what the step's metrics show (checkpoint/tenant_bytes)
 
     with pytest.raises(ckpt.CheckpointError) as info:  # a third checkpoint of the same tenant
@@ -91,7 +92,7 @@ def test_a_tenants_checkpoints_stay_within_its_byte_quota_counting_what_retentio
     with pytest.raises(ckpt.CheckpointError, match="trainer.min_free_disk_bytes") as info:
         adapters.save("c", 2, DiskLimits(min_free_bytes=NO_ROOM))
     assert "nothing was saved" in str(info.value)
-    assert [p.name for p in ckpt.complete_checkpoints(ckpt.run_dir(tmp_path / "out", "c", "c-1"))] == [
+    assert [p.name for p in layout.complete_checkpoints(layout.run_dir(tmp_path / "out", "c", "c-1"))] == [
         "step_000001"
     ]
     assert not list((tmp_path / "out" / "checkpoints").rglob(".tmp-*"))

@@ -11,7 +11,7 @@ from typing import Any
 from miles_multilora.controller import ControllerCore, StepReport
 from miles_multilora.disk_usage import dir_size
 from miles_multilora.rl import RLStep
-from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.rollout import GenerationRequest
 from tests.e2e.conftest import REPO_ROOT, TOY_PROMPTS, tiny_run_config
 from tests.fake_rank import FakeRank, FakeWorld, alternating
@@ -106,12 +106,12 @@ def test_budgets_checkpoints_and_evals_keep_their_cadence(tmp_path: Path) -> Non
     core, steps, (fake,) = start(tmp_path, specs)
     reports = run(core, steps)
 
-    ckpts = {n: [p.name for p in ckpt.complete_checkpoints(ckpt.run_dir(tmp_path / "out", n, f"{n}-{i + 1}"))]
+    ckpts = {n: [p.name for p in layout.complete_checkpoints(layout.run_dir(tmp_path / "out", n, f"{n}-{i + 1}"))]
              for i, n in enumerate("abc")}  # fmt: skip
-    a_final = str(ckpt.run_dir(tmp_path / "out", "a", "a-1") / "step_000004")
+    a_final = str(layout.run_dir(tmp_path / "out", "a", "a-1") / "step_000004")
     assert history(reports, "a") == [
         (1, True, False, None),
-        (2, True, True, str(ckpt.run_dir(tmp_path / "out", "a", "a-1") / "step_000002")),
+        (2, True, True, str(layout.run_dir(tmp_path / "out", "a", "a-1") / "step_000002")),
         (3, True, False, None),
         (4, True, True, a_final),  # the end: evaluated, checkpointed once
     ]
@@ -127,7 +127,7 @@ def test_budgets_checkpoints_and_evals_keep_their_cadence(tmp_path: Path) -> Non
         "c": ("DONE", 1),
     }
     assert records["a"]["last_checkpoint"] == a_final
-    a_bytes = dir_size(ckpt.run_dir(tmp_path / "out", "a", "a-1"))  # its tenant's: its own name
+    a_bytes = dir_size(layout.run_dir(tmp_path / "out", "a", "a-1"))  # its tenant's: its own name
     assert records["a"]["metrics"][-1]["checkpoint/tenant_bytes"] == a_bytes  # what `status a` shows
     per_step = [r.metrics.get("checkpoint/tenant_bytes") for rep in reports if (r := rep.results.get("a"))]
     assert per_step[0] is None and per_step[1] > 0 and per_step[2] is None and per_step[3] == a_bytes

@@ -13,6 +13,7 @@ from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.data import MultiLoRADataSource
 from miles_multilora.errors import SpecError
 from miles_multilora.rl import checkpoint as ckpt
+from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.rl.resume import ResumeError, check_run_dir_is_ours, load_resume_point
 from miles_multilora.trainer.shard import read_shard
 
@@ -20,7 +21,7 @@ SPEC = parse_adapter_spec({"name": "a", "dataset": {"task": "basic_arithmetic"},
 
 
 def _write(out: Path, run_id: str, step: int, world_size: int = 1, keep: int = 5, spec=SPEC) -> Path:
-    stage = ckpt.staging_dir(ckpt.run_dir(out, spec.name, run_id), step)
+    stage = layout.staging_dir(layout.run_dir(out, spec.name, run_id), step)
     stage.mkdir(parents=True)
     for rank in range(world_size):
         torch.save(
@@ -38,9 +39,9 @@ def _assignment(run_id: str, resume: Path | None) -> SlotAssignment:
 def test_runs_of_one_name_keep_separate_directories_and_retention_stays_inside_a_run(tmp_path):
     first = [_write(tmp_path, "a-1", step, keep=2) for step in (1, 2, 3)]
     second = [_write(tmp_path, "a-7", step, keep=2) for step in (1, 2, 3)]
-    assert [p.name for p in ckpt.complete_checkpoints(first[-1].parent)] == ["step_000002", "step_000003"]
-    assert [p.name for p in ckpt.complete_checkpoints(second[-1].parent)] == ["step_000002", "step_000003"]
-    assert ckpt.latest_run_dir(tmp_path, "a") == second[-1].parent
+    assert [p.name for p in layout.complete_checkpoints(first[-1].parent)] == ["step_000002", "step_000003"]
+    assert [p.name for p in layout.complete_checkpoints(second[-1].parent)] == ["step_000002", "step_000003"]
+    assert layout.latest_run_dir(tmp_path, "a") == second[-1].parent
     shard = read_shard(first[-1], 0)  # weights_only=True: plain tensors and values
     assert shard["optimizer"]["step"] == 3 and torch.equal(shard["slot"]["w"], torch.full((2,), 3.0))
 
