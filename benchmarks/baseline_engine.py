@@ -20,9 +20,9 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from torch import Tensor
 
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
-from miles_multilora.rollout.routing import check_servable_slots, slot_routing
-from miles_multilora.rollout.sampling import token_logprobs
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
+from miles_multilora.scoring.routing import check_servable_slots, slot_routing
+from miles_multilora.scoring.temperature import token_logprobs
 from miles_multilora.testing.sampling import make_generator, sample_token
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail

@@ -139,7 +139,7 @@ class FakeRank:
                 ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
                 results.append(
                     GenerationResult(q.adapter, q.version, q.slot, list(q.prompt_ids), ids, [-1.0] * len(ids),
-                                     "eos", text, q.seed, dict(q.metadata))
+                                     "eos", text, q.seed, dict(q.metadata), temperature=q.sampling.temperature)
                 )  # fmt: skip
             out.append(results)
         return out

@@ -8,10 +8,10 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor
 
+from miles_multilora.errors import RolloutError
 from miles_multilora.lora.inject import model_num_slots, token_slots
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.routing import row_routing_plan
-from miles_multilora.rollout.engine import RolloutError
 
 
 def has_multi_lora(model: torch.nn.Module) -> bool:
