@@ -34,7 +34,7 @@ from miles_multilora.rl.rollout import Group, Rollout, build_groups, generate, t
 from miles_multilora.rl.scoring import PendingRewards
 from miles_multilora.rl.timing import PhaseTimer
 from miles_multilora.rl.train import Trained, train
-from miles_multilora.trainer.rank import TrainerRank
+from miles_multilora.trainer.rank import RankPrimitives, TrainerRank
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class RLStep:
     """The RL recipe as a client of a :class:`~miles_multilora.trainer.rank.TrainerRank`: the
     adapters resident on it, their prompts and rewards, and :meth:`step`."""
 
-    def __init__(self, rank: TrainerRank, cfg: RunConfig) -> None:
+    def __init__(self, rank: RankPrimitives, cfg: RunConfig) -> None:
         self.rank = rank
         self.cfg = cfg
         self.algo = cfg.algo.resolved()  # GRPO/DAPO defaults filled in once

@@ -37,7 +37,7 @@ from miles_multilora.rollout.engine import unservable_sampling
 from miles_multilora.tinker.losses import LOSS_INPUTS, TOPK_LOSSES, check_input, check_loss, tinker_loss
 from miles_multilora.trainer.offload import ParkedSlot, park, spill_over_budget, unpark
 from miles_multilora.trainer.primitives import ScoredRow
-from miles_multilora.trainer.rank import OpenSlot, TrainerRank
+from miles_multilora.trainer.rank import OpenSlot, RankPrimitives
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
@@ -258,7 +258,7 @@ class TinkerBackend:
 
     def __init__(
         self,
-        rank: TrainerRank,
+        rank: RankPrimitives,
         *,
         max_models: int = 1024,
         offload_host_bytes: int = 16 << 30,
