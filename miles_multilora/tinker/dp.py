@@ -119,9 +119,10 @@ def _follower_main(
     cfg: RunConfig, rank: int, world: int, env: dict[str, str], make_backend: Callable[..., Any]
 ) -> None:
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    from miles_multilora.trainer.auto_slots import sized_config
     from miles_multilora.trainer.rank import TrainerRank
 
-    trainer = TrainerRank(cfg, rank, world)
+    trainer = TrainerRank(sized_config(cfg, rank, world), rank, world)
     group = dist.new_group(backend="gloo")
     try:
         follow(make_backend(trainer, rank_offload_dir(cfg, rank)), group)

@@ -77,11 +77,13 @@ def make_backend(rank: Any, offload_dir: Path | None = None) -> TinkerBackend:
 def _ranks(cfg: RunConfig) -> tuple[Any, Any]:
     """Rank 0's trainer rank and backend; with ``trainer.world_size`` > 1 the other ranks start as
     follower processes and the backend is mirrored to them (:mod:`miles_multilora.tinker.dp`)."""
-    from miles_multilora.trainer.rank import TrainerRank  # builds the model: imported when a server starts
+    # they build the model: imported when a server starts
+    from miles_multilora.trainer.auto_slots import sized_config
+    from miles_multilora.trainer.rank import TrainerRank
 
     world = cfg.trainer.world_size or 1
     if world == 1:
-        rank = TrainerRank(cfg)
+        rank = TrainerRank(sized_config(cfg))
         return rank, make_backend(rank)
     gpus = torch.cuda.device_count()
     if gpus and gpus < world:  # (a CPU machine runs the ranks as processes that share its cores)
@@ -93,7 +95,7 @@ def _ranks(cfg: RunConfig) -> tuple[Any, Any]:
     os.environ.update(env, RANK="0", LOCAL_RANK="0")
     followers = dp.start_followers(cfg, world, env, make_backend)
     try:
-        rank = TrainerRank(cfg, 0, world)
+        rank = TrainerRank(sized_config(cfg, 0, world), 0, world)
         group = dist.new_group(backend="gloo")
     except BaseException:
         for p in followers:

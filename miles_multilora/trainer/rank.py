@@ -148,9 +148,15 @@ class RankPrimitives(Protocol):
 
 class TrainerRank:
     """The Megatron model with its resident LoRA slots, their optimizer and the rollout engine of
-    one rank (``rank`` of ``world_size``: dp x tp)."""
+    one rank (``rank`` of ``world_size``: dp x tp). ``lora.num_slots`` must be a number: ``auto`` is
+    sized before the rank is built (:func:`~miles_multilora.trainer.auto_slots.sized_config`)."""
 
     def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
+        if cfg.lora.num_slots == "auto":
+            raise ConfigError(
+                "lora.num_slots",
+                "auto is sized before the rank is built: build it from trainer.auto_slots.sized_config(cfg)",
+            )
         self.cfg = cfg
         self.global_rank = rank
         self.world_size = world_size
@@ -159,11 +165,6 @@ class TrainerRank:
             tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
         )
         self.layout = DPLayout.from_megatron(world_size)
-        self.slot_sizing = None  # lora.num_slots=auto: what the warm-up measured (trainer/auto_slots.py)
-        if cfg.lora.num_slots == "auto":
-            from miles_multilora.trainer.auto_slots import resolve_num_slots
-
-            self.slot_sizing = resolve_num_slots(cfg, rank, world_size)
         built = build_model(cfg)
         self.model = built.model
         self.tokenizer = built.tokenizer
