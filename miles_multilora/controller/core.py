@@ -700,7 +700,6 @@ class ControllerCore:
             slot=record.slot,
             spec=copy.deepcopy(record.spec),
             step=record.step,
-            version=record.step,
             resume_checkpoint=record.last_checkpoint,
             needs_init=record.needs_init,
             remote=record.remote,
