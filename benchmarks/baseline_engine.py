@@ -10,7 +10,7 @@ host every token, finished rows dropped from the cache. Not used by the package.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,10 +19,11 @@ from megatron.core import parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
 from torch import Tensor
 
+from miles_multilora.lora.inject import token_slots
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
-from miles_multilora.rollout.routing import check_servable_slots, slot_routing
-from miles_multilora.rollout.sampling import token_logprobs
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
+from miles_multilora.scoring.routing import check_servable_slots
+from miles_multilora.scoring.temperature import token_logprobs
 from miles_multilora.testing.sampling import make_generator, sample_token
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
@@ -206,7 +207,7 @@ class LoopEngine(RolloutEngine):
     ) -> Tensor:
         """One cached forward; returns the last position's logits ``[B, V]``."""
         slot_ids = slots.to(input_ids.device).view(-1, 1).expand(-1, input_ids.size(1)).contiguous()
-        with slot_routing(self.model, slot_ids, routed):
+        with token_slots(self.model, slot_ids) if routed else nullcontext():
             logits = self.model(
                 input_ids, positions, mask, inference_context=context, runtime_gather_output=True
             )

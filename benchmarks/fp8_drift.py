@@ -21,7 +21,7 @@ import torch
 from miles_multilora.config.run import config_from_container
 from miles_multilora.lora.inject import multi_lora_layers, use_fp8_base
 from miles_multilora.models.compat import init_distributed
-from miles_multilora.rollout import compute_logprobs
+from miles_multilora.scoring.logprobs import compute_logprobs
 from miles_multilora.trainer.model_build import build_model
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "gsm8k_mini.jsonl"

@@ -194,9 +194,7 @@ def schedule(
             step = worker.versions().get(parsed.name, 0)
             init = parsed.name not in worker.residents
             slot = len(running)
-            running.append(
-                SlotAssignment(parsed.name, f"{parsed.name}-1", slot, parsed, step, step, None, init)
-            )
+            running.append(SlotAssignment(parsed.name, f"{parsed.name}-1", slot, parsed, step, None, init))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         before = dict(getattr(engine, "stats", {}))

@@ -163,7 +163,7 @@ def grpo_table(model: torch.nn.Module, args: argparse.Namespace) -> None:
 def parity_table(model: torch.nn.Module, args: argparse.Namespace) -> None:
     """Rollout logprobs (paged decode, fused kernels, CUDA graphs) against the trainer's recomputed
     logprobs (Megatron full forward, ``compute_logprobs``) of the same samples, in the model dtype."""
-    from miles_multilora.rollout.logprobs import compute_logprobs
+    from miles_multilora.scoring.logprobs import compute_logprobs
 
     rng = random.Random(11)
     reqs = []

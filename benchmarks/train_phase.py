@@ -46,13 +46,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rl_step  # noqa: E402  (the shared model shape and workload flags)
 
-from miles_multilora.algo import chunked_logprobs  # noqa: E402
 from miles_multilora.config.adapter import parse_adapter_spec  # noqa: E402
 from miles_multilora.lora import stacked_shrink, triton_launch  # noqa: E402
 from miles_multilora.lora.inject import multi_lora_layers, use_fp8_base  # noqa: E402
 from miles_multilora.models import provider  # noqa: E402
 from miles_multilora.rl.train import rl_loss, step_normalizers  # noqa: E402
-from miles_multilora.rollout import compute_logprobs  # noqa: E402
+from miles_multilora.scoring import chunked_logprobs  # noqa: E402
+from miles_multilora.scoring.logprobs import compute_logprobs  # noqa: E402
 from miles_multilora.trainer.primitives import ScoredRow  # noqa: E402
 from miles_multilora.trainer.rank import TrainerRank  # noqa: E402
 

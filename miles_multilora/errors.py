@@ -22,3 +22,8 @@ class ConfigError(MilesError, ValueError):
 
 class SpecError(ConfigError):
     """An adapter spec is invalid (raised before any state changes)."""
+
+
+class RolloutError(MilesError):
+    """A rollout engine could not serve a request or apply an adapter update (or a scoring forward
+    was asked for adapter slots the model cannot route)."""

@@ -1,5 +1,6 @@
-"""A trainer rank without a model: :class:`~miles_multilora.trainer.rank.TrainerRank`'s public
-interface in plain Python, for testing the RL step's orchestration.
+"""A trainer rank without a model: :class:`~miles_multilora.trainer.rank.RankPrimitives` (the
+interface :class:`~miles_multilora.trainer.rank.TrainerRank` implements) in plain Python, for testing
+the RL step's orchestration.
 
 Each request's completion text comes from a rule (``answer``; default: ``"a"`` for even sample
 indices, ``"b"`` for odd ones, so exact-match rewards vary within a group); the loss runs on the
@@ -23,15 +24,17 @@ from miles_multilora.config.lora_targets import check_targets
 from miles_multilora.errors import ConfigError, SpecError
 from miles_multilora.optim.slot_adamw import SlotStepStats
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
+from miles_multilora.rollout.isolation import GroupOutcome
 from miles_multilora.trainer.data_parallel import DPLayout
 from miles_multilora.trainer.primitives import (
     ForwardBackwardResult,
     LossFn,
     MicroBatch,
+    RowScores,
     ScoredRow,
     accumulate_metrics,
 )
-from miles_multilora.trainer.rank import OpenSlot
+from miles_multilora.trainer.rank import GroupJoiner, OpenSlot
 from miles_multilora.trainer.shard import SlotMeta, read_shard, shard_meta, write_shard
 from miles_multilora.trainer.tokenizer import ToyTokenizer
 
@@ -59,7 +62,9 @@ class FakeWorld:
 
 
 class FakeRank:
-    """The fake rank ``index`` of ``world`` (alone without one)."""
+    """The fake rank ``index`` of ``world`` (alone without one): a :class:`RankPrimitives`."""
+
+    lora_families = ("attn", "mlp")  # the tiny model's all-linear LoRA
 
     def __init__(
         self,
@@ -103,7 +108,7 @@ class FakeRank:
             raise ConfigError("slot", f"slot {slot} is open")
         if not 1 <= rank <= self.max_rank:
             raise SpecError("rank", f"must be in 1..{self.max_rank}")
-        families = check_targets(targets, ("attn", "mlp"))  # the tiny model's all-linear LoRA
+        families = check_targets(targets, self.lora_families)
         opened = self.slots[slot] = OpenSlot(slot, name, rank, float(alpha), seed, 0, run, families)
         if restore is not None:
             self._load(opened, restore, optimizer=True)
@@ -127,7 +132,12 @@ class FakeRank:
         if reason is not None:
             raise RolloutError(reason)
 
-    def sample(self, groups: Sequence[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
+    def sample(
+        self, groups: Sequence[Sequence[GenerationRequest]],
+        on_group: Callable[[int, GroupOutcome], None] | None = None, joiner: GroupJoiner | None = None,
+    ) -> list[GroupOutcome]:  # fmt: skip
+        """Every group's results; ``on_group`` hears each once all have finished (no stream here, so
+        the ``joiner`` is not asked)."""
         self.sampled.append([group[0].adapter for group in groups if group])
         out = []
         for group in groups:
@@ -139,9 +149,11 @@ class FakeRank:
                 ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
                 results.append(
                     GenerationResult(q.adapter, q.version, q.slot, list(q.prompt_ids), ids, [-1.0] * len(ids),
-                                     "eos", text, q.seed, dict(q.metadata))
+                                     "eos", text, q.seed, dict(q.metadata), temperature=q.sampling.temperature)
                 )  # fmt: skip
             out.append(results)
+        for i, outcome in enumerate(out if on_group is not None else []):
+            on_group(i, outcome)
         return out
 
     # ----------------------------------------------------------------- training
@@ -161,6 +173,12 @@ class FakeRank:
             accumulate_metrics(per_slot, metrics)
         return ForwardBackwardResult([], per_slot, sum(len(r.tokens) for r in rows))
 
+    def score(self, rows: Sequence[ScoredRow], k: int = 0) -> list[RowScores]:
+        """Each row's own ``old_logprobs`` (as :meth:`forward_backward` scores them); no top-k."""
+        if k:
+            raise NotImplementedError("the fake rank has no vocabulary to rank")
+        return [RowScores(list(r.values["old_logprobs"])) for r in rows]
+
     def optim_step(
         self, slots: Iterable[int], settings: Mapping[int, OptimizerSpec] | None = None
     ) -> dict[int, SlotStepStats]:
@@ -174,7 +192,7 @@ class FakeRank:
         return stats
 
     # ----------------------------------------------------------------- slot state
-    def save_slot(self, slot: int, directory: str | Path) -> None:
+    def save_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None:
         opened = self.slot(slot)
         if self.fail_save(opened):
             raise OSError(f"disk full on rank {self.global_rank}")

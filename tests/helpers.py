@@ -60,6 +60,15 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **dims: int) -> Any:
     return model_cls(config).eval()
 
 
+def hf_state_dict(loaded: Any) -> dict[str, torch.Tensor]:
+    """A loaded model's weights as HF-named tensors (full, gathered across TP), through its
+    megatron-bridge export: what the model holds, compared with the HF checkpoint it was read from."""
+    return {
+        name: t.detach().cpu().clone()
+        for name, t in loaded.bridge.export_hf_weights([loaded.model], cpu=True)
+    }
+
+
 def make_tiny_hf_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
     """Save :func:`tiny_hf_model` as safetensors in ``out_dir``."""
     out_dir = Path(out_dir)

@@ -568,7 +568,6 @@ class ControllerCore(SlotGrants, PersistedState):
             slot=record.slot,
             spec=copy.deepcopy(record.spec),
             step=record.step,
-            version=record.step,
             resume_checkpoint=record.last_checkpoint,
             needs_init=record.needs_init,
             remote=record.remote,

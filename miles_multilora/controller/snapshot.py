@@ -26,8 +26,8 @@ class SlotAssignment:
     controller restart, or when a requeued adapter got a slot again). It stays True in later
     snapshots until the trainer reports a step that includes this adapter (a missing or unreadable
     resume checkpoint falls back to the run's newest readable one, reported as ``resumed``).
-    ``step``: optimizer steps applied to the slot's weights so far; ``version`` is the weight
-    version samples are tagged with (equal to ``step``: the weights after ``step`` updates).
+    ``step``: optimizer steps applied to the slot's weights so far (the weight version its samples
+    are tagged with is the trainer rank's, which counts the same steps).
     """
 
     name: str
@@ -35,7 +35,6 @@ class SlotAssignment:
     slot: int
     spec: AdapterSpec
     step: int
-    version: int
     resume_checkpoint: str | None
     needs_init: bool
     remote: bool = False  # the spec came over the network: only operator-registered code may run
@@ -67,10 +66,6 @@ class Snapshot:
 
     def by_name(self, name: str) -> SlotAssignment | None:
         return next((a for a in self.adapters if a.name == name), None)
-
-    def slot_of(self) -> dict[str, int]:
-        """Adapter name -> slot for every resident adapter."""
-        return {a.name: a.slot for a in self.adapters}
 
 
 @dataclass(frozen=True)

@@ -116,13 +116,6 @@ def _eval_spec(spec: AdapterSpec) -> EvalSpec:
     return spec.eval
 
 
-def pass_at_k(correct: Sequence[Sequence[bool | None]]) -> float | None:
-    """Share of items with at least one correct sample among their k; items whose correctness is
-    unknown (a reward that does not say) are left out; ``None`` when no item is known."""
-    known = _pass_flags(correct)
-    return statistics.fmean(known) if known else None
-
-
 def standard_error(values: Sequence[float]) -> float | None:
     """Standard error of the mean of ``values``: sample standard deviation / sqrt(n); ``None`` for n < 2."""
     if len(values) < 2:

@@ -175,17 +175,8 @@ class RewardManager:
     def names(self) -> list[str]:
         return list(self._adapters)
 
-    def is_failed(self, name: str) -> bool:
-        return self._adapters[name].failed_reason is not None
-
     def failure_reason(self, name: str) -> str | None:
         return self._adapters[name].failed_reason
-
-    def reset_failures(self, name: str) -> None:
-        """Clear the failed mark and the consecutive count (e.g. after the user fixed the reward)."""
-        state = self._adapters[name]
-        state.consecutive_failures = 0
-        state.failed_reason = None
 
     def _score_adapter(
         self, name: str, state: _AdapterRewardState, samples: Sequence[RewardSample]

@@ -40,6 +40,7 @@ from miles_multilora.launch.wiring import local_rendezvous, rank_env
 from miles_multilora.tinker import serve
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.operations import operations
+from miles_multilora.trainer.auto_slots import sized_config
 from miles_multilora.trainer.rank import TrainerRank
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def rank_offload_dir(cfg: RunConfig, rank: int) -> Path:
 
 def _follower_main(cfg: RunConfig, rank: int, world: int, env: dict[str, str]) -> None:
     os.environ.update(env)
-    trainer = TrainerRank(cfg, rank, world)
+    trainer = TrainerRank(sized_config(cfg, rank, world), rank, world)
     group = dist.new_group(backend="gloo")
     try:
         follow(serve.make_backend(trainer, rank_offload_dir(cfg, rank)), group)
@@ -165,7 +166,7 @@ def start_ranks(cfg: RunConfig) -> MirroredBackend:
         followers.append(p)
     os.environ.update(rank_env(master_addr, port, 0, world, local_rank=0))
     try:
-        rank0 = TrainerRank(cfg, 0, world)
+        rank0 = TrainerRank(sized_config(cfg, 0, world), 0, world)
         group = dist.new_group(backend="gloo")
     except BaseException:
         for p in followers:

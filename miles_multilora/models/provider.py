@@ -66,7 +66,7 @@ class LoadedModel:
     model: GPTModel
     vocab_size: int  # the tokenizer's vocab size (logits may be padded beyond it)
     hf_config: Any  # the checkpoint's transformers config (PEFT export names, context length)
-    bridge: Any  # megatron-bridge AutoBridge, for export back to HF
+    bridge: Any  # megatron-bridge AutoBridge (its HF export checks a load in the tests)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -314,11 +314,3 @@ def load_hf_model(
         hf_config=bridge.hf_pretrained.config,
         bridge=bridge,
     )
-
-
-def export_hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
-    """The model's weights as HF-named tensors (full, gathered across TP), via the bridge."""
-    return {
-        name: t.detach().cpu().clone()
-        for name, t in loaded.bridge.export_hf_weights([loaded.model], cpu=True)
-    }

@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from miles_multilora.controller.quotas import tenant_of
 from miles_multilora.controller.snapshot import SlotAssignment
@@ -39,6 +39,9 @@ from miles_multilora.rl.checkpoint_layout import (
 )
 from miles_multilora.rl.checkpoint_quota import DiskLimits, QuotaExceeded, check_free_disk, usage_of
 from miles_multilora.rl.faults import failure_reason, first_error
+
+if TYPE_CHECKING:  # a type only: checkpoints stay light (no Megatron)
+    from miles_multilora.trainer.rank import RankPrimitives
 
 
 def finalize(stage: Path, state: dict[str, Any], keep: int) -> Path:
@@ -71,19 +74,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (on some rank); the adapter fails, the service goes on."""
 
 
-class SlotWriter(Protocol):
-    """What writing a checkpoint needs of the trainer rank (:class:`~miles_multilora.trainer.rank.TrainerRank`)."""
-
-    global_rank: int
-    is_writer: bool
-
-    def version(self, slot: int) -> int: ...
-    def save_slot(self, slot: int, directory: str | Path) -> None: ...
-    def export_peft(self, slot: int, directory: str | Path) -> None: ...
-    def gather(self, value: Any) -> list[Any]: ...
-    def broadcast(self, value: Any) -> Any: ...
-
-
 class SavedCheckpoint(str):
     """A complete checkpoint's path, with its tenant's checkpoint bytes after the save
     (``tenant_bytes``, what the step's metrics show as ``checkpoint/tenant_bytes``)."""
@@ -100,7 +90,7 @@ class SavedCheckpoint(str):
 
 
 def write_checkpoint(
-    rank: SlotWriter,
+    rank: RankPrimitives,
     output_dir: str | Path,
     assignment: SlotAssignment,
     data: dict[str, Any],

@@ -34,7 +34,8 @@ from miles_multilora.rl.rollout import Group, Rollout, build_groups, generate, t
 from miles_multilora.rl.scoring import PendingRewards
 from miles_multilora.rl.timing import PhaseTimer
 from miles_multilora.rl.train import Trained, train
-from miles_multilora.trainer.rank import TrainerRank
+from miles_multilora.trainer.auto_slots import sized_config
+from miles_multilora.trainer.rank import RankPrimitives, TrainerRank
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class RLStep:
     """The RL recipe as a client of a :class:`~miles_multilora.trainer.rank.TrainerRank`: the
     adapters resident on it, their prompts and rewards, and :meth:`step`."""
 
-    def __init__(self, rank: TrainerRank, cfg: RunConfig) -> None:
+    def __init__(self, rank: RankPrimitives, cfg: RunConfig) -> None:
         self.rank = rank
         self.cfg = cfg
         self.algo = cfg.algo.resolved()  # GRPO/DAPO defaults filled in once
@@ -93,7 +94,9 @@ class RLStep:
 
     @classmethod
     def build(cls, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> RLStep:
-        """The recipe on a trainer rank built from ``cfg`` (``rank`` of ``world_size``)."""
+        """The recipe on a trainer rank built from ``cfg`` (``rank`` of ``world_size``; with
+        ``lora.num_slots=auto``, from its sized copy: :func:`~miles_multilora.trainer.auto_slots.sized_config`)."""
+        cfg = sized_config(cfg, rank, world_size)
         return cls(TrainerRank(cfg, rank, world_size), cfg)
 
     def version(self, name: str) -> int:

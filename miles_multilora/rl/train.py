@@ -32,10 +32,10 @@ class Trained:
         return name in self.metrics and not self.metrics[name].get("skipped")
 
 
-def policy_rows(groups: list[Group], residents: Residents, algo: AlgoConfig) -> list[ScoredRow]:
+def policy_rows(groups: list[Group], algo: AlgoConfig) -> list[ScoredRow]:
     """One row per non-empty sample of each rewarded group: its response positions scored at the
-    sampling temperature, with the rollout's logprobs and the group's advantage. A group's rows
-    share a ``group`` id, so they train on one DP rank."""
+    temperature its result was sampled at, with the rollout's logprobs and the group's advantage. A
+    group's rows share a ``group`` id, so they train on one DP rank."""
     rows: list[ScoredRow] = []
     group_id = 0
     for g in groups:
@@ -44,8 +44,6 @@ def policy_rows(groups: list[Group], residents: Residents, algo: AlgoConfig) -> 
         adv = group_advantages(
             g.rewards, [0] * len(g.rewards), std_normalize=algo.std_normalize, eps=algo.adv_eps
         )
-        sampling = residents[g.adapter].spec.sampling
-        temp = sampling.temperature if sampling.temperature > 0 else 1.0
         mine = []
         for r, a in zip(g.results, adv.tolist(), strict=True):
             if not r.output_ids:
@@ -54,7 +52,10 @@ def policy_rows(groups: list[Group], residents: Residents, algo: AlgoConfig) -> 
             n = len(r.output_ids)
             values = {"old_logprobs": list(r.logprobs[:n]), "advantages": [a] * n}
             positions = list(range(len(r.prompt_ids) - 1, len(tokens) - 1))
-            mine.append(ScoredRow(r.slot, tokens, positions, temperature=temp, values=values, group=group_id))
+            row = ScoredRow(
+                r.slot, tokens, positions, temperature=r.temperature, values=values, group=group_id
+            )
+            mine.append(row)
         if mine:
             rows.extend(mine)
             group_id += 1
@@ -91,7 +92,7 @@ def step_normalizers(rows: list[ScoredRow], algo: AlgoConfig) -> dict[int, float
 def train(groups: list[Group], residents: Residents, algo: AlgoConfig) -> Trained:
     """One mixed batch of every adapter's rows, then one optimizer step of each slot in it (its new
     version published by the rank)."""
-    rows = policy_rows(groups, residents, algo)
+    rows = policy_rows(groups, algo)
     if not rows:
         return Trained()
     rank = residents.rank

@@ -1,7 +1,7 @@
 """Rollout engines: the interface, the embedded engine (default) and the SGLang and vLLM HTTP engines.
 
-The Megatron-backed parts (``EmbeddedEngine``, ``compute_logprobs``, ``sequence_logprobs``) are
-imported on first use, so an HTTP-only client does not import Megatron.
+The Megatron-backed engine (``EmbeddedEngine``) is imported on first use, so an HTTP-only client does
+not import Megatron. Logprobs of given sequences are :mod:`miles_multilora.scoring`'s.
 """
 
 from typing import Any
@@ -20,8 +20,6 @@ from miles_multilora.rollout.vllm_engine import VLLMEngine
 
 _LAZY = {
     "EmbeddedEngine": "miles_multilora.rollout.embedded",
-    "compute_logprobs": "miles_multilora.rollout.logprobs",
-    "sequence_logprobs": "miles_multilora.rollout.logprobs",
 }
 
 __all__ = [
@@ -35,9 +33,7 @@ __all__ = [
     "RolloutError",
     "SGLangEngine",
     "VLLMEngine",
-    "compute_logprobs",
     "lora_name",
-    "sequence_logprobs",
 ]
 
 

@@ -154,11 +154,6 @@ class AdapterVersions:
             entry = self._current.get(adapter)
             return entry.version if entry else None
 
-    def loaded_names(self, adapter: str | None = None) -> list[str]:
-        """Names this client holds loaded (serving or draining), of one adapter or all."""
-        with self._cond:
-            return [e.name for e in self._entries(adapter) if e.servers]
-
     def _entries(self, adapter: str | None = None) -> list[_Version]:
         found = list(self._current.values()) + self._retired
         return [e for e in found if adapter is None or e.adapter == adapter]

@@ -404,6 +404,7 @@ class Scheduler:
             seed=req.seed,
             metadata=dict(req.metadata),
             token_versions=row.token_versions(len(output)),
+            temperature=req.sampling.temperature,
         )
 
 

@@ -21,7 +21,7 @@ version (int64 masked to 32 bits) never overflows and equals the Triton one (uin
 ``argmax_v z[v] + g[v]`` over the allowed ids (a draw from ``softmax(z)`` restricted to them); a
 greedy row (``T <= 0`` or ``top_k == 1``) takes ``argmax_v logits[v]``. Ties go to the lowest id.
 The allowed set is ``v < vocab_size``, and with ``filtered=True`` also ``z[v] >= threshold[b]`` (see
-:func:`filter_thresholds`). The logprob is :func:`~miles_multilora.rollout.sampling.token_logprobs`
+:func:`filter_thresholds`). The logprob is :func:`~miles_multilora.scoring.temperature.token_logprobs`
 of the token: ``log_softmax(logits[:vocab_size] / T_eff)`` over the unfiltered distribution, with
 ``T_eff = T if T > 0 else 1`` (so a ``top_k == 1`` row with ``T > 0`` is scored at ``T``, as the
 trainer does).
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from miles_multilora._triton import HAVE_TRITON, tl, triton
-from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
+from miles_multilora.scoring.temperature import effective_temperature, token_logprobs
 
 MASK32 = 0xFFFF_FFFF
 MIX_MUL1, MIX_MUL2 = 0x21F0AAAD, 0x735A2D97

@@ -37,9 +37,9 @@ from miles_multilora.rollout.decode_batch import DecodeBatch, DecodeGraphs
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
 from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.paged_model import PagedModel
-from miles_multilora.rollout.routing import check_servable_slots
 from miles_multilora.rollout.rows import pages_for
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
+from miles_multilora.scoring.routing import check_servable_slots
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
 DEFAULT_SYNC_INTERVAL = 8  # on CUDA; the CPU checks every step (no sync cost there)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from miles_multilora.config.adapter import MAX_INT64, MAX_TOKEN_ID
 from miles_multilora.config.strict import shown
-from miles_multilora.errors import MilesError
+from miles_multilora.errors import RolloutError
 from miles_multilora.rollout.types import (
     BASE_ADAPTER,
     BASE_SLOT,
@@ -17,9 +17,7 @@ from miles_multilora.rollout.types import (
     GenerationResult,
 )
 
-
-class RolloutError(MilesError):
-    """A rollout engine could not serve a request or apply an adapter update."""
+__all__ = ["RolloutEngine", "RolloutError", "unservable_sampling"]
 
 
 def _integer(value: object, low: int, high: int) -> bool:

@@ -10,7 +10,6 @@ version until its answer arrives, so a replaced version is unloaded only after i
 from __future__ import annotations
 
 import logging
-import time
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -80,14 +79,6 @@ class RemoteEngine(RolloutEngine):
         except ServerError:
             return False
         return True
-
-    def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
-        """Block until every server is healthy; raise :class:`RolloutError` after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.is_healthy():
-            if time.monotonic() > deadline:
-                raise RolloutError(f"{self.kind} servers {self.urls} not healthy after {timeout_s:.0f}s")
-            time.sleep(poll_s)
 
     # ----------------------------------------------------------- adapters
     @abstractmethod

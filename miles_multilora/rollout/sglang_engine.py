@@ -191,4 +191,5 @@ def _parse_result(req: GenerationRequest, body: dict[str, Any]) -> GenerationRes
         text=body.get("text"),
         seed=req.seed,
         metadata=dict(req.metadata),
+        temperature=req.sampling.temperature,
     )

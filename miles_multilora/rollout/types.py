@@ -49,7 +49,10 @@ class GenerationResult:
     """A completion, tagged with the (adapter, version) that produced it.
 
     ``logprobs[i]`` is ``log_softmax(logits / T)[output_ids[i]]`` over the full, untruncated
-    distribution (``T = 1`` for greedy requests), whatever top-k / top-p filtering was used to sample.
+    distribution, whatever top-k / top-p filtering was used to sample; ``temperature`` is the request's
+    sampling temperature (0 = greedy), and ``T`` its
+    :func:`~miles_multilora.scoring.temperature.effective_temperature` (1 for greedy): a trainer
+    scores the tokens at the result's own temperature, never reading the adapter's spec again.
     ``finish_reason``: ``"eos"`` (the EOS token, kept as the last output token), ``"stop"`` (a stop
     string appeared in the decoded output, special tokens skipped; generation ends with the token that
     completed it, and ``text`` keeps the stop string) or ``"length"`` (max_new_tokens or the context
@@ -69,6 +72,7 @@ class GenerationResult:
     seed: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     token_versions: list[int] | None = None
+    temperature: float = 1.0
 
     def versions(self) -> list[int]:
         """The version that sampled each output token."""

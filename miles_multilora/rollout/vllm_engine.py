@@ -329,4 +329,5 @@ def _parse_choice(req: GenerationRequest, choice: dict[str, Any], seed: int) -> 
         text=choice.get("text"),
         seed=seed,
         metadata=dict(req.metadata),
+        temperature=req.sampling.temperature,
     )

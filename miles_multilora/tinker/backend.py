@@ -54,7 +54,7 @@ from miles_multilora.tinker.requests import (
     sampling_params_key,
 )
 from miles_multilora.trainer.primitives import ScoredRow
-from miles_multilora.trainer.rank import OpenSlot, TrainerRank
+from miles_multilora.trainer.rank import OpenSlot, RankPrimitives
 from miles_multilora.trainer.residency import Residency
 from miles_multilora.trainer.shard import read_shard, shard_meta
 
@@ -67,7 +67,7 @@ class TinkerBackend:
 
     def __init__(
         self,
-        rank: TrainerRank,
+        rank: RankPrimitives,
         *,
         max_models: int = 1024,
         offload_host_bytes: int = 16 << 30,

@@ -71,9 +71,10 @@ def make_backend(rank: Any, offload_dir: Path | None = None) -> TinkerBackend:
 
 def _one_rank(cfg: RunConfig) -> Any:
     # builds the model: imported when a server starts
+    from miles_multilora.trainer.auto_slots import sized_config
     from miles_multilora.trainer.rank import TrainerRank
 
-    return TrainerRank(cfg)
+    return TrainerRank(sized_config(cfg))
 
 
 def build_state(cfg: RunConfig, rank: Any | None = None, backend: Any | None = None) -> ServerState:

@@ -5,7 +5,13 @@ allocated by the first backward, Adam moments and fp32 masters by the optimizer,
 the first generation, and the caching allocator keeps what a step freed. A probe that diffs memory
 before any step mixes all of that in (a peer's probe overcounted a slot 19x). So:
 
-1. **Probe build.** The rank is built as usual with ``lora.auto_min_slots`` slots (the start-up
+The slots are sized before the rank is built: whoever builds a rank from a config passes it
+through :func:`sized_config` first (``rl/step.py: RLStep.build``, the Tinker door's ranks), which
+returns the config itself when ``lora.num_slots`` is a number and a sized copy for ``auto`` (the
+caller's config is never changed); :class:`~miles_multilora.trainer.rank.TrainerRank` refuses
+``auto``.
+
+1. **Probe build.** A probe rank is built as usual with ``lora.auto_min_slots`` slots (the start-up
    memory plan resolves ``trainer.recompute`` and a token budget for it, as for any run).
 2. **Warm-up step** (:func:`warm_up`): every probe slot opens with a LoRA of ``lora.max_rank``; one
    generation on the embedded engine allocates its KV cache and decode buffers; one forward/backward
@@ -23,9 +29,9 @@ before any step mixes all of that in (a peer's probe overcounted a slot 19x). So
    beyond the probe; the count is the most whose peak stays within ``lora.auto_memory_fraction`` of
    the device's memory, at most ``lora.auto_max_slots``. Fewer than ``lora.auto_min_slots`` is
    refused with the numbers and what to change. Ranks take the least count of any rank.
-5. **Final build.** The probe is dropped and the rank is built again with that count, the probe's
-   ``recompute`` and token budget kept and its estimate-based plan skipped (the measurement
-   replaced it). The base model is loaded twice: slot tensors are stacked at build time
+5. **Final build.** The probe is dropped; the sized copy of the config (:func:`sized_copy`) has
+   that count, the probe's ``recompute`` and token budget, and its estimate-based plan skipped
+   (the measurement replaced it); the caller builds the rank from it. The base model is loaded twice: slot tensors are stacked at build time
    (``[num_slots, ...]`` in every layer, the optimizer, the engine's routing and decode graphs),
    and a second ordinary build is simpler and safer than growing all of them in place.
 
@@ -44,9 +50,9 @@ import gc
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec
 from miles_multilora.config.run import RunConfig
@@ -56,9 +62,7 @@ from miles_multilora.lora.inject import multi_lora_layers
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.rollout import GenerationRequest
 from miles_multilora.trainer.primitives import ScoredRow
-
-if TYPE_CHECKING:
-    from miles_multilora.trainer.rank import TrainerRank
+from miles_multilora.trainer.rank import TrainerRank
 
 log = logging.getLogger(__name__)
 
@@ -267,13 +271,32 @@ def measure(rank: TrainerRank) -> SlotMeasurement:
     )
 
 
-def resolve_num_slots(cfg: RunConfig, rank: int, world_size: int) -> SlotSizing:
-    """``cfg.lora.num_slots=auto`` resolved for this rank (every rank of the run calls it together):
-    a probe rank with ``lora.auto_min_slots`` slots is built, warmed up, measured and dropped; the
-    least count of any rank is written into ``cfg.lora.num_slots``, with the probe's ``recompute``
-    and token budget (``trainer.memory_check`` off: the measurement replaced the estimate)."""
-    from miles_multilora.trainer.rank import TrainerRank
+def sized_config(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> RunConfig:
+    """The config to build rank ``rank`` of ``world_size`` from: ``cfg`` itself when
+    ``lora.num_slots`` is a number, else :func:`resolve_num_slots`'s sized copy (every rank of the run
+    calls it together). ``cfg`` is not changed."""
+    if cfg.lora.num_slots != "auto":
+        return cfg
+    return resolve_num_slots(cfg, rank, world_size)[0]
 
+
+def sized_copy(cfg: RunConfig, num_slots: int, probe: RunConfig) -> RunConfig:
+    """A copy of ``cfg`` with ``num_slots`` slots, the ``probe`` config's ``recompute`` and token budget
+    (what its start-up memory plan chose) and ``trainer.memory_check`` off (the measurement replaced
+    the estimate). Pure: ``cfg`` is not changed."""
+    out = copy.deepcopy(cfg)
+    out.lora.num_slots = num_slots
+    out.trainer.recompute = probe.trainer.recompute
+    out.trainer.max_tokens_per_micro_batch = probe.trainer.max_tokens_per_micro_batch
+    out.trainer.memory_check = False
+    return out
+
+
+def resolve_num_slots(cfg: RunConfig, rank: int, world_size: int) -> tuple[RunConfig, SlotSizing]:
+    """``cfg.lora.num_slots=auto`` resolved for this rank (every rank of the run calls it together):
+    a probe rank with ``lora.auto_min_slots`` slots is built, warmed up, measured and dropped; returns
+    :func:`sized_copy` of ``cfg`` with the least count of any rank, and the sizing. ``cfg`` is not
+    changed."""
     lora = cfg.lora
     if not torch.cuda.is_available():
         raise ConfigError(
@@ -305,8 +328,6 @@ def resolve_num_slots(cfg: RunConfig, rank: int, world_size: int) -> SlotSizing:
     except ConfigError as exc:  # every rank must reach the agreement below, then all raise
         error, count = exc, 0
     if world_size > 1:
-        import torch.distributed as dist
-
         agreed = torch.tensor([count], dtype=torch.int64, device=f"cuda:{torch.cuda.current_device()}")
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         count = int(agreed.item())
@@ -319,8 +340,5 @@ def resolve_num_slots(cfg: RunConfig, rank: int, world_size: int) -> SlotSizing:
             "has the numbers); see lora.auto_memory_fraction, lora.max_rank, the KV cache, or set a number",
         )
     log.info("%s%s", sizing.summary(), "" if count == sizing.num_slots else f"; {count} on every rank")
-    lora.num_slots = count
-    cfg.trainer.recompute = probe_cfg.trainer.recompute
-    cfg.trainer.max_tokens_per_micro_batch = probe_cfg.trainer.max_tokens_per_micro_batch
-    cfg.trainer.memory_check = False
-    return SlotSizing(count, sizing.fit, sizing.budget, sizing.used, sizing.per_slot, measured)
+    sized = sized_copy(cfg, count, probe_cfg)
+    return sized, SlotSizing(count, sizing.fit, sizing.budget, sizing.used, sizing.per_slot, measured)

@@ -23,7 +23,7 @@ from miles_multilora.lora.inject import model_num_slots
 from miles_multilora.lora.routing import packed_routing_plan, row_routing_plan
 from miles_multilora.models import compat
 from miles_multilora.models.packed_rows import PackedRows, pack_rows, packed_rows, packing_applies
-from miles_multilora.rollout.logprobs import lm_head_weight, right_pad, selected_logprobs, selected_scores
+from miles_multilora.scoring.logprobs import lm_head_weight, right_pad, selected_logprobs, selected_scores
 from miles_multilora.trainer.data_parallel import MAXED_METRICS
 from miles_multilora.trainer.microbatch import micro_batches
 
@@ -35,7 +35,9 @@ class ScoredRow:
     """One sequence: its slot, tokens, and the positions ``p`` whose next token is scored.
 
     ``targets[j]`` is the token scored at ``positions[j]`` (default ``tokens[p + 1]``); ``values``
-    holds per-position loss inputs (for example ``weights``, ``advantages``, ``logprobs``)."""
+    holds per-position loss inputs (for example ``weights``, ``advantages``, ``logprobs``).
+    ``temperature``: the sampling temperature the row's tokens came from (0 = greedy; scored at
+    :func:`~miles_multilora.scoring.temperature.effective_temperature` of it)."""
 
     slot: int
     tokens: list[int]

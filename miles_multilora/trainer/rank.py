@@ -87,11 +87,77 @@ class GroupJoiner(Protocol):
         ...
 
 
+class RankPrimitives(Protocol):
+    """What a client of a trainer rank (the RL recipe, the Tinker door, checkpoints) is written
+    against: :class:`TrainerRank` implements it on a model, ``tests/fake_rank.py`` without one. Each
+    member is documented on :class:`TrainerRank`."""
+
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def layout(self) -> DPLayout: ...
+    @property
+    def is_writer(self) -> bool: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def max_rank(self) -> int: ...
+    @property
+    def lora_families(self) -> tuple[str, ...]: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def slots(self) -> dict[int, OpenSlot]: ...
+
+    def free_slots(self) -> list[int]: ...
+    def open_slot(
+        self, slot: int, rank: int, alpha: float, seed: int, optimizer: OptimizerSpec, name: str, *,
+        total_steps: int | None = None, run: str = "", restore: str | Path | dict | PackedRows | None = None,
+        targets: Sequence[str] | None = None,
+    ) -> OpenSlot: ...  # fmt: skip
+    def close_slot(self, slot: int) -> None: ...
+    def slot(self, slot: int) -> OpenSlot: ...
+    def version(self, slot: int) -> int: ...
+    def check_request(self, request: GenerationRequest) -> None: ...
+    def sample(
+        self, groups: Sequence[Sequence[GenerationRequest]],
+        on_group: Callable[[int, GroupOutcome], None] | None = None, joiner: GroupJoiner | None = None,
+    ) -> list[GroupOutcome]: ...  # fmt: skip
+    def forward_backward(
+        self, rows: Sequence[ScoredRow], loss_fn: LossFn, *, reference: bool = False, backward: bool = True,
+        return_logprobs: bool = True,
+    ) -> ForwardBackwardResult: ...  # fmt: skip
+    def score(self, rows: Sequence[ScoredRow], k: int = 0) -> list[RowScores]: ...
+    def optim_step(
+        self, slots: Iterable[int], settings: Mapping[int, OptimizerSpec] | None = None
+    ) -> dict[int, SlotStepStats]: ...
+    def save_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None: ...
+    def load_slot(self, slot: int, directory: str | Path | dict, optimizer: bool = True) -> None: ...
+    def export_peft(self, slot: int, directory: str | Path) -> None: ...
+    def gather(self, value: Any) -> list[Any]: ...
+    def broadcast(self, value: Any) -> Any: ...
+    def engine_stats(self) -> dict[str, float]: ...
+
+
 class TrainerRank:
     """The Megatron model with its resident LoRA slots, their optimizer and the rollout engine of
-    one rank (``rank`` of ``world_size``: dp x tp)."""
+    one rank (``rank`` of ``world_size``: dp x tp). ``lora.num_slots`` must be a number: ``auto`` is
+    sized before the rank is built (:func:`~miles_multilora.trainer.auto_slots.sized_config`)."""
 
     def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
+        if cfg.lora.num_slots == "auto":
+            raise ConfigError(
+                "lora.num_slots",
+                "auto is sized before the rank is built: build it from trainer.auto_slots.sized_config(cfg)",
+            )
         self.cfg = cfg
         self.global_rank = rank
         self.world_size = world_size
@@ -100,11 +166,6 @@ class TrainerRank:
             tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
         )
         self.layout = DPLayout.from_megatron(world_size)
-        self.slot_sizing = None  # lora.num_slots=auto: what the warm-up measured (trainer/auto_slots.py)
-        if cfg.lora.num_slots == "auto":
-            from miles_multilora.trainer.auto_slots import resolve_num_slots
-
-            self.slot_sizing = resolve_num_slots(cfg, rank, world_size)
         built = build_model(cfg)
         self.model = built.model
         self.tokenizer = built.tokenizer

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs, chunked_topk_logprobs
-from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.scoring.chunked_logprobs import chunked_token_logprobs, chunked_topk_logprobs
+from miles_multilora.scoring.temperature import token_logprobs
 from tests.helpers import assert_close_at_scale, run_distributed
 from tests.unit.test_chunked_logprobs import _inputs
 

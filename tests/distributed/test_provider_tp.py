@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers import make_tiny_hf_checkpoint, run_distributed
+from tests.helpers import hf_state_dict, make_tiny_hf_checkpoint, run_distributed
 
 
 def _tp2_check(rank: int, world_size: int, path: str) -> None:
@@ -27,7 +27,7 @@ def _tp2_check(rank: int, world_size: int, path: str) -> None:
         ref = hf(ids).logits
     diff = (ours[..., : loaded.vocab_size] - ref).abs().max().item()
     assert diff <= 1e-5, f"rank {rank}: max abs diff {diff}"
-    exported = provider.export_hf_state_dict(loaded)
+    exported = hf_state_dict(loaded)
     for name, tensor in hf.state_dict().items():
         assert torch.equal(exported[name], tensor), name
     compat.destroy_distributed()

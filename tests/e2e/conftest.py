@@ -78,7 +78,7 @@ def snapshot_of(
     for slot, raw in enumerate(specs):
         spec = parse_adapter_spec(raw, max_rank=8)
         step = (steps or {}).get(spec.name, 0)
-        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, step, step, None, init))
+        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, step, None, init))
     return Snapshot(snapshot_id, len(specs), tuple(running), (), ())
 
 

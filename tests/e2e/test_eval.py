@@ -123,7 +123,7 @@ def _digits_with_eval(steps: int, **eval_section: Any) -> dict[str, Any]:
 def _resume(spec: dict[str, Any], slot: int, checkpoint: Path) -> SlotAssignment:
     parsed = parse_adapter_spec(spec, max_rank=8)
     step = int(ckpt.read_state(checkpoint)["step"])
-    return SlotAssignment(parsed.name, f"{parsed.name}-1", slot, parsed, step, step, str(checkpoint), True)
+    return SlotAssignment(parsed.name, f"{parsed.name}-1", slot, parsed, step, str(checkpoint), True)
 
 
 def test_eval_at_start_evaluates_the_fresh_slot_first_and_never_changes_training(

@@ -25,15 +25,15 @@ def test_resumed_at_budget_finishes_without_training(tmp_path: Path, fallback: b
     worker = RLStep.build(tiny_run_config(tmp_path / "out", [raw]))
     try:
         spec = parse_adapter_spec(raw, max_rank=8)
-        worker.step(Snapshot(1, 2, (SlotAssignment("a", "a-1", 0, spec, 0, 0, None, True),), (), ()))
-        out = worker.step(Snapshot(2, 2, (SlotAssignment("a", "a-1", 0, spec, 1, 1, None, False),), (), ()))
+        worker.step(Snapshot(1, 2, (SlotAssignment("a", "a-1", 0, spec, 0, None, True),), (), ()))
+        out = worker.step(Snapshot(2, 2, (SlotAssignment("a", "a-1", 0, spec, 1, None, False),), (), ()))
         assert list(out.finished) == ["a"] and out.results["a"].step == 2
         first, last = layout.complete_checkpoints(layout.run_dir(tmp_path / "out", "a", "a-1"))
         if fallback:  # the controller still names step 1, which is now unreadable
             (first / "slot_rank0.pt").write_bytes(b"not a torch file")
         named = first if fallback else last
         worker.residents.clear_slots((0,))  # a restarted trainer: nothing resident
-        again = SlotAssignment("a", "a-1", 0, spec, 1, 1, str(named), True)
+        again = SlotAssignment("a", "a-1", 0, spec, 1, str(named), True)
         out = worker.step(Snapshot(3, 2, (again,), (), ()))
         assert out.finished == {"a": str(last)} and not out.failed
         assert out.results["a"].trained is False and out.results["a"].step == 2

@@ -34,7 +34,7 @@ def _snapshot(
     for slot, raw in sorted(specs.items()):
         spec = parse_adapter_spec(raw, max_rank=8)
         step = steps.get(spec.name, 0)
-        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, step, step, None, init))
+        running.append(SlotAssignment(spec.name, f"{spec.name}-1", slot, spec, step, None, init))
     return Snapshot(snapshot_id, 4, tuple(running), (), ())
 
 

@@ -12,7 +12,7 @@ import torch
 
 from miles_multilora.models import compat
 from miles_multilora.rl import RLStep
-from miles_multilora.rollout.logprobs import right_pad, sequence_logprobs
+from miles_multilora.scoring.logprobs import right_pad, sequence_logprobs
 from miles_multilora.trainer.primitives import ScoredRow
 from tests.e2e.conftest import final_checkpoint, snapshot_of, tiny_run_config, toy_adapter
 

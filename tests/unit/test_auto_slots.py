@@ -19,7 +19,10 @@ from miles_multilora.testing.lora import lm_logits, tiny_gpt_with_lora
 from miles_multilora.trainer.auto_slots import (
     Meter,
     SlotMeasurement,
+    resolve_num_slots,
     size_slots,
+    sized_config,
+    sized_copy,
     slot_bytes,
     warm_up,
     warm_up_rows,
@@ -170,9 +173,28 @@ def test_auto_on_a_cpu_is_refused_naming_what_to_set(tmp_path: Path, cpu_dist) -
         pytest.skip("this machine has a GPU")
     cfg = tiny_run_config(tmp_path, [], lora={"num_slots": "auto"})
     with pytest.raises(ConfigError, match="set lora.num_slots to a number") as err:
-        TrainerRank(cfg)
+        sized_config(cfg)
     assert err.value.key == "lora.num_slots"
     assert cfg.lora.num_slots == "auto"  # nothing changed
+
+
+def test_the_rank_is_built_from_a_sized_config_never_sizing_itself(tmp_path: Path, cpu_dist) -> None:
+    cfg = tiny_run_config(tmp_path, [], lora={"num_slots": "auto"})
+    with pytest.raises(ConfigError, match="auto is sized before the rank is built") as err:
+        TrainerRank(cfg)  # no probe rank inside the constructor
+    assert err.value.key == "lora.num_slots" and cfg.lora.num_slots == "auto"
+    numbered = tiny_run_config(tmp_path, [], lora={"num_slots": 3})
+    assert sized_config(numbered) is numbered  # a number: the config itself
+
+
+def test_the_sized_config_is_a_copy_with_the_count_and_the_probes_plan(tmp_path: Path) -> None:
+    cfg = tiny_run_config(tmp_path, [], lora={"num_slots": "auto"}, trainer={"recompute": "auto"})
+    probe = tiny_run_config(tmp_path, [], lora={"num_slots": 2})
+    probe.trainer.recompute, probe.trainer.max_tokens_per_micro_batch = "selective", 3072  # its plan chose
+    sized = sized_copy(cfg, 7, probe)
+    assert (sized.lora.num_slots, sized.trainer.recompute) == (7, "selective")
+    assert sized.trainer.max_tokens_per_micro_batch == 3072 and sized.trainer.memory_check is False
+    assert (cfg.lora.num_slots, cfg.trainer.recompute, cfg.trainer.memory_check) == ("auto", "auto", True)
 
 
 @pytest.mark.gpu
@@ -191,12 +213,11 @@ def test_auto_sizes_a_gpu_rank_whose_warm_up_peak_fits_the_budget(tmp_path: Path
     per = m.slot_bytes + m.step_bytes
     fraction = (m.outside + m.peak + 20.5 * per) / m.total  # about 22 slots fit
     lora = {"num_slots": "auto", "max_rank": 64, "auto_min_slots": 2, "auto_memory_fraction": fraction}
-    cfg = tiny_run_config(tmp_path / "a", [], lora=lora, **sections)
+    cfg, sizing = resolve_num_slots(tiny_run_config(tmp_path / "a", [], lora=lora, **sections), 0, 1)
     rank = TrainerRank(cfg)
     # The rank's own measurement counts what this process already holds (the probe's leftovers, a
     # larger CUDA context), so its count is not the ~22 of the estimate above: it must be well above
     # the probe's 2, and its warm-up peak within the budget, not far short of it.
-    sizing = rank.slot_sizing
     assert sizing is not None and 8 <= rank.num_slots <= 26, sizing.summary() if sizing else None
     assert cfg.lora.num_slots == rank.num_slots == multi_lora_layers(rank.model)[0].num_slots
     meter = CudaMeter()

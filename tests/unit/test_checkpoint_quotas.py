@@ -45,7 +45,7 @@ class Adapters:
         spec = {"name": name, "dataset": {"task": "basic_arithmetic"}, "num_steps": 9}
         spec = parse_adapter_spec(spec if tenant is None else {**spec, "tenant": tenant})
         self.rank.open_slot(slot, 4, 8.0, 0, OptimizerSpec(), name)
-        self.open[name] = SlotAssignment(name, f"{name}-1", slot, spec, 0, 0, None, True)
+        self.open[name] = SlotAssignment(name, f"{name}-1", slot, spec, 0, None, True)
 
     def save(self, name: str, step: int, limits: DiskLimits) -> ckpt.SavedCheckpoint:
         assignment = self.open[name]

@@ -9,13 +9,13 @@ import os
 import pytest
 import torch
 
-from miles_multilora.algo.chunked_logprobs import chunked_token_logprobs, chunked_topk_logprobs
-from miles_multilora.algo.logprob_kernels import HAVE_TRITON
 from miles_multilora.lora.inject import apply_multi_lora, multi_lora_layers
 from miles_multilora.models.compat import init_distributed
 from miles_multilora.models.provider import build_tiny_gpt
-from miles_multilora.rollout.logprobs import selected_logprobs, sequence_logprobs
-from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.scoring.chunked_logprobs import chunked_token_logprobs, chunked_topk_logprobs
+from miles_multilora.scoring.logprob_kernels import HAVE_TRITON
+from miles_multilora.scoring.logprobs import selected_logprobs, sequence_logprobs
+from miles_multilora.scoring.temperature import token_logprobs
 from miles_multilora.testing.lora import randomize_slots
 from tests.helpers import assert_close_at_scale
 
@@ -132,14 +132,14 @@ def test_fused_kernels_in_bf16_equal_the_pytorch_path_on_the_same_logits():
 
 
 def test_a_shard_of_padding_only_reduces_to_zero_mass_without_nan():
-    from miles_multilora.algo.chunked_logprobs import _logits, _row_stats
+    from miles_multilora.scoring.chunked_logprobs import _logits, _row_stats
 
     h, w, targets, temps = _inputs()
     z = _logits(h.detach(), w, temps, valid=0)
     m, s, picked = _row_stats(z, targets - 40, w.shape[0])  # every target elsewhere
     assert torch.isfinite(m).all() and (s == 0).all() and (picked == 0).all()
     if HAVE_TRITON and INTERPRET:
-        from miles_multilora.algo.logprob_kernels import row_stats
+        from miles_multilora.scoring.logprob_kernels import row_stats
 
         km, ks, kp = row_stats(h.detach() @ w.t(), targets - 40, temps, valid=0)
         assert torch.isfinite(km).all() and (ks == 0).all() and (kp == 0).all()

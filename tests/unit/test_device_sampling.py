@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miles_multilora.rollout import device_sampling as ds
-from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.scoring.temperature import token_logprobs
 from miles_multilora.testing.sampling import filter_top_k_top_p
 
 pytestmark = pytest.mark.skipif(not ds.HAVE_TRITON, reason="triton is not installed")

@@ -19,7 +19,7 @@ from miles_multilora.controller import ControllerCore
 from miles_multilora.controller.admission import AdmissionRules
 from miles_multilora.controller.snapshot import AdapterResult
 from miles_multilora.data.datasets import load_adapter_dataset
-from miles_multilora.data.evaluation import build_held_out, eval_metrics, pass_at_k, standard_error
+from miles_multilora.data.evaluation import build_held_out, eval_metrics, standard_error
 from miles_multilora.data.validation import validate_adapter_resources
 from miles_multilora.errors import SpecError
 from miles_multilora.launch.metrics import (
@@ -171,8 +171,9 @@ def test_network_specs_read_eval_files_only_under_the_dataset_roots(tmp_path: Pa
 def test_pass_at_k_and_eval_metrics_on_a_hand_made_case() -> None:
     correct = [[False, True, False], [False, False, False], [True, True, True], [None, True, False]]
     rewards = [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, 1.0, 0.0]]
-    assert pass_at_k(correct) == pytest.approx(2 / 3)  # the unknown item is left out
-    assert pass_at_k([[None], [None]]) is None
+    pass_at_3 = eval_metrics(rewards, correct, k=3)["eval/pass@3"]
+    assert pass_at_3 == pytest.approx(2 / 3)  # the unknown item is left out
+    assert "eval/pass@2" not in eval_metrics([[0.0, 1.0]] * 2, [[None, None]] * 2, k=2)  # none known
     m = eval_metrics(rewards, correct, k=3)
     assert m["eval/size"] == 4
     assert m["eval/reward_mean"] == pytest.approx(5.5 / 12)

@@ -13,7 +13,7 @@ from miles_multilora.errors import ConfigError
 from miles_multilora.lora import build_routing_plan, fp8_base
 from miles_multilora.lora.inject import use_fp8_base
 from miles_multilora.lora.triton_kernels import HAVE_TRITON
-from miles_multilora.rollout import compute_logprobs
+from miles_multilora.scoring.logprobs import compute_logprobs
 from miles_multilora.testing.lora import randomize_slots
 from tests.helpers import assert_close_at_scale
 from tests.unit.test_lora_layer import ALPHAS, RANKS, N, _make_layer, _run, _slot_ids

@@ -189,7 +189,7 @@ def test_the_activation_estimate_bounds_a_measured_step_on_a_gpu() -> None:
     """A context-length sample through a small bf16 model: the memory the forward/backward adds stays
     within the micro-batch estimate (with its slack) for each recompute choice."""
     from miles_multilora.models import compat, provider
-    from miles_multilora.rollout.logprobs import selected_logprobs
+    from miles_multilora.scoring.logprobs import selected_logprobs
 
     shape = ModelShape(num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8,
                        num_query_groups=2, vocab_size=8192)  # fmt: skip

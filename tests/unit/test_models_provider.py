@@ -9,7 +9,7 @@ import torch
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.models import compat, provider
-from tests.helpers import make_tiny_hf_checkpoint
+from tests.helpers import hf_state_dict, make_tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,7 +38,7 @@ def test_hf_checkpoint_gives_same_logits_and_exports_exactly(tmp_path, arch):
     assert ours.shape[:2] == ref.shape[:2]
     assert (ours[..., : loaded.vocab_size] - ref).abs().max().item() <= 1e-5
 
-    exported = provider.export_hf_state_dict(loaded)
+    exported = hf_state_dict(loaded)
     reference = hf.state_dict()
     assert set(exported) == set(reference)
     for name, tensor in exported.items():

@@ -9,7 +9,7 @@ import torch
 
 from miles_multilora.lora import init_slot, multi_lora_layers, token_slots
 from miles_multilora.lora.expert_base import expert_offsets, grouped_linear
-from miles_multilora.rollout import compute_logprobs
+from miles_multilora.scoring.logprobs import compute_logprobs
 from tests.helpers import assert_close_at_scale
 from tests.moe_helpers import randomize_b, reference_moe, tiny_moe_gpt
 from tests.unit.test_rollout_batching import _engine_for, _grpo_requests, _key

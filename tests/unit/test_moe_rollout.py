@@ -8,8 +8,9 @@ import torch
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.lora import init_slot
-from miles_multilora.rollout import EmbeddedEngine, GenerationRequest, compute_logprobs
+from miles_multilora.rollout import EmbeddedEngine, GenerationRequest
 from miles_multilora.rollout.paged_model import PagedModel
+from miles_multilora.scoring.logprobs import compute_logprobs
 from tests.moe_helpers import randomize_b, tiny_moe_gpt
 from tests.unit.test_rollout_embedded import (
     ADAPTERS,

@@ -50,7 +50,7 @@ def test_the_rl_doors_checkpoint_state_history_and_metrics_are_owner_only(
     out = tmp_path / "out"
     backend.create_model("m", rank=4, seed=1)
     spec = parse_adapter_spec({"name": "a", "dataset": {"task": "basic_arithmetic"}, "num_steps": 9})
-    assignment = SlotAssignment("a", "a-1", backend.residency.slots["m"], spec, 0, 0, None, True)
+    assignment = SlotAssignment("a", "a-1", backend.residency.slots["m"], spec, 0, None, True)
     saved = Path(write_checkpoint(backend.rank, out, assignment, {"offset": 3}, keep=2))
     assert {p.name for p in saved.rglob("*")} >= {"slot_rank0.pt", "adapter_model.safetensors", "state.json"}
 

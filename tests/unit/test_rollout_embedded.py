@@ -15,9 +15,8 @@ from miles_multilora.rollout import (
     EmbeddedEngine,
     GenerationRequest,
     RolloutError,
-    compute_logprobs,
 )
-from miles_multilora.rollout.logprobs import forward_logits
+from miles_multilora.scoring.logprobs import compute_logprobs, forward_logits
 
 MODEL_VOCAB = 128  # padded vocab of the model; the tokenizer has fewer ids
 MAX_SEQ_LEN = 96

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from miles_multilora.rollout.sampling import token_logprobs
+from miles_multilora.scoring.temperature import token_logprobs
 from miles_multilora.testing.sampling import filter_top_k_top_p, make_generator, sample_token
 
 

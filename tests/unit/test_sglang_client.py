@@ -129,8 +129,6 @@ def test_errors_are_surfaced_with_the_server_message(servers, tmp_path):
     with pytest.raises(RolloutError, match="unreachable"):
         lost.generate([GenerationRequest.for_base([1, 2])])
     assert engine.is_healthy() and not lost.is_healthy()
-    with pytest.raises(RolloutError, match="not healthy"):
-        lost.wait_until_healthy(timeout_s=0.2, poll_s=0.05)
 
 
 def test_data_parallel_clients_share_servers_and_one_manages_adapters(servers, tmp_path):

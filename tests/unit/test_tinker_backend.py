@@ -13,7 +13,7 @@ import torch
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.errors import SpecError
-from miles_multilora.rollout.logprobs import forward_logits
+from miles_multilora.scoring.logprobs import forward_logits
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.batching_queue import BatchingQueue
 from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest, PromptScoring, TinkerError

@@ -33,7 +33,7 @@ def _write(out: Path, run_id: str, step: int, world_size: int = 1, keep: int = 5
 
 
 def _assignment(run_id: str, resume: Path | None) -> SlotAssignment:
-    return SlotAssignment("a", run_id, 0, SPEC, 0, 0, None if resume is None else str(resume), True)
+    return SlotAssignment("a", run_id, 0, SPEC, 0, None if resume is None else str(resume), True)
 
 
 def test_runs_of_one_name_keep_separate_directories_and_retention_stays_inside_a_run(tmp_path):

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from miles_multilora.algo.chunked_logprobs import (
+from miles_multilora.host_tensors import tensor_on, to_device
+from miles_multilora.lora.layer import MultiLoRALinear
+from miles_multilora.models.provider import gpt_module
+from miles_multilora.scoring.chunked_logprobs import (
     DEFAULT_CHUNK_ROWS,
     chunked_token_logprobs,
     chunked_topk_logprobs,
 )
-from miles_multilora.host_tensors import tensor_on, to_device
-from miles_multilora.lora.layer import MultiLoRALinear
-from miles_multilora.models.provider import gpt_module
-from miles_multilora.rollout.routing import check_servable_slots, row_routing
-from miles_multilora.rollout.sampling import effective_temperature, token_logprobs
+from miles_multilora.scoring.routing import check_servable_slots, row_routing
+from miles_multilora.scoring.temperature import effective_temperature, token_logprobs
 
 if TYPE_CHECKING:
     from miles_multilora.models.packed_rows import PackedRows
@@ -138,9 +138,7 @@ def selected_logprobs(
     """
     if packed is not None and route:
         raise ValueError("packed rows are routed by the caller: pass route=False")
-    temps = effective_temperature(
-        to_device(torch.as_tensor(temperatures, dtype=torch.float32), input_ids.device)
-    )
+    temps = to_device(torch.as_tensor(temperatures, dtype=torch.float32), input_ids.device)
     weight = lm_head_weight(model)
     if weight is None:  # the module's own LM head: full logits, then the selected entries
         if packed is not None:
@@ -154,7 +152,9 @@ def selected_logprobs(
     if targets is None:
         targets = input_ids[at_rows, at + 1]
     hidden = _selected_hidden(model, input_ids, slots, at_rows, at, route, packed)
-    return chunked_token_logprobs(hidden, weight, targets, temps[rows], vocab_size, chunk)
+    return chunked_token_logprobs(
+        hidden, weight, targets, effective_temperature(temps)[rows], vocab_size, chunk
+    )
 
 
 def _selected_hidden(

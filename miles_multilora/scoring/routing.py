@@ -6,12 +6,11 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from torch import Tensor
 
+from miles_multilora.errors import RolloutError
 from miles_multilora.lora.inject import model_num_slots, token_slots
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.routing import row_routing_plan
-from miles_multilora.rollout.engine import RolloutError
 
 
 def has_multi_lora(model: torch.nn.Module) -> bool:
@@ -29,20 +28,12 @@ def check_servable_slots(model: torch.nn.Module, slots: Sequence[int]) -> bool:
     return routed
 
 
-def slot_routing(model: torch.nn.Module, slot_ids: Tensor, routed: bool = True) -> AbstractContextManager:
-    """Context manager routing the next forward's ``[batch, seq]`` tokens to ``slot_ids``.
-
-    ``routed=False`` (from :func:`check_servable_slots`) is for a plain base model: nothing to route.
-    """
-    return token_slots(model, slot_ids) if routed else nullcontext()
-
-
 def row_routing(
     model: torch.nn.Module, slots: Sequence[int], seq_len: int, device: torch.device, routed: bool = True
 ) -> AbstractContextManager:
     """Context manager routing every token of row ``b`` (of ``seq_len``) to ``slots[b]``; the plan is
-    built from the host's list, so the host never waits for the GPU (``routed``: as in
-    :func:`slot_routing`)."""
+    built from the host's list, so the host never waits for the GPU. ``routed=False`` (from
+    :func:`check_servable_slots`) is for a plain base model: nothing to route."""
     if not routed:
         return nullcontext()
     return token_slots(model, row_routing_plan(slots, seq_len, model_num_slots(model), device))

@@ -9,7 +9,7 @@ logit); under tensor parallelism those are combined across ranks, and the
 input gradient is all-reduced (what Megatron's column-parallel output layer does around its GEMM).
 On a CUDA device the per-chunk reductions are the fused Triton kernels of :mod:`logprob_kernels`
 (one pass over the logits each way), elsewhere PyTorch ops. The numbers equal
-:func:`~miles_multilora.rollout.sampling.token_logprobs` of the full logits up to fp32 rounding.
+:func:`~miles_multilora.scoring.temperature.token_logprobs` of the full logits up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_multilora.algo import logprob_kernels
+from miles_multilora.scoring import logprob_kernels
 
 DEFAULT_CHUNK_ROWS = 1024
 FUSED = True  # the Triton reductions on CUDA devices; tests and benchmarks switch it off to compare

@@ -1,6 +1,6 @@
 """Triton kernels of the chunked LM-head logprobs: one pass over a chunk's logits each way.
 
-The PyTorch path of :mod:`~miles_multilora.algo.chunked_logprobs` turns a chunk's ``[rows, vocab]``
+The PyTorch path of :mod:`~miles_multilora.scoring.chunked_logprobs` turns a chunk's ``[rows, vocab]``
 logits into fp32, divides, masks, subtracts, exponentiates and sums in separate kernels, forward and
 again backward (about 15 passes over ``rows x vocab`` fp32 values). These kernels read the GEMM's
 logits (in the model dtype) once:
