@@ -35,6 +35,21 @@ def default_device() -> torch.device:
 
 # 1. megatron-core allocates parameters and buffers with `device=torch.cuda.current_device()`.
 #    On CPU we make that call answer the CPU device, so those allocations land on the CPU.
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight^T`` (``[..., H]`` by ``[V, H]``) as fp32 logits, never rounded to the model's
+    dtype: a bf16 logit near 20 is off by up to 0.06, which alone moves the sampler's and the
+    trainer's logprobs apart. A CUDA GEMM reads the bf16 operands and writes fp32 (``out_dtype``); a
+    CPU has no such kernel, so it multiplies fp32 copies (CPU runs are fp32 by default)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        out = flat @ weight.t()
+    elif hidden.is_cuda:
+        out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+    else:
+        out = flat.float() @ weight.float().t()
+    return out.view(*hidden.shape[:-1], weight.shape[0])
+
+
 def patch_cuda_current_device() -> None:
     if is_cpu() and not getattr(torch.cuda.current_device, "_miles_cpu_patch", False):
 

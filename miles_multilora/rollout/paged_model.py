@@ -18,10 +18,12 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.row_delta import RowDelta, RowShrink
+from miles_multilora.models.compat import lm_head_logits
 from miles_multilora.models.provider import gpt_module
 from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
@@ -30,6 +32,7 @@ from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.moe_decode import is_moe, moe_decode, prepare_moe
 from miles_multilora.rollout.paged_attention import paged_decode_attention, write_decode_kv, write_prefill_kv
 from miles_multilora.rollout.rope_kv import fused_rope_kv_supported, rope_and_write_kv
+from miles_multilora.scoring.logprobs import lm_head_weight
 
 
 class PagedModel:
@@ -116,9 +119,19 @@ class PagedModel:
         gpt = self.model
         if not normed:
             hidden = gpt.decoder.final_layernorm(hidden)
-        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        logits, _ = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[0]
+        weight = lm_head_weight(gpt)
+        if weight is None:  # a LoRA-adapted or biased head: its own forward (logits in the model's dtype)
+            weight = (
+                gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+            )
+            logits, _ = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
+            return logits[0]
+        logits = lm_head_logits(
+            hidden[0], weight
+        )  # fp32, as the trainer scores (scoring/chunked_logprobs.py)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
+        return logits
 
     def _norm(
         self, hidden: Tensor, norm: torch.nn.Module, delta: Tensor | None, lora: RowDelta | None = None

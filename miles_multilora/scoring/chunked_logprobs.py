@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles_multilora.models.compat import lm_head_logits
 from miles_multilora.scoring import logprob_kernels
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -57,7 +58,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             hi = min(lo + chunk, hidden.shape[0])
             local_t = targets[lo:hi] - start
             if fused:
-                z = hidden[lo:hi] @ weight.t()
+                z = lm_head_logits(hidden[lo:hi], weight)
                 m, s, picked = logprob_kernels.row_stats(z, local_t, temperature[lo:hi], valid)
             else:
                 z = _logits(hidden[lo:hi], weight, temperature[lo:hi], valid)
@@ -94,7 +95,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def _logits(hidden: Tensor, weight: Tensor, temperature: Tensor, valid: int) -> Tensor:
     """fp32 tempered logits of this rank's vocab shard, padded columns (``>= valid``) at -inf."""
-    z = (hidden @ weight.t()).float() / temperature.unsqueeze(-1)
+    z = lm_head_logits(hidden, weight) / temperature.unsqueeze(-1)
     return z.masked_fill(torch.arange(weight.shape[0], device=z.device) >= valid, float("-inf"))
 
 
