@@ -70,10 +70,10 @@ def apply_multi_lora(
     ``"output_layer"`` to adapt the LM head. ``kernels``: see :class:`MultiLoRALinear`.
     In a mixture-of-experts layer fc1/fc2 are the experts' (one
     :class:`~miles_multilora.lora.expert_layer.MultiLoRAExpertLinear` each for all local experts,
-    :mod:`~miles_multilora.lora.moe`, and the shared expert's as dense layers; ``shared_expert_a``: fc1's A shared by the experts;
-    ``expert_routing``: ``slot_major`` or ``expert_major``; ``expert_rank_scaling``: a fresh slot's
-    routed experts get rank ``rank / moe_router_topk``, :func:`~miles_multilora.lora.slots.init_slot`);
-    the router is never a target.
+    :mod:`~miles_multilora.lora.moe`) and the shared expert's (dense layers); ``shared_expert_a``:
+    fc1's A shared by the experts; ``expert_routing``: ``slot_major`` or ``expert_major``;
+    ``expert_rank_scaling``: a fresh slot's routed experts get rank ``rank / moe_router_topk``
+    (:func:`~miles_multilora.lora.slots.init_slot`). The router is never a target.
     Every target is checked before the model changes: on error the model is exactly as before.
     Returns the new layers in module order.
     """

@@ -15,9 +15,9 @@ A forward (training, prefill):
 4. the dispatcher combines the rows back.
 
 A shared expert (Qwen2-MoE / DeepSeek / GLM: ``moe_shared_expert_intermediate_size``, optionally
-gated) is Megatron's ``SharedExpertMLP`` run on every token beside the routed experts; its fc1/fc2
-are plain :class:`~miles_multilora.lora.layer.MultiLoRALinear` layers (:func:`~miles_multilora.lora.
-inject.apply_multi_lora` wraps them as dense MLP linears, keys ``layers.{i}.shared_experts.*``).
+gated) is Megatron's ``SharedExpertMLP`` run on every token beside the routed experts and added
+after them (:meth:`MultiLoRAMoELayer.add_shared_expert`); its fc1/fc2 are plain ``MultiLoRALinear``
+layers, wrapped by ``apply_multi_lora`` as dense MLP linears (keys ``layers.{i}.shared_experts.*``).
 
 Nothing here couples the adapters of a batch: token dropping, auxiliary and z-losses and input
 jitter are refused (:func:`check_moe`). Experts are whole on each rank (expert tensor

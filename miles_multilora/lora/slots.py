@@ -112,7 +112,8 @@ def check_slot_args(
         raise SpecError("rank", f"must be an int in 1..{max_rank} (the model's max_rank), got {rank!r}")
     if not alpha > 0:
         raise SpecError("alpha", f"must be > 0, got {alpha!r}")
-    divisors = {getattr(layer, "rank_divisor", 1) for layer in layers} - {1}
+    trained = [la for la in layers if targets is None or family_of(la.key) in targets]
+    divisors = {getattr(layer, "rank_divisor", 1) for layer in trained} - {1}
     if divisors and rank % (k := max(divisors)):
         raise SpecError(
             "rank",
