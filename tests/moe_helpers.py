@@ -26,6 +26,7 @@ def tiny_moe_gpt(
     kernels: str = "auto",
     shared_expert_a: bool = False,
     order: str = "slot_major",
+    expert_rank_scaling: bool = False,
     dispatcher: str = "allgather",
     targets: Any = "all-linear",
     tp: int = 1,
@@ -53,6 +54,7 @@ def tiny_moe_gpt(
             kernels=kernels,
             shared_expert_a=shared_expert_a,
             expert_routing=order,
+            expert_rank_scaling=expert_rank_scaling,
         )
     return model
 
@@ -76,8 +78,16 @@ def randomize_b(model: torch.nn.Module, slot: int, seed: int, scale: float = 0.1
 
 
 def tiny_moe_hf_model(arch: str = "qwen3_moe", seed: int = 0, norm_topk_prob: bool = True) -> Any:
-    """A randomly initialised tiny HF Qwen3-MoE (qk-norm, every layer sparse) or Mixtral causal LM."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """A randomly initialised tiny HF Qwen3-MoE (qk-norm, every layer sparse), Mixtral or Qwen2-MoE
+    (q/k/v biases, a gated shared expert beside the routed ones) causal LM."""
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     dims = dict(
         vocab_size=64,
@@ -93,6 +103,23 @@ def tiny_moe_hf_model(arch: str = "qwen3_moe", seed: int = 0, norm_topk_prob: bo
     torch.manual_seed(seed)
     if arch == "mixtral":
         return MixtralForCausalLM(MixtralConfig(**dims, intermediate_size=24, num_local_experts=4)).eval()
+    if arch == "qwen2_moe":
+        config = Qwen2MoeConfig(
+            **dims,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        model = Qwen2MoeForCausalLM(config)
+        with torch.no_grad():  # HF zero-inits biases: random ones so that the mapping is checked
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0.0, 0.1)
+        return model.eval()
     config = Qwen3MoeConfig(
         **dims,
         head_dim=8,

@@ -34,7 +34,8 @@ class MultiLoRAExpertLinear(MultiLoRALinear):
 
     ``in_features``/``out_features``: one expert's projection; ``shared_a``: one ``A`` per slot for
     every expert (only ``B`` is per expert); ``order``: how the (slot, expert) groups' rows are
-    ordered (:mod:`~miles_multilora.lora.expert_routing`).
+    ordered (:mod:`~miles_multilora.lora.expert_routing`); ``rank_divisor``: a fresh slot of rank
+    ``r`` gets rank ``r / rank_divisor`` here at the adapter's alpha (``lora.expert_rank_scaling``).
     """
 
     stacks_shrink = False  # no base GEMM to carry the A rows (lora.stacked_shrink)
@@ -53,6 +54,7 @@ class MultiLoRAExpertLinear(MultiLoRALinear):
         num_experts: int | None = None,
         shared_a: bool = False,
         order: str = SLOT_MAJOR,
+        rank_divisor: int = 1,
         kernels: str = "auto",
         ep_group=None,
         expert_dp_group=None,
@@ -78,6 +80,7 @@ class MultiLoRAExpertLinear(MultiLoRALinear):
         self.num_experts = num_experts if num_experts is not None else num_local_experts
         self.expert_offset = expert_offset
         self.shared_a = shared_a
+        self.rank_divisor = rank_divisor
         self.batch_first = False
         self.tp_group, self.tp_size, self.tp_rank = None, 1, 0  # experts are whole on each rank
         self.ep_group = ep_group

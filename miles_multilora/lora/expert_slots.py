@@ -4,7 +4,10 @@ The PEFT layout of expert LoRA is one LoRA per expert and projection, as PEFT ma
 MoE whose experts are ``nn.Linear`` modules (transformers 4.x) and as vLLM (>= 0.11.2, its fused-MoE
 LoRA) loads it: ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`` (Qwen3-MoE, Qwen2-MoE,
 OLMoE) or ``model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}`` (Mixtral). Names are kept
-in the Qwen3-MoE form here; :func:`hf_name` / :func:`canonical_name` convert for Mixtral.
+in the Qwen3-MoE form here; :func:`hf_name` / :func:`canonical_name` convert for Mixtral. A shared
+expert's LoRA (dense layers, :mod:`~miles_multilora.lora.layout`) is named
+``model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj`` (Qwen2-MoE); these two convert it to
+DeepSeek's and GLM's ``mlp.shared_experts``.
 
 A slot's experts share its rank and scale. Export writes every expert's gate and up with the
 expert's one fc1 ``A``, at the slot's rank and alpha; a PEFT adapter whose gate and up have
@@ -56,9 +59,25 @@ def part_rows(layer: MultiLoRAExpertLinear) -> list[int]:
     return [layer.out_features // n] * n
 
 
+_SHARED_QWEN, _SHARED_PLURAL = ".mlp.shared_expert.", ".mlp.shared_experts."
+# architectures whose shared expert MLP is ``mlp.shared_experts`` (megatron-bridge's DeepSeek and GLM
+# mappings); Qwen2-MoE / Qwen3-Next name it ``mlp.shared_expert`` (the canonical form here)
+_PLURAL_SHARED_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+
+
+def _model_type(hf_config: Any) -> str | None:
+    if isinstance(hf_config, dict):
+        return hf_config.get("model_type")
+    return getattr(hf_config, "model_type", None)
+
+
 def hf_name(name: str, hf_config: Any) -> str:
-    """The module's name in the checkpoint's architecture (Mixtral: ``block_sparse_moe`` and w1/w3/w2)."""
-    if getattr(hf_config, "model_type", None) != "mixtral" or ".mlp.experts." not in name:
+    """The module's name in the checkpoint's architecture (Mixtral: ``block_sparse_moe`` and w1/w3/w2;
+    DeepSeek and GLM: ``mlp.shared_experts`` for the shared expert)."""
+    model_type = _model_type(hf_config)
+    if model_type in _PLURAL_SHARED_TYPES:
+        return name.replace(_SHARED_QWEN, _SHARED_PLURAL)
+    if model_type != "mixtral" or ".mlp.experts." not in name:
         return name
     head, leaf = name.rsplit(".", 1)
     return f"{head.replace('.mlp.experts.', '.block_sparse_moe.experts.')}.{_MIXTRAL.get(leaf, leaf)}"
@@ -66,6 +85,7 @@ def hf_name(name: str, hf_config: Any) -> str:
 
 def canonical_name(name: str) -> str:
     """Inverse of :func:`hf_name` (names of other modules are returned unchanged)."""
+    name = name.replace(_SHARED_PLURAL, _SHARED_QWEN)
     if ".block_sparse_moe.experts." not in name:
         return name
     head, leaf = name.rsplit(".", 1)

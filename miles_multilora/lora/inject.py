@@ -17,6 +17,7 @@ from miles_multilora.lora.routing import RoutingPlan, build_routing_plan
 
 ALL_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 KNOWN_TARGETS = (*ALL_LINEAR, "output_layer")
+SHARED_EXPERTS = "shared_experts"  # an MoE layer's shared expert MLP (Megatron's module name)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -35,12 +36,14 @@ def _resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _stable_key(name: str, module: nn.Module, layer_offset: int) -> str:
-    """``layers.{global index}.{leaf}`` for transformer layers (PP-stable), else the module path."""
-    leaf = name.rsplit(".", 1)[-1]
+    """``layers.{global index}.{leaf}`` for transformer layers (PP-stable; an MoE layer's shared
+    expert: ``layers.{i}.shared_experts.{leaf}``), else the module path."""
+    owner, _, leaf = name.rpartition(".")
     match = _LAYER_INDEX.search(name + ".")
     if match is None:
         return leaf
-    return f"layers.{int(match.group(1)) + layer_offset}.{leaf}"
+    shared = f"{SHARED_EXPERTS}." if owner.rsplit(".", 1)[-1] == SHARED_EXPERTS else ""
+    return f"layers.{int(match.group(1)) + layer_offset}.{shared}{leaf}"
 
 
 def _layer_offset(model: nn.Module) -> int:
@@ -59,6 +62,7 @@ def apply_multi_lora(
     kernels: str = "auto",
     shared_expert_a: bool = False,
     expert_routing: str = "slot_major",
+    expert_rank_scaling: bool = False,
 ) -> list[MultiLoRALinear]:
     """Replace the targeted linear layers with :class:`MultiLoRALinear` and freeze every base param.
 
@@ -66,8 +70,10 @@ def apply_multi_lora(
     ``"output_layer"`` to adapt the LM head. ``kernels``: see :class:`MultiLoRALinear`.
     In a mixture-of-experts layer fc1/fc2 are the experts' (one
     :class:`~miles_multilora.lora.expert_layer.MultiLoRAExpertLinear` each for all local experts,
-    :mod:`~miles_multilora.lora.moe`; ``shared_expert_a``: fc1's A shared by the experts;
-    ``expert_routing``: ``slot_major`` or ``expert_major``); the router is never a target.
+    :mod:`~miles_multilora.lora.moe`) and the shared expert's (dense layers); ``shared_expert_a``:
+    fc1's A shared by the experts; ``expert_routing``: ``slot_major`` or ``expert_major``;
+    ``expert_rank_scaling``: a fresh slot's routed experts get rank ``rank / moe_router_topk``
+    (:func:`~miles_multilora.lora.slots.init_slot`). The router is never a target.
     Every target is checked before the model changes: on error the model is exactly as before.
     Returns the new layers in module order.
     """
@@ -105,7 +111,9 @@ def apply_multi_lora(
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, layer)
-    inject_moe(model, targets, num_slots, max_rank, kernels, shared_expert_a, expert_routing)
+    inject_moe(
+        model, targets, num_slots, max_rank, kernels, shared_expert_a, expert_routing, expert_rank_scaling
+    )
     _layers_of.pop(model, None)
     return multi_lora_layers(model)
 

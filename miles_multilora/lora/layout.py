@@ -3,7 +3,8 @@
 Canonical (TP-gathered) layouts:
 
 * ``linear_qkv``: Megatron's fused rows, per query group ``[q heads of the group; k; v]``.
-* ``linear_fc1`` (SwiGLU): ``[gate; up]``; each TP rank holds ``[gate shard; up shard]``.
+* ``linear_fc1`` (SwiGLU): ``[gate; up]``; each TP rank holds ``[gate shard; up shard]`` (an MoE
+  layer's shared expert alike, under ``mlp.shared_expert``).
 * ``linear_proj`` / ``linear_fc2`` / ``output_layer``: one HF module each.
 """
 
@@ -23,8 +24,17 @@ def leaf(layer: MultiLoRALinear) -> str:
 
 
 def _layer_index(layer: MultiLoRALinear) -> int | None:
+    """``layers.{i}.{leaf}`` (or an MoE layer's shared expert, ``layers.{i}.shared_experts.{leaf}``) -> i."""
     parts = layer.key.split(".")
-    return int(parts[1]) if len(parts) == 3 and parts[0] == "layers" else None
+    shared = len(parts) == 4 and parts[2] == "shared_experts"
+    return int(parts[1]) if (len(parts) == 3 or shared) and parts[0] == "layers" else None
+
+
+def _mlp(layer: MultiLoRALinear) -> str:
+    """The HF module holding the layer's MLP projections: ``mlp``, or a shared expert's
+    ``mlp.shared_expert`` (Qwen2-MoE's name; :func:`~miles_multilora.lora.expert_slots.hf_name`
+    gives other architectures theirs)."""
+    return f"{_MLP}.shared_expert" if ".shared_experts." in layer.key else _MLP
 
 
 def _gated(layer: MultiLoRALinear) -> bool:
@@ -40,10 +50,10 @@ def hf_parts(layer: MultiLoRALinear) -> list[str]:
     table = {
         "linear_qkv": [f"{base}.{_ATTN}.{p}" for p in ("q_proj", "k_proj", "v_proj")],
         "linear_proj": [f"{base}.{_ATTN}.o_proj"],
-        "linear_fc1": [f"{base}.{_MLP}.{p}" for p in ("gate_proj", "up_proj")]
+        "linear_fc1": [f"{base}.{_mlp(layer)}.{p}" for p in ("gate_proj", "up_proj")]
         if _gated(layer)
-        else [f"{base}.{_MLP}.up_proj"],
-        "linear_fc2": [f"{base}.{_MLP}.down_proj"],
+        else [f"{base}.{_mlp(layer)}.up_proj"],
+        "linear_fc2": [f"{base}.{_mlp(layer)}.down_proj"],
     }
     return table.get(name, [f"{base}.{name}"])
 

@@ -14,8 +14,13 @@ A forward (training, prefill):
    projection's LoRA is one routed pass over every (slot, expert) group (:mod:`expert_routing`);
 4. the dispatcher combines the rows back.
 
-Nothing here couples the adapters of a batch: token dropping, auxiliary and z-losses, input jitter
-and shared experts are refused (:func:`check_moe`). Experts are whole on each rank (expert tensor
+A shared expert (Qwen2-MoE / DeepSeek / GLM: ``moe_shared_expert_intermediate_size``, optionally
+gated) is Megatron's ``SharedExpertMLP`` run on every token beside the routed experts and added
+after them (:meth:`MultiLoRAMoELayer.add_shared_expert`); its fc1/fc2 are plain ``MultiLoRALinear``
+layers, wrapped by ``apply_multi_lora`` as dense MLP linears (keys ``layers.{i}.shared_experts.*``).
+
+Nothing here couples the adapters of a batch: token dropping, auxiliary and z-losses and input
+jitter are refused (:func:`check_moe`). Experts are whole on each rank (expert tensor
 parallelism 1). Under TP without expert parallelism every TP rank runs the whole MoE layer on its
 (replicated) tokens; with expert parallelism each TP rank routes its share of the tokens, as
 Megatron's sequence parallelism would, so that no token is sent twice to an expert.
@@ -54,7 +59,7 @@ def check_moe(moe: MoELayer) -> None:
         (router.is_aux_loss_enabled(), "moe_aux_loss_coeff", "an auxiliary load-balancing loss"),
         (cfg.moe_z_loss_coeff is not None, "moe_z_loss_coeff", "the router z-loss"),
         (cfg.moe_input_jitter_eps is not None, "moe_input_jitter_eps", "router input jitter"),
-        (moe.use_shared_expert, "moe_shared_expert_intermediate_size", "shared experts"),
+        (bool(cfg.moe_shared_expert_overlap), "moe_shared_expert_overlap", "overlapping the shared expert"),
         (bool(cfg.moe_latent_size), "moe_latent_size", "MoE latent projections"),
         (bool(cfg.moe_router_padding_for_quantization), "moe_router_padding_for_quantization", "padding"),
         (bool(cfg.moe_permute_fusion), "moe_permute_fusion", "Transformer Engine's permutation"),
@@ -227,7 +232,13 @@ class MultiLoRAMoELayer(MoELayer):
             out = gather_from_sequence_parallel_region(
                 out, tensor_parallel_output_grad=False, group=self.tp_group
             )[:tokens]
-        return out.view(shape), None
+        return self.add_shared_expert(out.view(shape), hidden_states), None
+
+    def add_shared_expert(self, routed: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``routed`` plus the shared expert's output on every token (its LoRA routed like a dense
+        MLP's), as Megatron's ``postprocess`` adds it; ``routed`` alone without a shared expert."""
+        shared = self.shared_experts_compute(hidden_states)
+        return routed if shared is None else routed + shared
 
     def _my_share(
         self, x: torch.Tensor, slots: torch.Tensor | None
@@ -290,10 +301,13 @@ def inject_moe(
     kernels: str = "auto",
     shared_expert_a: bool = False,
     order: str = SLOT_MAJOR,
+    expert_rank_scaling: bool = False,
 ) -> list[MultiLoRAExpertLinear]:
     """Make every MoE layer of ``model`` a :class:`MultiLoRAMoELayer` (validated first: on error
     nothing changed) with expert LoRA on the ``targets`` among fc1/fc2. ``shared_expert_a``: fc1's
-    ``A`` is one per slot for all experts (its ``B`` stays per expert). Returns the new layers."""
+    ``A`` is one per slot for all experts (its ``B`` stays per expert); ``expert_rank_scaling``: a
+    fresh slot's routed experts get its rank divided by the layer's top-k (``rank_divisor``).
+    Returns the new layers."""
     layers = validate_moe(model, shared_expert_a)
     new: list[MultiLoRAExpertLinear] = []
     for moe in layers:
@@ -318,6 +332,7 @@ def inject_moe(
                 num_experts=moe.config.num_moe_experts,
                 shared_a=shared_expert_a and proj == "linear_fc1",
                 order=order,
+                rank_divisor=moe.config.moe_router_topk if expert_rank_scaling else 1,
                 kernels=kernels,
                 ep_group=moe.ep_group if moe.token_dispatcher.ep_size > 1 else None,
                 expert_dp_group=_expert_dp_group(moe.token_dispatcher.ep_size > 1),

@@ -112,7 +112,21 @@ def check_slot_args(
         raise SpecError("rank", f"must be an int in 1..{max_rank} (the model's max_rank), got {rank!r}")
     if not alpha > 0:
         raise SpecError("alpha", f"must be > 0, got {alpha!r}")
+    trained = [la for la in layers if targets is None or family_of(la.key) in targets]
+    divisors = {getattr(layer, "rank_divisor", 1) for layer in trained} - {1}
+    if divisors and rank % (k := max(divisors)):
+        raise SpecError(
+            "rank",
+            f"lora.expert_rank_scaling gives the routed experts rank {rank} / {k} (moe_router_topk): "
+            f"the rank must be a multiple of {k}, got {rank}",
+        )
     return layers
+
+
+def layer_rank(layer: MultiLoRALinear, rank: int) -> int:
+    """A fresh slot's rank in ``layer``: the adapter's, or its share in a routed expert layer with
+    ``lora.expert_rank_scaling`` (``rank / moe_router_topk``; the alpha stays, so the scale grows)."""
+    return rank // getattr(layer, "rank_divisor", 1)
 
 
 def init_slot(
@@ -128,19 +142,19 @@ def init_slot(
 
     ``targets``: the families it trains (None: all); in the layers of the others the slot is empty
     (rank 0, scale 0, zero ``A`` and ``B``), so it adds nothing there and nothing there moves. Each
-    layer's ``A`` is drawn from ``(seed, layer key)``, whatever the targets."""
+    layer's ``A`` is drawn from ``(seed, layer key)``, whatever the targets. Routed expert layers
+    get :func:`layer_rank` (scale ``alpha / their rank``)."""
     layers = check_slot_args(model, slot, rank, alpha, targets)
     for layer in layers:
         if targets is not None and family_of(layer.key) not in targets:
             _empty_slot(layer, slot)
             continue
         if isinstance(layer, MultiLoRAExpertLinear):
-            a_experts = expert_slots.init_a(layer, rank, seed).to(layer.lora_A.dtype)
-            b_experts = torch.zeros(
-                layer.num_local_experts, layer.out_features, rank, dtype=layer.lora_B.dtype
-            )
-            shape = SlotShape.uniform(len(expert_slots.part_rows(layer)), rank, alpha)
-            _write_slot(layer, slot, a_experts, b_experts, float(alpha) / rank, shape)
+            r = layer_rank(layer, rank)
+            a_experts = expert_slots.init_a(layer, r, seed).to(layer.lora_A.dtype)
+            b_experts = torch.zeros(layer.num_local_experts, layer.out_features, r, dtype=layer.lora_B.dtype)
+            shape = SlotShape.uniform(len(expert_slots.part_rows(layer)), r, alpha)
+            _write_slot(layer, slot, a_experts, b_experts, float(alpha) / r, shape)
             continue
         bound = 1.0 / math.sqrt(layer.full_in_features)  # kaiming_uniform_(a=sqrt(5)), as PEFT/nn.Linear
         a_full = torch.empty(rank, layer.full_in_features, dtype=torch.float32)

@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 MOE_DISPATCHERS = ("allgather", "alltoall")
 
@@ -56,6 +57,7 @@ def moe_settings(dispatcher: str = "alltoall") -> dict[str, Any]:
         "moe_z_loss_coeff": None,
         "moe_input_jitter_eps": None,
         "moe_expert_capacity_factor": None,
+        "moe_shared_expert_overlap": False,
     }
 
 
@@ -137,12 +139,16 @@ def build_tiny_gpt(
     moe_router_topk: int = 2,
     moe_ffn_hidden_size: int | None = None,
     moe_token_dispatcher: str = "allgather",
+    moe_shared_expert_ffn_hidden_size: int | None = None,
+    moe_shared_expert_gate: bool = False,
 ) -> GPTModel:
     """A small Llama-style GPTModel (RMSNorm, SwiGLU, RoPE, GQA, untied) with random init.
     ``recompute``: activation recompute in backward (:func:`recompute_settings`). ``num_experts`` > 0:
     every MLP is a mixture of that many SwiGLU experts of ``moe_ffn_hidden_size`` (default
     ``ffn_hidden_size``), ``moe_router_topk`` per token (softmax over the chosen experts' logits, as
-    Mixtral and Qwen3-MoE with ``norm_topk_prob``), moved by ``moe_token_dispatcher``.
+    Mixtral and Qwen3-MoE with ``norm_topk_prob``), moved by ``moe_token_dispatcher``;
+    ``moe_shared_expert_ffn_hidden_size``: beside them a shared SwiGLU expert of that hidden size on
+    every token (Qwen2-MoE / DeepSeek style), scaled by a sigmoid gate with ``moe_shared_expert_gate``.
 
     Requires ``compat.init_distributed`` to have run (TP/PP/EP come from parallel_state).
     """
@@ -158,6 +164,9 @@ def build_tiny_gpt(
             expert_tensor_parallel_size=1,  # experts whole on each rank (compat.init_distributed)
             **moe_settings(moe_token_dispatcher),
         )
+        if moe_shared_expert_ffn_hidden_size:
+            moe["moe_shared_expert_intermediate_size"] = moe_shared_expert_ffn_hidden_size
+            moe["moe_shared_expert_gate"] = moe_shared_expert_gate
     config = TransformerConfig(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -268,6 +277,8 @@ def load_hf_model(
     hf_config = read_hf_config(path)
     if "MixtralForCausalLM" in hf_config.get("architectures", []):
         from miles_multilora.models import mixtral_bridge  # noqa: F401 - registers the bridge
+    if "Qwen2MoeForCausalLM" in hf_config.get("architectures", []):
+        from miles_multilora.models import qwen2_moe_bridge  # noqa: F401 - registers the bridge
 
     auto_bridge_cls = compat.import_auto_bridge()
     compat.patch_bridge_contiguous_scatter()

@@ -8,7 +8,9 @@ base GEMMs run over the sorted pairs (one grouped GEMM with device offsets in bf
 expert (weight group ``slot * E + expert``, a :class:`~miles_multilora.lora.row_routing.RowRouting`
 over the pairs) and each row sums its ``k`` expert outputs in expert order (no atomics: a row's
 result does not depend on the batch). Every shape is fixed by ``B``, so one captured graph serves
-every routing and adapter mix. Expert parallelism is not supported here (the engine refuses it).
+every routing and adapter mix. A shared expert runs on the rows as a dense MLP (its fc1/fc2 LoRA
+routed by the rows' slots like the dense layers') and is added after the routed sum, as in the
+trainer. Expert parallelism is not supported here (the engine refuses it).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _lora_groups(layer: MultiLoRAExpertLinear, row_slots: Tensor, experts: Tenso
     return build_row_routing(groups, layer.num_slots * layer.num_local_experts, tile_sizes())
 
 
-def moe_decode(moe: MoELayer, x: Tensor) -> Tensor:
+def moe_decode(moe: MultiLoRAMoELayer, x: Tensor) -> Tensor:
     """The MoE layer's output for one token per row: ``x`` ``[1, B, H]`` -> ``[1, B, H]``."""
     experts: LoRAExperts = moe.experts
     cfg = moe.config
@@ -90,4 +92,5 @@ def moe_decode(moe: MoELayer, x: Tensor) -> Tensor:
         out = fc2_lora.add_lora_rows(act, out, routing)
     k = cfg.moe_router_topk
     per_pair = torch.empty_like(out).index_copy_(0, order, out)  # back to (row, j) order
-    return per_pair.view(-1, k, out.shape[-1]).sum(1).to(x.dtype).view(x.shape)
+    routed = per_pair.view(-1, k, out.shape[-1]).sum(1).to(x.dtype).view(x.shape)
+    return moe.add_shared_expert(routed, x)

@@ -51,6 +51,8 @@ def build_model(cfg: RunConfig) -> BuiltModel:
             t.vocab_size, t.max_seq_len, seed=cfg.trainer.seed, dtype=cfg.model.dtype,
             recompute=cfg.trainer.recompute, num_experts=t.num_experts, moe_router_topk=t.moe_router_topk,
             moe_ffn_hidden_size=t.moe_ffn_hidden_size, moe_token_dispatcher=cfg.model.moe_token_dispatcher,
+            moe_shared_expert_ffn_hidden_size=t.moe_shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=t.moe_shared_expert_gate,
         )  # fmt: skip
         vocab_size, hf_config = t.vocab_size, None
     else:
@@ -76,6 +78,7 @@ def build_model(cfg: RunConfig) -> BuiltModel:
         kernels=cfg.lora.kernels,
         shared_expert_a=cfg.lora.shared_expert_a,
         expert_routing=cfg.lora.expert_routing,
+        expert_rank_scaling=cfg.lora.expert_rank_scaling,
     )
     if cfg.model.base_precision == "fp8":
         use_fp8_base(model)

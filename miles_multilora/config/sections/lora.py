@@ -23,6 +23,11 @@ class LoRAConfig:
     # the order of the (slot, expert) groups' rows in the expert LoRA kernels (slot_major | expert_major)
     shared_expert_a: bool = False
     expert_routing: str = "slot_major"
+    # mixture-of-experts models: a fresh adapter of rank r gets rank r / moe_router_topk on each routed
+    # expert (alpha kept, so its scale is alpha / (r / topk)); attention, dense MLPs and shared experts
+    # keep r. As Megatron-Bridge's normalize_moe_lora and NeMo Automodel's moe_rank_scaling. r must be
+    # a multiple of topk.
+    expert_rank_scaling: bool = False
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the ``lora.*`` key of a value out of range."""

@@ -19,6 +19,9 @@ class TinyModelConfig:
     num_experts: int = 0  # > 0: every MLP is a mixture of this many experts (lora targets their fc1/fc2)
     moe_router_topk: int = 2  # experts per token
     moe_ffn_hidden_size: int | None = None  # each expert's hidden size (None: ffn_hidden_size)
+    # > 0: beside the routed experts a shared expert MLP of this hidden size on every token (None: none)
+    moe_shared_expert_ffn_hidden_size: int | None = None
+    moe_shared_expert_gate: bool = False  # the shared expert's output times a sigmoid gate (Qwen2-MoE)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the ``model.tiny.*`` key of a value out of range."""
@@ -27,6 +30,18 @@ class TinyModelConfig:
             self.num_experts == 0 or 1 <= self.moe_router_topk <= self.num_experts,
             "model.tiny.moe_router_topk",
             f"must be in 1..model.tiny.num_experts ({self.num_experts}), got {self.moe_router_topk}",
+        )
+        shared = self.moe_shared_expert_ffn_hidden_size
+        check(
+            shared is None or (shared > 0 and self.num_experts > 0),
+            "model.tiny.moe_shared_expert_ffn_hidden_size",
+            f"must be None or > 0 with model.tiny.num_experts > 0 (a shared expert sits beside routed ones), "
+            f"got {shared} with num_experts={self.num_experts}",
+        )
+        check(
+            not self.moe_shared_expert_gate or bool(shared),
+            "model.tiny.moe_shared_expert_gate",
+            "gates a shared expert: set model.tiny.moe_shared_expert_ffn_hidden_size too",
         )
 
 
