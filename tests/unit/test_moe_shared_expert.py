@@ -12,7 +12,7 @@ from miles_multilora.config.sections.model import TinyModelConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.lora import init_slot, multi_lora_layers
 from miles_multilora.optim import SlotAdamW
-from miles_multilora.rollout import compute_logprobs
+from miles_multilora.scoring.logprobs import compute_logprobs
 from miles_multilora.testing.lora import mixed_train_step
 from tests.moe_helpers import randomize_b, tiny_moe_gpt
 from tests.unit.test_rollout_embedded import ADAPTERS, _char_tokenizer, _engine, _mixed_requests
