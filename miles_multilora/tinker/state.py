@@ -184,13 +184,16 @@ class ServerState:
     def check_base(self, base: str | None, verb: str) -> None:
         """A client's ``base_model``: None, the served name, or that name with the SDK's context
         suffix ``<base>:peft:<context>`` naming this model's context length (a 400 otherwise)."""
-        if base is None or base == self.base_model:
-            return
-        name, suffix, context = base.rpartition(":peft:")
-        if not suffix or name != self.base_model:
+        self.check_context(base)
+        if base is not None and self.base_model not in (base, base.rpartition(":peft:")[0]):
             raise TinkerError("base_model", f"this server {verb} {self.base_model!r}, not {base!r}")
+
+    def check_context(self, base: str | None) -> None:
+        """The context of ``<served base>:peft:<context>``: the model's context length (a 400 naming
+        it otherwise); any other name is :meth:`check_base`'s to judge."""
+        name, suffix, context = (base or "").rpartition(":peft:")
         limit = self.backend.rank.max_seq_len
-        if context != str(limit):
+        if suffix and name == self.base_model and context != str(limit):
             what = "exceeds" if context.isdigit() and int(context) > limit else "does not match"
             raise TinkerError(
                 "base_model", f"{base!r}: the context {context!r} {what} this model's context length "

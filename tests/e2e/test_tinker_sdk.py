@@ -645,6 +645,6 @@ def test_the_base_model_with_the_sdks_context_suffix_names_the_served_base(serve
             sc.create_lora_training_client(base_model=f"tiny:peft:{wrong}", rank=2).result()
     with pytest.raises(tinker.BadRequestError, match=rf"base_model: .*'tiny:peft:{context}'"):
         sc.create_sampling_client(base_model=f"tiny:peft:{context + 1}").result()
-    with pytest.raises(tinker.BadRequestError, match="this server trains 'tiny', not 'other:peft:"):
+    with pytest.raises(tinker.RequestFailedError, match="this server trains 'tiny', not 'other:peft:"):
         sc.create_lora_training_client(base_model=f"other:peft:{context}", rank=2).result()
     _close(sc, server)
