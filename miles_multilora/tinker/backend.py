@@ -33,6 +33,7 @@ from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec, check_sa
 from miles_multilora.errors import SpecError
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.rollout.engine import unservable_sampling
+from miles_multilora.tinker import extra_scores
 from miles_multilora.tinker.losses import check_loss, input_keys, tinker_loss
 from miles_multilora.tinker.operations import reads
 from miles_multilora.tinker.requests import (
@@ -433,17 +434,35 @@ class TinkerBackend:
 
     def score_prompt(self, model_id: str | None, prompt: list[int], scoring: PromptScoring) -> PromptScores:
         """log p(prompt[i] | prompt[:i]) for each scored position (temperature 1, fp32 log-softmax)
-        and the top-k tokens there, by the trainer's forward on the model's live slot (or on the base
-        model: ``model_id`` None)."""
+        and the top-k tokens there, the target ids' logprobs and the alternative draws
+        (:mod:`~miles_multilora.tinker.extra_scores`), by the trainer's forward on the model's live
+        slot (or on the base model: ``model_id`` None)."""
         self.check_scoring(prompt, scoring)
         n = len(prompt)
         first = 1 if scoring.last_n is None else n - scoring.last_n
         slot = -1 if model_id is None else self._slot_of(model_id)
-        (score,) = self.rank.score(
-            [ScoredRow(slot, list(prompt), list(range(first - 1, n - 1)))], scoring.topk
-        )
-        logprobs = score.logprobs if scoring.logprobs else None
-        return PromptScores(first, n, logprobs, scoring.topk, score.topk_ids, score.topk_logprobs)
+        scores = PromptScores(first, n, None, scoring.topk, targets=scoring.targets)
+        if scoring.scores_prompt:
+            (score,) = self.rank.score(
+                [ScoredRow(slot, list(prompt), list(range(first - 1, n - 1)))], scoring.topk
+            )
+            scores.logprobs = score.logprobs if scoring.logprobs else None
+            scores.topk_ids, scores.topk_logprobs = score.topk_ids, score.topk_logprobs
+        if scoring.targets is not None:
+            scores.target_logprobs = extra_scores.target_logprobs(self.rank, slot, prompt, scoring.targets)
+        if scoring.alt_k:
+            scores.alt_ids, scores.alt_logprobs = extra_scores.prompt_alternatives(
+                self.rank, slot, prompt, scoring.alt_k, scoring.temperature, scoring.seed
+            )
+        return scores
+
+    def score_samples(
+        self, model_id: str | None, prompt: list[int], outputs: list[list[int]], k: int
+    ) -> list[tuple[list[list[int]], list[list[float]]]]:
+        """The top-k (ids, logprobs) at each sampled token of each output, by the trainer's forward
+        of the prompt and output on the model's live slot (None: the base model)."""
+        slot = -1 if model_id is None else self._slot_of(model_id)
+        return extra_scores.sampled_topk(self.rank, slot, prompt, outputs, k)
 
     @reads
     def check_sample(self, prompt: list[int], sampling: SamplingSpec) -> None:

@@ -86,6 +86,11 @@ class _Job:
             else:
                 self.future.set_result(value)
 
+    def results_before(self, index: int) -> list[Any]:
+        """The results of the parts before ``index`` (all done when that part runs: a lane runs in order)."""
+        with self._lock:
+            return list(self._results[:index])
+
     def fail(self, exc: BaseException) -> None:
         with self._lock:
             if not self.future.done():
@@ -103,7 +108,19 @@ class SamplePart:
     resolve: Callable[[], str | None] | None = None
 
 
-Work = Callable[[], Any] | SamplePart  # what submit_calls takes
+@dataclass
+class AfterParts:
+    """A call that runs on the results of its request's earlier calls and parts (in order), once
+    they are done: ``fn(results)``."""
+
+    fn: Callable[[list[Any]], Any]
+
+
+Work = Callable[[], Any] | SamplePart | AfterParts  # what submit_calls takes
+
+
+def _after(call: AfterParts, job: _Job, index: int) -> Callable[[], Any]:
+    return lambda: call.fn(job.results_before(index))
 
 
 @dataclass
@@ -219,7 +236,7 @@ class BatchingQueue:
         items = [
             _Item(job, i, lane, cost, sample=c)
             if isinstance(c, SamplePart)
-            else _Item(job, i, lane, cost, call=c)
+            else _Item(job, i, lane, cost, call=_after(c, job, i) if isinstance(c, AfterParts) else c)
             for i, (c, cost) in enumerate(zip(calls, costs, strict=True))
         ]
         self._put(lane, items)

@@ -35,6 +35,7 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> Any:
     trains = {k: params.flag(lora, f"train_{k}", True, where=f"lora_config.train_{k}") for k in FLAGS}
     targets = state.backend.lora_targets(trains["attn"], trains["mlp"], trains["unembed"], s.unembed_lora)
     base = params.text(body, "base_model", None)
+    state.check_context(base)  # a 400 now (another base model fails the request when it runs)
     metadata = rest_routes.user_metadata(body, s)
     adamw_only(body)
     model_id = f"{session.session_id}:train:{seq}"

@@ -11,9 +11,12 @@ import json
 import math
 from typing import Any, NoReturn
 
+import numpy as np
+
 from miles_multilora.config.adapter import OptimizerSpec, SamplingSpec, check_optimizer, check_sampling
+from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.errors import SpecError
-from miles_multilora.tinker.requests import PromptScoring, TinkerError, sampling_params_key
+from miles_multilora.tinker.requests import PromptScoring, TargetIds, TinkerError, sampling_params_key
 
 DEFAULT_MAX_TOKENS = 128
 MIN_TEMPERATURE = 1e-3  # 0 is greedy; below this, logits / T overflow and sampling is noise
@@ -158,49 +161,108 @@ def prompt_tokens(body: dict[str, Any]) -> list[int]:
     return tokens
 
 
-UNSERVED_SAMPLE_FIELDS = {  # sample-request fields this server does not compute yet
-    "target_prompt_logprobs": "target prompt logprobs",
-    "topk_sample_logprobs": "top-k logprobs of sampled tokens",
-    "prompt_alt_tokens_k": "prompt alternative-token draws",
-}
+def _ints(value: Any, where: str) -> np.ndarray:
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise TinkerError(where, "must be a list of integers")
+    return np.asarray(value, np.int64)
 
 
-def refuse_unserved(body: dict[str, Any]) -> None:
-    """A clear error for a feature asked for and not served (never a silent empty field)."""
-    for key, what in UNSERVED_SAMPLE_FIELDS.items():
-        value = body.get(key)
-        if value not in (None, False, 0):
-            raise TinkerError(
-                key,
-                f"{what} are not served by this server yet; prompt logprobs (include_prompt_logprobs, "
-                "topk_prompt_logprobs, compute_logprobs) are, and a training client's forward scores "
-                "any tokens",
-            )
-
-
-def prompt_scoring(body: dict[str, Any], max_topk: int) -> PromptScoring | None:
-    """What a sample request asks of its prompt (``prompt_logprobs``, ``topk_prompt_logprobs`` up to
-    ``max_topk``, ``prompt_logprobs_last_n``), or None when nothing; the backend checks it against
-    the prompt (:meth:`~miles_multilora.tinker.backend.TinkerBackend.check_scoring`)."""
-    logprobs = flag(body, "prompt_logprobs")
-    topk = integer(body, "topk_prompt_logprobs", 0, low=0)
-    if topk > max_topk:
+def target_ids(body: dict[str, Any], max_k: int) -> TargetIds | None:
+    """``target_prompt_logprobs``: an int64 ``TensorData`` ``[len(prompt) - 1, K]``, dense or sparse
+    CSR, K up to ``max_k``; -1 (or a cell a sparse tensor leaves out) asks nothing. None when absent;
+    the backend checks it against the prompt and the vocabulary."""
+    value = body.get("target_prompt_logprobs")
+    if value is None:
+        return None
+    where = "target_prompt_logprobs"
+    if not isinstance(value, dict):
+        raise TinkerError(where, "must be a TensorData object (data, dtype, shape)")
+    if value.get("dtype") != "int64":
+        raise TinkerError(f"{where}.dtype", f"must be int64 (token ids), got {value.get('dtype')!r}")
+    shape = value.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in shape)
+    ):
+        raise TinkerError(f"{where}.shape", f"must be [len(prompt) - 1, K], got {shape!r}")
+    rows, k = shape
+    if not 1 <= k <= max_k:
         raise TinkerError(
-            "topk_prompt_logprobs",
-            f"{topk} is over the limit of {max_topk} (tinker.max_topk_prompt_logprobs): ask for fewer",
+            f"{where}.shape", f"K={k}; K must be in 1..{max_k} (tinker.max_target_prompt_logprobs)"
         )
+    data = _ints(value.get("data"), f"{where}.data")
+    crow_in, col_in = value.get("sparse_crow_indices"), value.get("sparse_col_indices")
+    csr = None
+    if crow_in is None and col_in is None:
+        if data.size != rows * k:
+            raise TinkerError(f"{where}.data", f"has {data.size} values for shape {shape}")
+        ids = data.reshape(rows, k)
+    else:
+        crow = _ints(crow_in, f"{where}.sparse_crow_indices")
+        col = _ints(col_in, f"{where}.sparse_col_indices")
+        counts = np.diff(crow)
+        if crow.size != rows + 1 or crow[0] != 0 or (counts < 0).any() or crow[-1] != data.size:
+            raise TinkerError(
+                f"{where}.sparse_crow_indices",
+                f"must be {rows + 1} non-decreasing row pointers from 0 to the {data.size} values",
+            )
+        starts = np.repeat(crow[:-1], counts)
+        if (
+            col.size != data.size
+            or (col < 0).any()
+            or (col >= k).any()
+            or (col.size and (np.diff(col)[np.diff(starts) == 0] <= 0).any())
+        ):
+            raise TinkerError(
+                f"{where}.sparse_col_indices",
+                f"must be one increasing column in 0..{k - 1} per value, by row",
+            )
+        ids = np.full((rows, k), -1, np.int64)
+        ids[np.repeat(np.arange(rows), counts), col] = data
+        csr = (crow, col)
+    if (ids < -1).any():
+        raise TinkerError(f"{where}.data", "token ids must be >= 0 (-1: a cell that asks nothing)")
+    if not (ids >= 0).any():
+        raise TinkerError(where, "names no token id: ask for at least one, or leave it out")
+    return TargetIds(ids, csr)
+
+
+def prompt_scoring(
+    body: dict[str, Any], limits: TinkerConfig, temperature: float = 1.0, seed: int = 0
+) -> PromptScoring | None:
+    """What a sample request asks of its prompt (``prompt_logprobs``, ``topk_prompt_logprobs``,
+    ``prompt_logprobs_last_n``, ``target_prompt_logprobs``, ``prompt_alt_tokens_k`` drawn at the
+    request's ``temperature`` and ``seed``), within ``limits``' caps, or None when nothing; the
+    backend checks it against the prompt
+    (:meth:`~miles_multilora.tinker.backend.TinkerBackend.check_scoring`)."""
+    logprobs = flag(body, "prompt_logprobs")
+    topk = _capped(body, "topk_prompt_logprobs", limits.max_topk_prompt_logprobs, "max_topk_prompt_logprobs")
     last_n = integer(body, "prompt_logprobs_last_n", None)
     if last_n is not None and not logprobs:
         raise TinkerError("prompt_logprobs_last_n", "applies to prompt logprobs: set prompt_logprobs too")
-    if not logprobs and not topk:
+    targets = target_ids(body, limits.max_target_prompt_logprobs)
+    alt_k = _capped(body, "prompt_alt_tokens_k", limits.max_prompt_alt_tokens_k, "max_prompt_alt_tokens_k")
+    if not logprobs and not topk and targets is None and not alt_k:
         return None
-    return PromptScoring(logprobs, topk, last_n)
+    return PromptScoring(logprobs, topk, last_n, targets, alt_k, temperature, seed)
+
+
+def sample_topk(body: dict[str, Any], limits: TinkerConfig) -> int:
+    """``topk_sample_logprobs``: k of the top-k logprobs at each sampled token (0: none)."""
+    return _capped(body, "topk_sample_logprobs", limits.max_topk_sample_logprobs, "max_topk_sample_logprobs")
+
+
+def _capped(body: dict[str, Any], key: str, cap: int, setting: str) -> int:
+    value = integer(body, key, 0, low=0)
+    if value > cap:
+        raise TinkerError(key, f"{value} is over the limit of {cap} (tinker.{setting}): ask for fewer")
+    return value
 
 
 def sampling(body: dict[str, Any]) -> tuple[int, SamplingSpec, int | None]:
     """``(num_samples, spec, seed)`` of a sample request (``max_tokens`` defaults to 128; ``seed``
     None when the request has none)."""
-    refuse_unserved(body)
     n = integer(body, "num_samples", 1, low=1, high=1 << 20)
     params = mapping(body, "sampling_params")
     where = "sampling_params."

@@ -128,21 +128,44 @@ class ForwardBackwardOutput:
     metrics: dict[str, float]  # Tinker's "name:reduction" keys
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
+class TargetIds:
+    """``target_prompt_logprobs``: token ids ``[len(prompt) - 1, K]``, row ``i`` scored at prompt
+    position ``i + 1`` (-1: a cell that asks nothing); ``csr`` ``(crow, col)`` when the request was
+    sparse CSR, whose layout its answer keeps."""
+
+    ids: np.ndarray
+    csr: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclass(frozen=True, eq=False)
 class PromptScoring:
     """What a sample request asks of its prompt: its logprobs (``logprobs``), the ``topk`` most
-    likely tokens at each position (0: none), scored over the last ``last_n`` tokens (None: all)."""
+    likely tokens at each position (0: none), scored over the last ``last_n`` tokens (None: all);
+    the logprobs of chosen ids (``targets``); and ``alt_k`` draws at each position after the first,
+    at ``temperature``, seeded ``seed`` (``prompt_alt_tokens_k``; neither depends on ``last_n``)."""
 
     logprobs: bool = False
     topk: int = 0
     last_n: int | None = None
+    targets: TargetIds | None = None
+    alt_k: int = 0
+    temperature: float = 1.0
+    seed: int = 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's own logprobs or top-k are asked for."""
+        return self.logprobs or self.topk > 0
 
 
 @dataclass
 class PromptScores:
     """A prompt scored from position ``first`` on (positions before it, the first token at least,
     are not scored): ``logprobs[j]`` is log p(prompt[first + j] | prompt[:first + j]) (None when not
-    asked for); ``topk_ids[j]`` / ``topk_logprobs[j]`` the most likely tokens there, highest first."""
+    asked for); ``topk_ids[j]`` / ``topk_logprobs[j]`` the most likely tokens there, highest first.
+    ``target_logprobs``: float32 of the targets' shape (0.0 where a cell asks nothing);
+    ``alt_ids`` / ``alt_logprobs``: ``[length - 1, k]`` draws and their logprobs."""
 
     first: int
     length: int
@@ -150,6 +173,10 @@ class PromptScores:
     k: int = 0
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
+    targets: TargetIds | None = None
+    target_logprobs: np.ndarray | None = None
+    alt_ids: np.ndarray | None = None
+    alt_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -181,10 +208,12 @@ class SampleJoiner(Protocol):
 
 @dataclass
 class SampleOutput:
-    """A sample request's answer: its sequences, and its prompt's scores when asked for."""
+    """A sample request's answer: its sequences, its prompt's scores when asked for, and the top-k
+    ``(ids, logprobs)`` at each sampled token of each sequence (``topk_sample_logprobs``)."""
 
     sequences: list[GenerationResult]
     prompt: PromptScores | None = None
+    sample_topk: list[tuple[list[list[int]], list[list[float]]]] | None = None
 
 
 def check_forward_backward(
@@ -220,7 +249,23 @@ def check_forward_backward(
 
 
 def check_scoring(prompt: list[int], scoring: PromptScoring, vocab_size: int) -> None:
-    """Whether ``scoring`` fits this prompt and vocabulary (``last_n`` in 1..len - 1)."""
+    """Whether ``scoring`` fits this prompt and vocabulary (``last_n`` in 1..len - 1; target ids
+    in the vocabulary, one row per prompt position after the first)."""
+    targets = scoring.targets
+    if targets is not None:
+        rows = targets.ids.shape[0]
+        if rows != len(prompt) - 1:
+            raise TinkerError(
+                "target_prompt_logprobs",
+                f"has {rows} rows for a prompt of {len(prompt)} tokens: send len(prompt) - 1 = "
+                f"{len(prompt) - 1} rows (row i scores prompt position i + 1)",
+            )
+        if targets.ids.max() >= vocab_size:
+            raise TinkerError("target_prompt_logprobs", f"token ids must be in 0..{vocab_size - 1} (or -1)")
+    if scoring.alt_k and len(prompt) < 2:
+        raise TinkerError(
+            "prompt_alt_tokens_k", "needs a prompt of at least 2 tokens (none is drawn at position 0)"
+        )
     if scoring.topk > vocab_size:
         raise TinkerError(
             "topk_prompt_logprobs", f"must be at most the vocabulary size {vocab_size}, got {scoring.topk}"

@@ -50,10 +50,11 @@ async def asample(request: Request, state: State, tenant: Tenant) -> Any:
     n, spec, seed = params.sampling(body)
     if seed is None:
         seed = state.unseeded_seed()
-    scoring = params.prompt_scoring(body, state.settings.max_topk_prompt_logprobs)
+    scoring = params.prompt_scoring(body, state.settings, spec.temperature, seed)
+    sample_topk = params.sample_topk(body, state.settings)
     seq = params.integer(body, "seq_id", None)
     calls, costs, combine = await run_in_threadpool(
-        state.sample_parts, sampler, prompt, n, spec, seed, scoring
+        state.sample_parts, sampler, prompt, n, spec, seed, scoring, sample_topk
     )
     key = (tenant, sampler.sampler_id, "sample", seq) if seq is not None else None
     lane = (tenant, sampler.session_id)

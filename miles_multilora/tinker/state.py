@@ -31,7 +31,7 @@ from miles_multilora.config.sections.tinker import TinkerConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.tinker.age_export import encrypt_dir
 from miles_multilora.tinker.backend import TinkerBackend
-from miles_multilora.tinker.batching_queue import BatchingQueue, QueueStopped, SamplePart, Work
+from miles_multilora.tinker.batching_queue import AfterParts, BatchingQueue, QueueStopped, SamplePart, Work
 from miles_multilora.tinker.catalog import EXTERNAL, SAMPLER, TRAINING, Catalog
 from miles_multilora.tinker.futures import FutureStore, Outcome
 from miles_multilora.tinker.ids import IdMint
@@ -181,13 +181,31 @@ class ServerState:
             raise missing from None
         return run.path(record)
 
+    def check_base(self, base: str | None, verb: str) -> None:
+        """A client's ``base_model``: None, the served name, or that name with the SDK's context
+        suffix ``<base>:peft:<context>`` naming this model's context length (a 400 otherwise)."""
+        self.check_context(base)
+        if base is not None and self.base_model not in (base, base.rpartition(":peft:")[0]):
+            raise TinkerError("base_model", f"this server {verb} {self.base_model!r}, not {base!r}")
+
+    def check_context(self, base: str | None) -> None:
+        """The context of ``<served base>:peft:<context>``: the model's context length (a 400 naming
+        it otherwise); any other name is :meth:`check_base`'s to judge."""
+        name, suffix, context = (base or "").rpartition(":peft:")
+        limit = self.backend.rank.max_seq_len
+        if suffix and name == self.base_model and context != str(limit):
+            what = "exceeds" if context.isdigit() and int(context) > limit else "does not match"
+            raise TinkerError(
+                "base_model", f"{base!r}: the context {context!r} {what} this model's context length "
+                f"{limit}: name it {self.base_model!r} or '{self.base_model}:peft:{limit}'",
+            )  # fmt: skip
+
     # ----------------------------------------------------------------- models (on the queue)
     def create_model(
         self, tenant: str, session_id: str, model_id: str, rank: int, seed: int, base: str | None,
         user_metadata: dict[str, str] | None = None, targets: tuple[str, ...] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        if base not in (None, self.base_model):
-            raise TinkerError("base_model", f"this server trains {self.base_model!r}, not {base!r}")
+        self.check_base(base, "trains")
         self._create(tenant, session_id, model_id, rank, seed, user_metadata, targets)
         return {"type": "create_model", "model_id": model_id}
 
@@ -343,20 +361,21 @@ class ServerState:
             saved = self.sampler_weights.open(tenant, match.group(1), match.group(3))
             sampler = Sampler(sampler_id, tenant, session_id, None, None, model_path, saved)
         else:
-            if base not in (None, self.base_model):
-                raise TinkerError("base_model", f"this server serves {self.base_model!r}, not {base!r}")
+            self.check_base(base, "serves")
             sampler = Sampler(sampler_id, tenant, session_id, None, None)
         self.registry.add_sampler(sampler)
 
     def sample_parts(
         self, sampler: Sampler, prompt: list[int], n: int, spec: SamplingSpec, seed: int,
-        scoring: PromptScoring | None = None,
+        scoring: PromptScoring | None = None, sample_topk: int = 0,
     ) -> tuple[list[Work], list[int], Callable[[list[Any]], SampleOutput]]:  # fmt: skip
         """``n`` samples as sample parts of at most ``tinker.sample_batch_tokens`` tokens each
         (sample ``j`` seeded ``seed + j``; the queue runs them in engine calls shared with other
-        clients' parts), after one call scoring the prompt when ``scoring`` asks for it; what each
-        can cost; and how their results combine. Refused over ``tinker.max_sample_tokens``. Each
-        part first finds what the sampler samples from now (:meth:`_serving`)."""
+        clients' parts), after one call scoring the prompt when ``scoring`` asks for it, and before
+        one scoring the samples' tokens (their top ``sample_topk``) when asked; what each can cost;
+        and how their results combine. Refused over ``tinker.max_sample_tokens`` (and
+        ``tinker.max_prompt_alt_tokens_cells``). Each part first finds what the sampler samples
+        from now (:meth:`_serving`)."""
         s = self.settings
         room = max(self.backend.rank.max_seq_len - len(prompt), 1)
         each = min(spec.max_new_tokens, room)  # what one sample can cost
@@ -377,17 +396,38 @@ class ServerState:
             for f, c in zip(starts, counts, strict=True)
         ]
         costs = [c * each for c in counts]
-        if scoring is None:
-            return calls, costs, lambda parts: SampleOutput([r for p in parts for r in p])
-        self.backend.check_scoring(prompt, scoring)
+        head = 0
+        if scoring is not None:
+            self.backend.check_scoring(prompt, scoring)
+            cells = (len(prompt) - 1) * self.backend.rank.vocab_size
+            if scoring.alt_k and cells > s.max_prompt_alt_tokens_cells:
+                raise TinkerError(
+                    "prompt_alt_tokens_k", f"draws from every prompt position's whole distribution: (len(prompt) "
+                    f"- 1) x vocabulary = {cells} is over the cap of {s.max_prompt_alt_tokens_cells} "
+                    "(tinker.max_prompt_alt_tokens_cells): send a shorter prompt",
+                )  # fmt: skip
 
-        def score() -> PromptScores:
-            return self.backend.score_prompt(self._serving(sampler), prompt, scoring)
+            def score() -> PromptScores:
+                return self.backend.score_prompt(self._serving(sampler), prompt, scoring)
+
+            calls, costs, head = [score, *calls], [len(prompt), *costs], 1
+        if sample_topk:
+
+            def score_samples(results: list[Any]) -> Any:
+                outputs = [r.output_ids for part in results[head:] for r in part]
+                return self.backend.score_samples(self._serving(sampler), prompt, outputs, sample_topk)
+
+            calls, costs = [*calls, AfterParts(score_samples)], [*costs, sum(costs[head:])]
+        tail = len(calls) - (1 if sample_topk else 0)
 
         def combine(parts: list[Any]) -> SampleOutput:
-            return SampleOutput([r for p in parts[1:] for r in p], parts[0])
+            return SampleOutput(
+                [r for p in parts[head:tail] for r in p],
+                parts[0] if head else None,
+                parts[-1] if sample_topk else None,
+            )
 
-        return [score, *calls], [len(prompt), *costs], combine
+        return calls, costs, combine
 
     def _serving(self, sampler: Sampler) -> str | None:
         """The backend model the sampler samples from now (None: the base model): its model's slot

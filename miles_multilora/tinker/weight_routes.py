@@ -42,8 +42,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> Any:
     if body.get("weights_access_token") is not None:
         raise TinkerError("weights_access_token", rest_routes.NO_ACCESS_TOKENS)
     base = params.text(body, "base_model", None)
-    if base not in (None, state.base_model):
-        raise TinkerError("base_model", f"this server trains {state.base_model!r}, not {base!r}")
+    state.check_base(base, "trains")
     if body.get("model_id") is not None:
         owned = registry.model(tenant, params.text(body, "model_id"))
         seq = params.integer(body, "seq_id", None)

@@ -105,15 +105,32 @@ def encode_forward_backward(out: ForwardBackwardOutput) -> bytes:
     return msg.SerializeToString()
 
 
+def _topk(msg: pb.TopkLogprobs, ids: np.ndarray, values: np.ndarray) -> None:
+    msg.token_ids = np.asarray(ids, "<i4").tobytes()
+    msg.logprobs = np.asarray(values, "<f4").tobytes()
+    msg.length, msg.k = ids.shape
+
+
+def _dense(msg: pb.Tensor, values: np.ndarray, dtype: int) -> None:
+    msg.dense = values.astype(_DTYPES[dtype]).tobytes()
+    msg.dtype = dtype
+    msg.shape.extend(values.shape)
+
+
 def encode_samples(output: SampleOutput) -> bytes:
-    """A ``SampleResponse``: tokens, logprobs and stop reason of each sample, in request order, and
-    the prompt's logprobs (NaN where not scored) and top-k (sentinel rows there) when asked for."""
+    """A ``SampleResponse``: tokens, logprobs, stop reason (and top-k when asked for) of each sample,
+    in request order, and the prompt's logprobs (NaN where not scored), top-k (sentinel rows
+    there), target logprobs (in the request's dense or sparse layout) and alternative draws."""
     msg = pb.SampleResponse()
-    for r in output.sequences:
+    for i, r in enumerate(output.sequences):
         seq = msg.sequences.add()
         seq.stop_reason = pb.STOP_REASON_LENGTH if r.finish_reason == "length" else pb.STOP_REASON_STOP
         seq.tokens = np.asarray(r.output_ids, "<i4").tobytes()
         seq.logprobs = np.asarray(r.logprobs, "<f4").tobytes()
+        if output.sample_topk is not None:
+            ids, values = output.sample_topk[i]
+            if ids:
+                _topk(seq.topk_sampled_logprobs, np.asarray(ids), np.asarray(values))
     scores = output.prompt
     if scores is None:
         return msg.SerializeToString()
@@ -128,8 +145,20 @@ def encode_samples(output: SampleOutput) -> bytes:
         if scores.first < scores.length:
             ids[scores.first :] = np.asarray(scores.topk_ids, "<i4").reshape(-1, k)
             values[scores.first :] = np.asarray(scores.topk_logprobs, "<f4").reshape(-1, k)
-        msg.topk_prompt_logprobs.token_ids = ids.tobytes()
-        msg.topk_prompt_logprobs.logprobs = values.tobytes()
-        msg.topk_prompt_logprobs.k = k
-        msg.topk_prompt_logprobs.length = scores.length
+        _topk(msg.topk_prompt_logprobs, ids, values)
+    if scores.target_logprobs is not None and scores.targets is not None:
+        target = msg.target_prompt_logprobs
+        if scores.targets.csr is None:
+            _dense(target, scores.target_logprobs, pb.DTYPE_FLOAT32)
+        else:  # the request's layout: the values of its listed cells
+            crow, col = scores.targets.csr
+            rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+            target.sparse_csr.values = scores.target_logprobs[rows, col].astype("<f4").tobytes()
+            target.sparse_csr.crow_indices = crow.astype("<i8").tobytes()
+            target.sparse_csr.col_indices = col.astype("<i8").tobytes()
+            target.dtype = pb.DTYPE_FLOAT32
+            target.shape.extend(scores.target_logprobs.shape)
+    if scores.alt_ids is not None and scores.alt_logprobs is not None:
+        _dense(msg.prompt_alt_tokens.tokens, scores.alt_ids, pb.DTYPE_INT64)
+        _dense(msg.prompt_alt_tokens.logprobs, scores.alt_logprobs, pb.DTYPE_FLOAT32)
     return msg.SerializeToString()

@@ -40,6 +40,7 @@ from tinker_cookbook.preference import train_dpo  # noqa: E402
 from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons  # noqa: E402
 from tinker_cookbook.preference.preference_datasets import ComparisonDatasetBuilder  # noqa: E402
 from tinker_cookbook.preference.types import Comparison, LabeledComparison  # noqa: E402
+from tinker_cookbook.recipes.decisions.decision import DecisionRendering, sample_decision  # noqa: E402
 from tinker_cookbook.rl import train as rl_train  # noqa: E402
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder  # noqa: E402
 from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder  # noqa: E402
@@ -642,3 +643,22 @@ def test_dpo_trainer_raises_the_preference_margin(cookbook_env: Any, tmp_path: P
     base = _preference_margins(server, pairs, None)
     gains = [t - b for t, b in zip(trained, base, strict=True)]
     assert sum(gains) / len(gains) > 2.0 and sum(g > 0 for g in gains) >= 6, (trained, base)
+
+
+def test_the_decisions_recipe_scores_each_label_in_one_sample_request(cookbook_env: Any) -> None:
+    """The ``decisions`` recipe's ``sample_decision``: one sample request whose sparse
+    ``target_prompt_logprobs`` scores every label's token at the answer position. Its probabilities
+    are the softmax of those tokens' prompt logprobs, each scored alone."""
+    server = cookbook_env
+    rendering = DecisionRendering([1, 5, 17, 33, 9, 60, 2, 44, 0], 8, {"A": 11, "B": 12, "C": 13})
+    sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    try:
+        sampler = sc.create_sampling_client(base_model=server.state.base_model).result()
+        chosen = asyncio.run(sample_decision(sampler, rendering))
+    finally:
+        sc.close("success")
+    sequences = [rendering.with_label(label) for label in rendering.labels]
+    each = [lp[rendering.choice_pos - 1] for lp in _logprobs_of_each(server, sequences, None)]
+    total = sum(math.exp(lp) for lp in each)
+    assert list(chosen) == ["A", "B", "C"]
+    assert list(chosen.values()) == pytest.approx([math.exp(lp) / total for lp in each], abs=1e-5)

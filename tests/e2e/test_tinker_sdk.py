@@ -242,7 +242,8 @@ def test_prompt_logprobs_are_the_samplers_weights_forward_logprobs(server: Any) 
     """``compute_logprobs`` and ``include_prompt_logprobs`` / ``topk_prompt_logprobs`` on a sample
     request score the prompt with the sampler's weights: a training client's ``forward`` of the same
     tokens, the base model's for a base sampler, and still its saved version's once the model stepped
-    on; a top-k over the limit and what is not served yet are clear errors."""
+    on; the top-k at sampled tokens, target ids' logprobs and alternative draws come back in the
+    SDK's types; a top-k over the limit is a clear error."""
     sc = _client(server)
     tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
     tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
@@ -294,8 +295,35 @@ def test_prompt_logprobs_are_the_samplers_weights_forward_logprobs(server: Any) 
         tinker.BadRequestError, match=rf"prompt_logprobs_last_n: must be in 1\.\.{len(TEXT) - 1}"
     ):
         sampler.compute_logprobs(prompt, prompt_logprobs_last_n=len(TEXT)).result()
-    with pytest.raises(tinker.BadRequestError, match="top-k logprobs of sampled tokens are not served"):
-        sampler.sample(prompt=prompt, num_samples=1, sampling_params=params, topk_sample_logprobs=2).result()
+
+    # the extras: top-k at each sampled token, chosen ids' logprobs (sparse in, sparse out), draws
+    ids = np.full((len(TEXT) - 1, 2), -1, np.int64)
+    ids[2] = [TEXT[3], 7]  # row i scores prompt position i + 1
+    extra = sampler.sample(
+        prompt=prompt, num_samples=2, sampling_params=params, topk_sample_logprobs=3, prompt_alt_tokens_k=4,
+        target_prompt_logprobs=tinker.TensorData.from_torch_sparse(torch.tensor(ids), pad_value=-1),
+    ).result()  # fmt: skip
+    for seq in extra.sequences:
+        assert len(seq.topk_logprobs) == len(seq.tokens) and all(len(row) == 3 for row in seq.topk_logprobs)
+        for token, lp, row in zip(seq.tokens, seq.logprobs, seq.topk_logprobs, strict=True):
+            assert lp <= row[0][1] + 1e-4 and all(abs(v - lp) < 1e-4 for t, v in row if t == token)
+    target = extra.target_prompt_logprobs
+    assert target.sparse_crow_indices is not None and target.shape == [len(TEXT) - 1, 2]
+    assert target.to_numpy()[2, 0] == pytest.approx(logprobs[3], abs=1e-4) and target.to_numpy()[0, 0] == 0
+    alt_ids = np.asarray(extra.prompt_alt_tokens.tokens.to_numpy())
+    assert alt_ids.shape == (len(TEXT) - 1, 4)
+    rescored = sampler.sample(  # the draws' logprobs are the model's: as scored by target_prompt_logprobs
+        prompt=prompt, num_samples=1, sampling_params=params,
+        target_prompt_logprobs=tinker.TensorData.from_numpy(alt_ids),
+    ).result()  # fmt: skip
+    np.testing.assert_allclose(
+        rescored.target_prompt_logprobs.to_numpy(), extra.prompt_alt_tokens.logprobs.to_numpy(), atol=1e-5
+    )
+    cap = server.state.settings.max_topk_sample_logprobs
+    with pytest.raises(tinker.BadRequestError, match=rf"{cap} \(tinker\.max_topk_sample_logprobs\)"):
+        sampler.sample(
+            prompt=prompt, num_samples=1, sampling_params=params, topk_sample_logprobs=cap + 1
+        ).result()
     tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
     tc.optim_step(tinker.AdamParams(learning_rate=3e-2)).result()
     again = sampler.compute_logprobs(prompt).result()  # the sampler's version, not the slot's new one
@@ -596,4 +624,27 @@ def test_topk_targets_score_each_of_k_tokens_per_position(server: Any) -> None:
         tinker.BadRequestError, match=r"weights: must have target_tokens' shape \[5, 3\], got \[5, 2\]"
     ):
         tc.forward_backward([datum(targets, weights[:, :2].copy())], "cross_entropy").result()
+    _close(sc, server)
+
+
+def test_the_base_model_with_the_sdks_context_suffix_names_the_served_base(server: Any) -> None:
+    """``<base>:peft:<context>`` names the served base when ``<context>`` is the model's context length;
+    another context is a 400 naming the one served."""
+    sc = _client(server)
+    context = server.state.backend.rank.max_seq_len
+    tc = sc.create_lora_training_client(base_model=f"tiny:peft:{context}", rank=2).result()
+    assert tc.get_info().model_data.model_name == "tiny"
+    sampler = sc.create_sampling_client(base_model=f"tiny:peft:{context}").result()
+    assert len(sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT)).result()) == len(PROMPT)
+    for wrong, what in [
+        (context * 2, "exceeds"),
+        (context // 2, "does not match"),
+        ("long", "does not match"),
+    ]:
+        with pytest.raises(tinker.BadRequestError, match=rf"the context '{wrong}' {what} .* {context}"):
+            sc.create_lora_training_client(base_model=f"tiny:peft:{wrong}", rank=2).result()
+    with pytest.raises(tinker.BadRequestError, match=rf"base_model: .*'tiny:peft:{context}'"):
+        sc.create_sampling_client(base_model=f"tiny:peft:{context + 1}").result()
+    with pytest.raises(tinker.RequestFailedError, match="this server trains 'tiny', not 'other:peft:"):
+        sc.create_lora_training_client(base_model=f"other:peft:{context}", rank=2).result()
     _close(sc, server)

@@ -36,6 +36,12 @@ class TinkerConfig(HTTPLimits):
     batch_sampling: bool = True  # sample parts of different clients share an engine call (off: one at a time)
     join_sampling: bool = True  # sample parts queued while an engine call decodes join it (free rows)
     max_topk_prompt_logprobs: int = 20  # top-k prompt logprobs of one sample request: k up to this
+    max_topk_sample_logprobs: int = 20  # top-k logprobs at each sampled token: k up to this
+    max_target_prompt_logprobs: int = 64  # target_prompt_logprobs: K (ids per prompt position) up to this
+    max_prompt_alt_tokens_k: int = 16  # prompt_alt_tokens_k: draws per prompt position up to this
+    # prompt_alt_tokens_k reads each position's whole next-token distribution: (len(prompt) - 1) x the
+    # vocabulary size of one request up to this
+    max_prompt_alt_tokens_cells: int = 4_194_304
     max_age_recipients: int = 16  # age_encryption_recipients of one save_weights_external request
     max_pending_requests: int = 256  # per tenant: queued and running requests; more get 429 (the SDK retries)
     max_sessions: int = 64  # per tenant: open sessions; more get 429
@@ -80,7 +86,8 @@ class TinkerConfig(HTTPLimits):
         for key in ("max_forward_backward_tokens", "max_sample_tokens",
                     "batch_tokens", "sample_batch_tokens", "max_pending_requests", "max_sessions",
                     "max_held_results_mb", "max_models", "max_models_per_tenant", "max_topk_prompt_logprobs",
-                    "max_age_recipients",
+                    "max_topk_sample_logprobs", "max_target_prompt_logprobs", "max_prompt_alt_tokens_k",
+                    "max_prompt_alt_tokens_cells", "max_age_recipients",
                     "max_sampler_copies_per_tenant", "max_unnamed_sampler_weights",
                     "min_checkpoint_ttl_s", "max_checkpoints", "max_runs", "max_list_limit",
                     "max_user_metadata_bytes"):  # fmt: skip
