@@ -433,28 +433,11 @@ class TinkerBackend:
         check_scoring(prompt, scoring, self.rank.vocab_size)
 
     def score_prompt(self, model_id: str | None, prompt: list[int], scoring: PromptScoring) -> PromptScores:
-        """log p(prompt[i] | prompt[:i]) for each scored position (temperature 1, fp32 log-softmax)
-        and the top-k tokens there, the target ids' logprobs and the alternative draws
-        (:mod:`~miles_multilora.tinker.extra_scores`), by the trainer's forward on the model's live
-        slot (or on the base model: ``model_id`` None)."""
+        """What ``scoring`` asks of ``prompt`` (:func:`~miles_multilora.tinker.extra_scores.score_prompt`)
+        on the model's live slot, or on the base model (``model_id`` None)."""
         self.check_scoring(prompt, scoring)
-        n = len(prompt)
-        first = 1 if scoring.last_n is None else n - scoring.last_n
         slot = -1 if model_id is None else self._slot_of(model_id)
-        scores = PromptScores(first, n, None, scoring.topk, targets=scoring.targets)
-        if scoring.scores_prompt:
-            (score,) = self.rank.score(
-                [ScoredRow(slot, list(prompt), list(range(first - 1, n - 1)))], scoring.topk
-            )
-            scores.logprobs = score.logprobs if scoring.logprobs else None
-            scores.topk_ids, scores.topk_logprobs = score.topk_ids, score.topk_logprobs
-        if scoring.targets is not None:
-            scores.target_logprobs = extra_scores.target_logprobs(self.rank, slot, prompt, scoring.targets)
-        if scoring.alt_k:
-            scores.alt_ids, scores.alt_logprobs = extra_scores.prompt_alternatives(
-                self.rank, slot, prompt, scoring.alt_k, scoring.temperature, scoring.seed
-            )
-        return scores
+        return extra_scores.score_prompt(self.rank, slot, prompt, scoring)
 
     def score_samples(
         self, model_id: str | None, prompt: list[int], outputs: list[list[int]], k: int

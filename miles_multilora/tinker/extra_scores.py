@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from miles_multilora.tinker.losses import tinker_loss
-from miles_multilora.tinker.requests import TargetIds
+from miles_multilora.tinker.requests import PromptScores, PromptScoring, TargetIds
 from miles_multilora.trainer.primitives import ScoredRow
-from miles_multilora.trainer.rank import TrainerRank
+from miles_multilora.trainer.rank import RankPrimitives
 
 
-def target_logprobs(rank: TrainerRank, slot: int, prompt: list[int], targets: TargetIds) -> np.ndarray:
+def target_logprobs(rank: RankPrimitives, slot: int, prompt: list[int], targets: TargetIds) -> np.ndarray:
     """float32 of the targets' shape: ``[i, j]`` is log p(targets[i, j] | prompt[: i + 1]), 0.0 where
     the cell asks nothing. One forward of the prompt scores every named cell (a forward-only
     ``cross_entropy`` pass, as a training client's ``forward`` of ``[N, K]`` targets)."""
@@ -31,7 +31,7 @@ def target_logprobs(rank: TrainerRank, slot: int, prompt: list[int], targets: Ta
 
 
 def prompt_alternatives(
-    rank: TrainerRank, slot: int, prompt: list[int], k: int, temperature: float, seed: int
+    rank: RankPrimitives, slot: int, prompt: list[int], k: int, temperature: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """``k`` independent draws, with replacement, from the next-token distribution at each prompt
     position after the first, at ``temperature`` (0: the most likely token), seeded by ``seed``:
@@ -57,7 +57,7 @@ def prompt_alternatives(
 
 
 def sampled_topk(
-    rank: TrainerRank, slot: int, prompt: list[int], outputs: list[list[int]], k: int
+    rank: RankPrimitives, slot: int, prompt: list[int], outputs: list[list[int]], k: int
 ) -> list[tuple[list[list[int]], list[list[float]]]]:
     """For each output, the ``k`` most likely tokens (ids, logprobs, highest first) at each of its
     positions: the distribution its token ``t`` was drawn from, given the prompt and the tokens
@@ -67,3 +67,23 @@ def sampled_topk(
         ScoredRow(slot, list(prompt) + list(out), list(range(start, start + len(out)))) for out in outputs
     ]
     return [(s.topk_ids or [], s.topk_logprobs or []) for s in rank.score(rows, k)]
+
+
+def score_prompt(rank: RankPrimitives, slot: int, prompt: list[int], scoring: PromptScoring) -> PromptScores:
+    """What ``scoring`` asks of ``prompt`` under ``slot`` (-1: the base model): the logprob of each
+    scored position and the top-k tokens there, the target ids' logprobs and the alternative draws
+    (temperature 1, fp32 log-softmax)."""
+    n = len(prompt)
+    first = 1 if scoring.last_n is None else n - scoring.last_n
+    scores = PromptScores(first, n, None, scoring.topk, targets=scoring.targets)
+    if scoring.scores_prompt:
+        (score,) = rank.score([ScoredRow(slot, list(prompt), list(range(first - 1, n - 1)))], scoring.topk)
+        scores.logprobs = score.logprobs if scoring.logprobs else None
+        scores.topk_ids, scores.topk_logprobs = score.topk_ids, score.topk_logprobs
+    if scoring.targets is not None:
+        scores.target_logprobs = target_logprobs(rank, slot, prompt, scoring.targets)
+    if scoring.alt_k:
+        scores.alt_ids, scores.alt_logprobs = prompt_alternatives(
+            rank, slot, prompt, scoring.alt_k, scoring.temperature, scoring.seed
+        )
+    return scores

@@ -12,7 +12,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.config.sections.tinker import TinkerConfig
-from miles_multilora.rollout.logprobs import forward_logits
+from miles_multilora.scoring.logprobs import forward_logits
 from miles_multilora.tinker import params
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.requests import (
