@@ -1,14 +1,18 @@
-"""The cookbook's async RL recipe with inflight samplers against saved-per-step samplers.
+"""The cookbook's async RL with inflight samplers against saved-per-step samplers.
 
-Runs ``tinker_cookbook.recipes.math_rl.train.cli_main`` (tinker-cookbook 0.6.1, its arithmetic
-environment, ``max_steps_off_policy``) against an in-process ``tinker-serve`` on a random Llama
-with the demo model's tokenizer, twice on the same server: as the recipe is (each step saves a
-snapshot sampler, ``save_weights_and_get_sampling_client()``), and with that call made
-``kind="inflight"`` (the recipe has no switch for it: the benchmark wraps the SDK method). Reports
-steps per hour (the recipe's wall time over its steps) and the recipe's logged sampler-trainer KL
-(``optim/kl_sample_train_v1`` / ``_v2``, mean over steps), and the server's engine calls.
+Runs the cookbook's RL trainer (``tinker_cookbook.rl.train.main``, tinker-cookbook 0.6.1, its
+async mode: ``AsyncConfig(max_steps_off_policy=...)``, its default loss ``stable_reinforce``, as
+the math RL recipe sets it) against an in-process ``tinker-serve`` on a random Llama with the
+demo model's tokenizer. The environment rewards a response of an even number of characters, so
+a group's rewards differ and the weights move (the math recipe's arithmetic environment gives a
+random model the same format penalty on every sample: no gradient, a KL of exactly 0). Two modes
+on the same server, alternated: as the trainer is (each step saves a snapshot sampler,
+``save_weights_and_get_sampling_client()``), and with that call made ``kind="inflight"`` (the
+trainer has no switch for it: the benchmark wraps the SDK method). Reports steps per hour (the
+trainer's wall time over its steps), the trainer's logged sampler-trainer KL
+(``optim/kl_sample_train_v1`` / ``_v2``, mean over steps) and the server's engine calls.
 
-    python benchmarks/inflight_async_rl.py --steps 6 --groups 4 --group-size 4 --max-tokens 16
+    python benchmarks/inflight_async_rl.py --steps 6 --groups 4 --group-size 4 --max-tokens 24
 """
 
 from __future__ import annotations
@@ -21,11 +25,18 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import chz
 import tinker
-from tinker_cookbook.recipes.math_rl import train as math_rl
+from tinker_cookbook import renderers
+from tinker_cookbook.rl import train as rl_train
+from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
+from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder
+from tinker_cookbook.tokenizer_utils import get_tokenizer
 from tinker_cookbook.utils import cost_estimation
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -34,6 +45,47 @@ from miles_multilora.models.demo_model import prepare_demo_model
 from miles_multilora.tinker.serve import start
 
 KEY = "tml-inflight-bench"
+RENDERER = "role_colon"
+
+
+class EvenLength(ProblemEnv):
+    """Reward 1 for a response of an even number of characters (about half of a random model's)."""
+
+    def get_question(self) -> str:
+        return "Say something."
+
+    def check_answer(self, sample_str: str) -> bool:
+        return len(sample_str) % 2 == 0
+
+    def check_format(self, sample_str: str) -> bool:
+        return True
+
+    def get_reference_answer(self) -> str:
+        return "an even number of characters"
+
+
+class Prompts(RLDataset):
+    def __init__(self, renderer: renderers.Renderer, groups: int, group_size: int, batches: int) -> None:
+        self.renderer, self.groups, self.group_size, self.batches = renderer, groups, group_size, batches
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        env = partial(EvenLength, self.renderer)
+        return [ProblemGroupBuilder(env_thunk=env, num_envs=self.group_size) for _ in range(self.groups)]
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+@chz.chz
+class PromptsBuilder(RLDatasetBuilder):
+    model_name: str
+    groups: int
+    group_size: int
+    batches: int
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        renderer = renderers.get_renderer(RENDERER, get_tokenizer(self.model_name))
+        return Prompts(renderer, self.groups, self.group_size, self.batches), None
 
 
 def model_dir(root: Path, hidden: int, layers: int) -> Path:
@@ -50,7 +102,7 @@ def model_dir(root: Path, hidden: int, layers: int) -> Path:
 
 
 def run(server: Any, args: argparse.Namespace, log_path: Path, inflight: bool) -> dict[str, float]:
-    """One recipe run; the SDK's save_weights_and_get_sampling_client made inflight when asked."""
+    """One trainer run; the SDK's save_weights_and_get_sampling_client made inflight when asked."""
     real = tinker.TrainingClient.save_weights_and_get_sampling_client
 
     def inflight_save(self: Any, *a: Any, **kw: Any) -> Any:
@@ -58,16 +110,20 @@ def run(server: Any, args: argparse.Namespace, log_path: Path, inflight: bool) -
 
     if inflight:
         tinker.TrainingClient.save_weights_and_get_sampling_client = inflight_save  # type: ignore[method-assign]
-    cli = math_rl.CLIConfig(
-        model_name=server.state.base_model, renderer_name="role_colon", lora_rank=8, env="arithmetic",
-        group_size=args.group_size, groups_per_batch=args.groups, max_tokens=args.max_tokens,
-        learning_rate=args.lr, max_steps=args.steps, eval_every=0, save_every=0, log_path=str(log_path),
-        base_url=server.url, behavior_if_log_dir_exists="delete", max_steps_off_policy=args.off_policy,
+    model = server.state.base_model
+    config = rl_train.Config(
+        log_path=str(log_path), recipe_name="inflight_bench", model_name=model, renderer_name=RENDERER, base_url=server.url, lora_rank=8,
+        dataset_builder=PromptsBuilder(model_name=model, groups=args.groups, group_size=args.group_size,
+                                       batches=args.steps),
+        learning_rate=args.lr, max_tokens=args.max_tokens, eval_every=0, save_every=0, num_groups_to_log=0,
+        rollout_json_export=False, loss_fn="stable_reinforce", max_steps=args.steps,
+        async_config=rl_train.AsyncConfig(max_steps_off_policy=args.off_policy, groups_per_batch=args.groups,
+                                          loss_fn="stable_reinforce"),
     )  # fmt: skip
     calls_before = len(server.state.queue.sample_batches)
     started = time.perf_counter()
     try:
-        asyncio.run(math_rl.cli_main(cli))
+        asyncio.run(rl_train.main(config))
     finally:
         tinker.TrainingClient.save_weights_and_get_sampling_client = real  # type: ignore[method-assign]
     wall = time.perf_counter() - started
@@ -91,7 +147,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4, help="groups per batch")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=5e-2)
     p.add_argument("--off-policy", type=int, default=1, help="max_steps_off_policy")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
@@ -114,7 +170,7 @@ def main() -> None:
         for r in range(args.rounds):
             for mode in ("snapshot", "inflight"):
                 out = run(server, args, root / f"{mode}-{r}", mode == "inflight")
-                logging.getLogger().handlers.clear()  # the recipe's log handlers, per run
+                logging.getLogger().handlers.clear()  # the trainer's log handlers, per run
                 print(
                     json.dumps({"mode": mode, "round": r, **{k: round(v, 6) for k, v in out.items()}}),
                     flush=True,
