@@ -457,36 +457,6 @@ def test_a_sampler_saved_before_loading_other_weights_keeps_its_own(server: Any)
     _close(sc, server)
 
 
-def test_an_inflight_sampling_client_samples_its_models_newest_weights(server: Any) -> None:
-    """``save_weights_and_get_sampling_client(kind="inflight")`` follows its training client: after
-    another ``optim_step`` it samples (and scores) exactly what a snapshot of the new weights does,
-    while a snapshot saved with it keeps the old weights."""
-    sc = _client(server)
-    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
-
-    def step() -> None:
-        tc.forward_backward([sft_datum(TEXT)], "cross_entropy").result()
-        tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
-
-    def drawn(sampler: Any) -> list[tuple[list[int], list[float]]]:
-        params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
-        got = sampler.sample(tinker.ModelInput.from_ints(PROMPT), 2, params).result()
-        return [(list(s.tokens), list(s.logprobs)) for s in got.sequences]
-
-    step()
-    inflight = tc.save_weights_and_get_sampling_client(kind="inflight").result()
-    snapshot = tc.save_weights_and_get_sampling_client().result()
-    first = drawn(snapshot)
-    assert drawn(inflight) == first
-    step()
-    newest = tc.save_weights_and_get_sampling_client().result()
-    assert drawn(inflight) == drawn(newest) != first  # the live slot's, not the saved copy's
-    assert drawn(snapshot) == first
-    prompt = tinker.ModelInput.from_ints(TEXT)
-    assert inflight.compute_logprobs(prompt).result() == newest.compute_logprobs(prompt).result()
-    _close(sc, server)
-
-
 def _slot_grads(server: Any, model_id: str) -> list[torch.Tensor]:
     backend = server.state.backend
     slot = backend.model(model_id).slot
