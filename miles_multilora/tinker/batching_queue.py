@@ -48,6 +48,7 @@ from miles_multilora.tinker.requests import (
     SampleOutcome,
     SampleRequest,
 )
+from miles_multilora.tinker.sample_joins import SampleJoins
 
 Lane = Hashable  # (tenant, session) on the server
 DEFAULT_LANE: tuple[str, str] = ("", "")
@@ -106,6 +107,7 @@ class SamplePart:
 
     request: SampleRequest
     resolve: Callable[[], str | None] | None = None
+    follows: bool = False  # an inflight sampler's: its rows may move to newer weights as they decode
 
 
 @dataclass
@@ -132,6 +134,7 @@ class _Item:
     piece: ForwardBackwardRequest | None = None  # joins a forward/backward batch
     call: Callable[[], Any] | None = None  # runs alone
     sample: SamplePart | None = None  # joins a sample batch
+    trains: str | None = None  # a call that steps this model's weights (may run between decode steps)
 
 
 def split_forward_backward(
@@ -228,15 +231,20 @@ class BatchingQueue:
         calls: Sequence[Work],
         combine: Callable[[list[Any]], Any] = lambda results: results[0],
         costs: Sequence[int] | None = None,
+        trains: str | None = None,
     ) -> Future:
         """Calls (or sample parts) that run one after another in ``lane`` (others' work may run
-        between them); the future gets ``combine`` of their results, or the first failure."""
+        between them); the future gets ``combine`` of their results, or the first failure.
+        ``trains``: the model whose weights the calls step (an ``optim_step``), so that they may run
+        between the decode steps of inflight samplers' rows."""
         job = _Job(len(calls), combine)
         costs = costs or [1] * len(calls)
         items = [
             _Item(job, i, lane, cost, sample=c)
             if isinstance(c, SamplePart)
-            else _Item(job, i, lane, cost, call=_after(c, job, i) if isinstance(c, AfterParts) else c)
+            else _Item(
+                job, i, lane, cost, call=_after(c, job, i) if isinstance(c, AfterParts) else c, trains=trains
+            )
             for i, (c, cost) in enumerate(zip(calls, costs, strict=True))
         ]
         self._put(lane, items)
@@ -388,54 +396,58 @@ class BatchingQueue:
     # ------------------------------------------------------------------ running
     def _run(self) -> None:
         while (batch := self._take()) is not None:
-            first, started = batch[0], time.perf_counter()
-            if first.call is not None:
-                try:
-                    result = first.call()
-                except Exception as exc:  # noqa: BLE001 - reported to the caller
-                    first.job.fail(exc)
-                else:
-                    first.job.part_done(first.index, result)
-                with self._cv:  # charge what it took, not what it was guessed to take
-                    if self._rate is not None:
-                        self._charge(first.lane, (time.perf_counter() - started) * self._rate - first.cost)
-                continue
-            if first.sample is not None:
-                self._run_samples(batch)
-                continue
-            ok = []
-            for item in batch:  # a piece whose model is gone fails alone, before the batch runs
-                assert item.piece is not None
-                if item.job.over:
-                    continue
-                try:
-                    self.backend.model(item.piece.model_id)
-                except Exception as exc:  # noqa: BLE001 - reported to that request's caller
-                    item.job.fail(exc)
-                    continue
-                ok.append(item)
-            if not ok:
-                continue
-            self.batches.append(len(ok))
-            started = time.perf_counter()
-            upcoming = self.upcoming()  # brought back while this batch runs
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Item]) -> None:
+        """One batch: a call, sample parts, or forward/backward pieces."""
+        first, started = batch[0], time.perf_counter()
+        if first.call is not None:
             try:
-                outputs = self.backend.forward_backward([item.piece for item in ok], upcoming)  # type: ignore[misc]
-            except Exception as exc:  # noqa: BLE001 - the shared batch failed: every caller hears it
-                for item in ok:
-                    item.job.fail(exc)
+                result = first.call()
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                first.job.fail(exc)
+            else:
+                first.job.part_done(first.index, result)
+            with self._cv:  # charge what it took, not what it was guessed to take
+                if self._rate is not None:
+                    self._charge(first.lane, (time.perf_counter() - started) * self._rate - first.cost)
+            return
+        if first.sample is not None:
+            self._run_samples(batch)
+            return
+        ok = []
+        for item in batch:  # a piece whose model is gone fails alone, before the batch runs
+            assert item.piece is not None
+            if item.job.over:
                 continue
-            rate = sum(item.cost for item in ok) / max(time.perf_counter() - started, 1e-6)
-            with self._cv:
-                self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
-            for item, output in zip(ok, outputs, strict=True):
-                item.job.part_done(item.index, output)
+            try:
+                self.backend.model(item.piece.model_id)
+            except Exception as exc:  # noqa: BLE001 - reported to that request's caller
+                item.job.fail(exc)
+                continue
+            ok.append(item)
+        if not ok:
+            return
+        self.batches.append(len(ok))
+        started = time.perf_counter()
+        upcoming = self.upcoming()  # brought back while this batch runs
+        try:
+            outputs = self.backend.forward_backward([item.piece for item in ok], upcoming)  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - the shared batch failed: every caller hears it
+            for item in ok:
+                item.job.fail(exc)
+            return
+        rate = sum(item.cost for item in ok) / max(time.perf_counter() - started, 1e-6)
+        with self._cv:
+            self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
+        for item, output in zip(ok, outputs, strict=True):
+            item.job.part_done(item.index, output)
 
     def _run_samples(self, batch: list[_Item]) -> None:
         """Sample parts as one engine call: each part's model resolved first (failing it alone), then the
         backend, whose refusal of one request fails that part alone. Each part is answered as soon
         as its samples end, and parts queued meanwhile join the running call while it has room
-        (:class:`_SampleJoins`); the parts share the time charged in proportion to their costs."""
+        (:class:`~miles_multilora.tinker.sample_joins.SampleJoins`); the parts share the time charged in proportion to their costs."""
         ok: list[_Item] = []
         requests = []
         for item in batch:
@@ -446,13 +458,13 @@ class BatchingQueue:
         if not ok:
             return
         started, heard = time.perf_counter(), set()
-        joins = _SampleJoins(self, ok, sum(item.cost for item in ok))
+        joins = SampleJoins(self, ok, requests)
         call = len(self.sample_batches)
         self.sample_batches.append(len(ok))  # counted again at the end, with the parts that joined
 
         def done(i: int, outcome: SampleOutcome) -> None:  # as soon as part i's samples end
             heard.add(i)
-            joins.in_flight -= ok[i].cost
+            joins.answered(i)
             if isinstance(outcome, Exception):
                 ok[i].job.fail(outcome)
             else:
@@ -514,40 +526,3 @@ class BatchingQueue:
         waiting ends the joining: the running call drains and that work gets its turn)."""
         heads = [queue[0] for queue in self._lanes.values() if queue and not queue[0].job.over]
         return bool(heads) and all(item.sample is not None for item in heads)
-
-
-class _SampleJoins:
-    """The queue's side of one running engine call: sample parts queued meanwhile join it, picked
-    fairly as a batch is filled, while the call's unanswered parts leave room within
-    ``sample_batch_tokens``, a slot can be had, and no other kind of work waits."""
-
-    def __init__(self, queue: BatchingQueue, ok: list[_Item], in_flight: int) -> None:
-        self.queue, self.ok, self.in_flight = queue, ok, in_flight
-
-    def waiting(self) -> bool:
-        q = self.queue
-        if len(self.ok) >= q.max_batch or not q.backend.has_room():
-            return False
-        with q._cv:
-            room = q.sample_batch_tokens - self.in_flight
-            return q._only_samples_next() and any(
-                queue[0].cost <= room for queue in q._lanes.values() if queue and not queue[0].job.over
-            )
-
-    def take(self) -> list[SampleRequest]:
-        q, joined = self.queue, []
-        while len(self.ok) < q.max_batch and q.backend.has_room():
-            with q._cv:
-                if not q._only_samples_next():
-                    break
-                room = q.sample_batch_tokens - self.in_flight
-                item = q._pick(lambda it, room=room: it.sample is not None and it.cost <= room)
-            if item is None:
-                break
-            request = q._resolved(item)  # outside the lock: it may load a sampler's saved weights
-            if request is None:
-                continue
-            self.ok.append(item)
-            self.in_flight += item.cost
-            joined.append(request)
-        return joined

@@ -113,4 +113,5 @@ async def optim_step(request: Request, state: State, tenant: Tenant) -> Any:
         return {"metrics": state.backend.optim_step(owned.model_id, **adam)}
 
     key = (tenant, owned.model_id, "optim_step", seq) if seq is not None else None
-    return {"request_id": submit(state, tenant, key, "json", lane(owned), [step], body=body)}
+    rid = submit(state, tenant, key, "json", lane(owned), [step], body=body, trains=owned.model_id)
+    return {"request_id": rid}

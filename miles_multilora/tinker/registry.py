@@ -69,7 +69,8 @@ class Sampler:
     model_id: str | None  # the model it was saved from (None: opened by path, or the base model)
     version: int | None
     model_path: str | None = None
-    weights: SavedWeights | None = None  # what it samples (None: the base model)
+    weights: SavedWeights | None = None  # what it samples (None: the base model, or inflight)
+    inflight: bool = False  # samples its model's live slot, the newest weights (kind="inflight")
 
 
 class Registry:

@@ -202,7 +202,12 @@ class SampleJoiner(Protocol):
         ...
 
     def take(self) -> Sequence[SampleRequest]:
-        """The requests that join now (possibly none)."""
+        """The requests that join now (possibly none); other work that may run between decode
+        steps runs first."""
+        ...
+
+    def ran_between(self) -> bool:
+        """Whether the last :meth:`take` ran other work between decode steps."""
         ...
 
 
@@ -331,6 +336,9 @@ class SampleJoin:
 
     def waiting(self) -> bool:
         return self.more.waiting()
+
+    def ran_between(self) -> bool:
+        return self.more.ran_between()
 
     def join(self) -> list[list[GenerationRequest]]:
         groups = []

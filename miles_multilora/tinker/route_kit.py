@@ -63,15 +63,15 @@ async def drain(request: Request) -> None:
 def submit(
     state: ServerState, tenant: str, key: Any, kind: str, lane: Any, calls: list[Work],
     combine: Callable[[list[Any]], Any] = lambda r: r[0], costs: list[int] | None = None,
-    body: dict[str, Any] | None = None,
+    body: dict[str, Any] | None = None, trains: str | None = None,
 ) -> str:  # fmt: skip
     """Queue ``calls`` in ``lane`` as one future of ``tenant`` (``key``: its idempotency key, or
     None; ``body``: the request's, so a retry under ``key`` with another body is refused); its
-    request id."""
+    request id. ``trains``: the model whose weights the calls step (:meth:`BatchingQueue.submit_calls`)."""
     return state.futures.submit(
         tenant,
         key,
-        lambda: state.queue.submit_calls(lane, calls, combine, costs),
+        lambda: state.queue.submit_calls(lane, calls, combine, costs, trains),
         encoder(kind),
         lane[1],
         body,

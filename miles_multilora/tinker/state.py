@@ -327,11 +327,18 @@ class ServerState:
     # ----------------------------------------------------------------- sampling
     def save_for_sampler(
         self, tenant: str, owned: OwnedModel, path: str | None, sampler_id: str | None,
-        ttl_s: int | None = None, user_metadata: dict[str, str] | None = None,
+        ttl_s: int | None = None, user_metadata: dict[str, str] | None = None, inflight: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         """Save the model's weights at its current version under ``path`` (named, lasting sampler
-        weights) or for a new sampler ``sampler_id`` of its session (:mod:`.sampler_weights`)."""
+        weights) or for a new sampler ``sampler_id`` of its session (:mod:`.sampler_weights`);
+        ``inflight``: no copy is written, the new sampler samples the model's live slot."""
         version = self.backend.model(owned.model_id).version
+        if inflight:
+            assert sampler_id is not None
+            self.registry.add_sampler(
+                Sampler(sampler_id, tenant, owned.session_id, owned.model_id, version, inflight=True)
+            )
+            return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler_id}
         if path is not None:
             self.sampler_weights.save_named(tenant, owned, path.rsplit("/", 1)[1], ttl_s, user_metadata)
             return {"type": "save_weights_for_sampler", "path": path}
@@ -392,7 +399,7 @@ class ServerState:
 
         serving = functools.partial(self._serving, sampler)
         calls: list[Work] = [
-            SamplePart(SampleRequest(sampler.model_id, prompt, c, spec, seed + f), serving)
+            SamplePart(SampleRequest(sampler.model_id, prompt, c, spec, seed + f), serving, sampler.inflight)
             for f, c in zip(starts, counts, strict=True)
         ]
         costs = [c * each for c in counts]
@@ -430,8 +437,18 @@ class ServerState:
         return calls, costs, combine
 
     def _serving(self, sampler: Sampler) -> str | None:
-        """The backend model the sampler samples from now (None: the base model): its model's slot
-        while that holds the saved weights, else a copy of them (an error once they are gone)."""
+        """The backend model the sampler samples from now (None: the base model): an inflight
+        sampler's model (its live slot, the newest weights); a snapshot's model's slot while that
+        holds the saved weights, else a copy of them (an error once they are gone)."""
+        if sampler.inflight:
+            assert sampler.model_id is not None
+            if sampler.model_id not in self.backend.models:
+                raise TinkerError(
+                    "sampler", f"the model {sampler.model_id!r} of inflight sampler {sampler.sampler_id!r} "
+                    "was unloaded: an inflight sampler samples its model's live weights, so it ends with "
+                    "them (save_weights_for_sampler keeps weights that outlive the model)",
+                )  # fmt: skip
+            return sampler.model_id
         if sampler.weights is None:
             return None
         return self.sampler_weights.serve(sampler.tenant, sampler.weights)

@@ -68,10 +68,14 @@ async def save_for_sampler(request: Request, state: State, tenant: Tenant) -> An
     name = params.text(body, "path", None)
     ttl, metadata = rest_routes.ttl_seconds(body, s), rest_routes.user_metadata(body, s)
     kind = params.text(body, "kind", "snapshot")
-    if kind != "snapshot":
+    if kind not in ("snapshot", "inflight"):
+        raise TinkerError("kind", f"must be 'snapshot' or 'inflight'; got {kind!r}")
+    inflight = kind == "inflight"
+    if inflight and name is not None:
         raise TinkerError(
-            "kind", f"only 'snapshot' samplers are served (they keep the saved version); got {kind!r}"
-        )
+            "path", "an inflight save names no path: it publishes the model's live weights to a new "
+            "sampler (save_weights_and_get_sampling_client(kind='inflight'))",
+        )  # fmt: skip
     path, sampler_id = None, None
     if name is not None:
         path = f"tinker://{owned.run_id}/sampler_weights/{checked_name(name)}"
@@ -80,7 +84,7 @@ async def save_for_sampler(request: Request, state: State, tenant: Tenant) -> An
         sampler_id = f"{owned.session_id}:sample:{sampler_seq}"
 
     def snapshot() -> dict[str, Any]:
-        return state.save_for_sampler(tenant, owned, path, sampler_id, ttl, metadata)
+        return state.save_for_sampler(tenant, owned, path, sampler_id, ttl, metadata, inflight=inflight)
 
     key = (tenant, owned.model_id, "save_weights_for_sampler", seq) if seq is not None else None
     return {"request_id": submit(state, tenant, key, "json", lane(owned), [snapshot], body=body)}

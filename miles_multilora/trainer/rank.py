@@ -83,7 +83,12 @@ class GroupJoiner(Protocol):
         ...
 
     def join(self) -> Sequence[Sequence[GenerationRequest]]:
-        """The groups that join now (possibly none)."""
+        """The groups that join now (possibly none); other work may run first, between decode
+        steps (rows keep their KV and decode on with the weights it leaves)."""
+        ...
+
+    def ran_between(self) -> bool:
+        """Whether the last :meth:`join` ran other work (then it is asked again at once)."""
         ...
 
 
@@ -365,7 +370,7 @@ class TrainerRank:
                 elif not done and not ask:
                     raise RolloutError("the engine's stream stopped with requests unfinished")
                 # a wait that brought nothing is not asked again until the next group ends
-                ask = joiner is not None and bool(done or joined)
+                ask = joiner is not None and bool(done or joined or joiner.ran_between())
         except Exception:  # noqa: BLE001 - the groups not heard yet, split around the failing ones
             stream.cancel(pending.values())
             left = [i for i in range(len(every)) if i not in heard]

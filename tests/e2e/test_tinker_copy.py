@@ -4,7 +4,7 @@ checkpoint is a new checkpoint of the caller, loads and samples exactly like its
 and counts toward ``tinker.max_checkpoints``; another tenant's unpublished path answers like a
 missing one. Saved states hold the adapter's own rank. Every loss of the SDK's ``LossFnType`` is
 served or refused by name, and the request fields the server does not serve (session search, trace
-export, weights access tokens, other optimizers, other projects, inflight samplers) are 400s naming
+export, weights access tokens, other optimizers, other projects) are 400s naming
 them, never ignored.
 """
 
@@ -259,8 +259,6 @@ def test_fields_the_server_does_not_serve_are_400s_naming_them(served: Served, c
     path = tc.save_state("fields").result().path
     with pytest.raises(tinker.BadRequestError, match="weights_access_token"):
         sc.create_training_client_from_state(path, weights_access_token="tok").result()
-    with pytest.raises(tinker.BadRequestError, match="kind"):
-        tc.save_weights_and_get_sampling_client(kind="inflight").result()
     sampler = tc.save_weights_and_get_sampling_client().result()
     for key, value in (("model_path", path), ("base_model", "tiny")):
         raw = requests.post(

@@ -14,7 +14,7 @@ import pytest
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.models import compat
 from miles_multilora.rollout import GenerationRequest, GenerationResult, RolloutError
-from miles_multilora.tinker import batching_queue
+from miles_multilora.tinker import sample_joins
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.batching_queue import BatchingQueue, SamplePart
 from miles_multilora.tinker.requests import Datum, ForwardBackwardRequest, SampleRequest, TinkerError
@@ -196,15 +196,15 @@ def test_a_short_sample_is_answered_when_it_ends_not_when_its_engine_call_does(
 def _at_first_host_check(monkeypatch: pytest.MonkeyPatch, queue_more: object) -> None:
     """Run ``queue_more()`` once, on the worker, at the running engine call's first host check: what
     it queues is there while that call still decodes, however fast the machine."""
-    real = batching_queue._SampleJoins.waiting
+    real = sample_joins.SampleJoins.waiting
     pending = [queue_more]
 
-    def waiting(self: batching_queue._SampleJoins) -> bool:
+    def waiting(self: sample_joins.SampleJoins) -> bool:
         while pending:
             pending.pop()()  # type: ignore[operator]
         return real(self)
 
-    monkeypatch.setattr(batching_queue._SampleJoins, "waiting", waiting)
+    monkeypatch.setattr(sample_joins.SampleJoins, "waiting", waiting)
 
 
 def test_parts_queued_during_an_engine_call_join_it(

@@ -34,7 +34,7 @@ class TinkerConfig(HTTPLimits):
     batch_tokens: int = 16_384  # forward/backward tokens run as one batch; larger requests run in pieces
     sample_batch_tokens: int = 65_536  # num_samples x max_tokens in one engine call; larger requests in parts
     batch_sampling: bool = True  # sample parts of different clients share an engine call (off: one at a time)
-    join_sampling: bool = True  # sample parts queued while an engine call decodes join it (free rows)
+    join_sampling: bool = True  # sample parts (and training) queued while an engine call decodes join it
     max_topk_prompt_logprobs: int = 20  # top-k prompt logprobs of one sample request: k up to this
     max_topk_sample_logprobs: int = 20  # top-k logprobs at each sampled token: k up to this
     max_target_prompt_logprobs: int = 64  # target_prompt_logprobs: K (ids per prompt position) up to this
