@@ -32,7 +32,8 @@ def test_every_public_method_not_marked_reads_is_an_operation() -> None:
 def test_the_backend_s_state_changing_calls_are_its_operations_and_its_checks_stay_on_rank_0() -> None:
     assert operations(TinkerBackend) == {
         "create_model", "unload_model", "load_copy", "drop_copy", "save_sampler_weights", "forward_backward",
-        "optim_step", "sample", "sample_many", "score_prompt", "save_state", "export_peft", "load_state",
+        "optim_step", "sample", "sample_many", "score_prompt", "score_samples", "save_state", "export_peft",
+        "load_state",
     }  # fmt: skip
     for read in ("model", "lora_targets", "check_new_model", "stamp", "has_room", "check", "check_scoring"):
         assert read not in operations(TinkerBackend)
