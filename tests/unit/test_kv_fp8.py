@@ -212,22 +212,25 @@ def test_an_fp8_cache_copies_scales_with_pages_and_counts_them_in_its_bytes():
     assert plain.k_scale is None and plain.nbytes == 6 * 4 * kv_bytes_per_token(3, 2, 16, 2, fp8=False)
 
 
-def test_the_page_budget_fits_about_twice_the_tokens_at_the_same_fraction():
+def test_the_memory_plan_counts_fp8_pages_and_their_scales():
     for dim, ratio in ((64, 128 / 68), (128, 256 / 132)):  # SmolLM2-135M's heads, then 128-dim heads
         assert (
             kv_bytes_per_token(30, 3, dim, 2, fp8=False) / kv_bytes_per_token(30, 3, dim, 2, fp8=True)
             == ratio
         )
-
     shape = ModelShape(num_layers=4, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=4,
                        num_query_groups=2, vocab_size=128, head_dim=128)  # fmt: skip
 
-    def kv_tokens(kv_cache_dtype: str) -> int:
-        """Tokens the memory plan's KV cache holds at 0.1% of an 80 GiB GPU (fraction-bound)."""
-        rollout = {"max_batch_size": 4096, "kv_cache_fraction": 0.001, "kv_cache_dtype": kv_cache_dtype}
+    def kv_bytes(kv_cache_dtype: str, **rollout: object) -> int:
+        rollout = {"max_batch_size": 4096, "kv_cache_dtype": kv_cache_dtype, **rollout}
         cfg = config_from_container({"model": {"source": "tiny", "dtype": "bfloat16"}, "rollout": rollout})
-        kv_bytes = mp.memory_model(cfg, shape, 1024, 80 * GIB).kv_cache_bytes
-        return kv_bytes // kv_bytes_per_token(4, 2, 128, 2, kv_cache_dtype == "fp8")
+        return mp.memory_model(cfg, shape, 1024, 80 * GIB).kv_cache_bytes
 
-    bf16, fp8 = kv_tokens("bf16"), kv_tokens("fp8")
-    assert bf16 > 10_000 and 1.9 < fp8 / bf16 < 2  # 256 / 132 bytes per head: the scales take the rest
+    # a cache of 1000 tokens (63 pages of 16 + the null page) in either dtype
+    for dtype in ("bf16", "fp8"):
+        assert kv_bytes(dtype, kv_cache_tokens=1000) == 64 * 16 * kv_bytes_per_token(
+            4, 2, 128, 2, dtype == "fp8"
+        )
+    # at a fraction: the same bytes (within a page), 256 / 132 times the tokens
+    bf16, fp8 = kv_bytes("bf16", kv_cache_fraction=0.001), kv_bytes("fp8", kv_cache_fraction=0.001)
+    assert abs(bf16 - fp8) <= 2 * 16 * kv_bytes_per_token(4, 2, 128, 2, fp8=False)

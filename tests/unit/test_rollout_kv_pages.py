@@ -194,6 +194,24 @@ def test_a_request_that_cannot_fit_alone_names_the_setting(model, tokenizer):
     assert engine.stats["preemptions"] > 0 and _all_pages_free(engine._cache)
 
 
+def test_at_the_same_fraction_an_fp8_cache_takes_the_tokens_its_smaller_pages_allow(
+    model, tokenizer, monkeypatch
+):
+    """The GPU sizing (``rollout.kv_cache_fraction`` of the device's memory, in tokens) divides by
+    bytes per token that count what the cache allocates: e4m3 values plus a scale per head."""
+    engines = {
+        d: _engine_for(model, tokenizer, page_size=PAGE, max_batch_size=10**7, kv_cache_dtype=d)
+        for d in ("bf16", "fp8")
+    }
+    for engine in engines.values():
+        assert engine.paged.new_cache(10, PAGE).nbytes == 10 * PAGE * engine.paged.kv_bytes_per_token()
+        engine.device = torch.device("cuda")  # size it as on a 1 GiB GPU (not bound by rows x context)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"total_memory": 2**30}))
+    tokens = {d: engine._capacity_tokens() for d, engine in engines.items()}
+    dim = engines["fp8"].paged.head_dim  # fp32 model: 4 bytes a value against 1 + 4 / dim
+    assert tokens["fp8"] / tokens["bf16"] == pytest.approx(4 * dim / (dim + 4), rel=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
 def test_replayed_graphs_preempt_and_resume_with_the_same_samples(tokenizer, monkeypatch, kv_cache_dtype):
