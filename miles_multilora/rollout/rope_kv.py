@@ -19,27 +19,29 @@ import torch
 
 from miles_multilora._triton import HAVE_TRITON, tl, triton
 from miles_multilora.lora.row_delta import RowDelta
-from miles_multilora.rollout.kv_quant import FP8_MAX
+from miles_multilora.rollout.kv_quant import FP8_INV_MAX, FP8_MAX
 
 if HAVE_TRITON:
     _FP8_MAX = tl.constexpr(FP8_MAX)
+    _FP8_INV_MAX = tl.constexpr(FP8_INV_MAX)
 
     @triton.jit
     def _fp8_scale(lo, hi):
-        """One head's scale from its values in two halves (fp32): ``amax / 448``, 1 for zeros."""
+        """One head's scale from its values in two halves (fp32): ``amax * fp32(1 / 448)``, 1 for zeros."""
         amax = tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0))
-        return tl.where(amax > 0, tl.math.div_rn(amax, _FP8_MAX), 1.0)
+        return tl.where(amax > 0, amax * _FP8_INV_MAX, 1.0)
 
     @triton.jit
     def _fp8(x, scale, dtype: tl.constexpr):
         """``x / scale`` (correctly rounded), clamped to e4m3's range and rounded to the nearest e4m3
         value (ties to even) in fp32 arithmetic, so the cast itself is exact: Triton's interpreter
         rounds fp32 -> fp8 casts wrongly (no carry into the exponent, ties away from zero)."""
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
+        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)  # div_rn does not broadcast
+        y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
         a = tl.abs(y)
         e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # e4m3: 2^-6 normal
         ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): e4m3 has 3 mantissa bits
-        m = a / ulp  # exact: a power of 2
+        m = a * ((130 - e) << 23).to(tl.float32, bitcast=True)  # a / ulp, exactly
         f = tl.floor(m)
         up = (m - f > 0.5) | ((m - f == 0.5) & ((f.to(tl.int32) & 1) == 1))
         r = (f + tl.where(up, 1.0, 0.0)) * ulp
