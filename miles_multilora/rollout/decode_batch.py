@@ -211,7 +211,7 @@ class DecodeGraphs:
         self.captures = 0
 
     def _current_fingerprint(self) -> tuple[int, ...]:
-        tensors = [*self.model.parameters(), *self.model.buffers(), self.batch.cache.k, self.batch.cache.v]
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.batch.cache.tensors()]
         return tensors_fingerprint([*tensors, *self.batch.state_tensors(), self.batch.paged.freqs])
 
     def check(self) -> None:

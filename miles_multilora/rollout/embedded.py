@@ -84,6 +84,9 @@ class EmbeddedEngine(RolloutEngine):
             ``kv_cache_fraction`` of its memory (at most ``max_batch_size`` rows at full context);
             on a CPU a full batch of the call's longest request, grown by later calls that need more.
         kv_cache_fraction: the GPU memory share of the default cache (``rollout.kv_cache_fraction``).
+        kv_cache_dtype: ``bf16`` (the model's dtype) or ``fp8`` (e4m3 pages with per-token, per-head
+            scales: about half the bytes per token, so about twice the tokens in the same memory;
+            ``rollout.kv_cache_dtype``).
         cuda_graphs: replay captured decode steps (``rollout.cuda_graphs``; None: on CUDA).
         sync_interval: device decode steps between host checks (``rollout.sync_interval``; default
             8 on CUDA, 1 on CPU where checking costs nothing).
@@ -104,6 +107,7 @@ class EmbeddedEngine(RolloutEngine):
         page_size: int = 16,
         kv_cache_tokens: int = 0,
         kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
+        kv_cache_dtype: str = "bf16",
         cuda_graphs: bool | None = None,
         sync_interval: int | None = None,
         pad_id: int = 0,
@@ -127,7 +131,7 @@ class EmbeddedEngine(RolloutEngine):
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_fraction = kv_cache_fraction
         self.pad_id = pad_id
-        self.paged = PagedModel(model, max_seq_len)
+        self.paged = PagedModel(model, max_seq_len, kv_cache_dtype)
         self.device = self.paged.device
         on_cuda = self.device.type == "cuda"
         self.use_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs and on_cuda)

@@ -3,7 +3,11 @@
 Each layer keeps ``k_cache``/``v_cache`` of shape ``[num_pages, page_size, H_kv, D]``. Row ``b``'s
 token ``i`` lives in page ``block_table[b, i // page_size]`` at offset ``i % page_size``; the row's
 first ``cache_lens[b]`` tokens are valid. Page 0 is the null page that unused table entries point at.
-Query head ``h`` reads kv head ``h // G`` (``G = H // H_kv``, Megatron's GQA layout).
+Query head ``h`` reads kv head ``h // G`` (``G = H // H_kv``, Megatron's GQA layout). An fp8 cache
+(:mod:`~miles_multilora.rollout.kv_quant`) passes its ``k_scale``/``v_scale`` ``[num_pages, page_size,
+H_kv]`` too: the writers quantise, and attention reads ``value * scale`` (on CUDA: the e4m3 values
+widened to the query's dtype, the key scales applied to the scores and the value scales to the
+probabilities, in fp32).
 
 :func:`paged_decode_attention` runs a split-K ("flash decoding") Triton kernel on CUDA and a PyTorch
 gather + masked softmax elsewhere. The decode path (:func:`write_decode_kv` and the attention) never
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
+from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize, quantize
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -39,15 +44,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, G, D, max_len,
         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-        stride_bt, stride_ob, stride_oh,
+        stride_sp, stride_st, stride_bt, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, MIN_CHUNK: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):  # fmt: skip
         """Program (row, kv head, split): online softmax of the G query heads over the split's keys.
-        A split past the row's keys stores nothing (the combine reads only the row's used splits)."""
+        A split past the row's keys stores nothing (the combine reads only the row's used splits).
+        ``KV_FP8``: e4m3 pages, widened to q's dtype; ``ks_ptr``/``vs_ptr`` their per-(token, head)
+        scales (strides ``stride_sp``, ``stride_st``; heads contiguous), applied in fp32."""
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
@@ -65,7 +73,9 @@ if HAVE_TRITON:
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_g[:, None] & mask_d[None, :],
             other=0.0,
-        ).to(k_ptr.dtype.element_ty)
+        )
+        if not KV_FP8:
+            q = q.to(k_ptr.dtype.element_ty)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -81,7 +91,12 @@ if HAVE_TRITON:
                 mask=kv_mask,
                 other=0.0,
             )
+            if KV_FP8:
+                k = k.to(q_ptr.dtype.element_ty)  # exact: every e4m3 value is a bf16/fp16/fp32 value
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+            if KV_FP8:
+                scale_at = page * stride_sp + tok * stride_st + hk  # the keys' scales, then the values'
+                s = s * tl.load(ks_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -92,6 +107,9 @@ if HAVE_TRITON:
                 mask=kv_mask,
                 other=0.0,
             )
+            if KV_FP8:
+                p = p * tl.load(vs_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
+                v = v.to(q_ptr.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
@@ -136,6 +154,16 @@ if HAVE_TRITON:
         )
 
 
+def _store(cache: torch.Tensor, scales: torch.Tensor | None, flat: torch.Tensor, x: torch.Tensor) -> None:
+    """``x`` ``[N, H_kv, D]`` into token slots ``flat`` of ``cache`` (quantised when ``scales``)."""
+    if scales is None:
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, flat, x.to(cache.dtype))
+        return
+    values, s = quantize(x)
+    as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, flat, as_bytes(values))
+    scales.view(-1, scales.shape[-1]).index_copy_(0, flat, s)
+
+
 def write_decode_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -143,8 +171,11 @@ def write_decode_kv(
     v: torch.Tensor,
     block_table: torch.Tensor,
     positions: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store one token per row: ``k[b], v[b]`` (``[B, H_kv, D]``) at token ``positions[b]`` of row b.
+    """Store one token per row: ``k[b], v[b]`` (``[B, H_kv, D]``) at token ``positions[b]`` of row b
+    (fp8 pages: quantised, their scales in ``k_scale``/``v_scale``).
 
     No host sync, shape-only indexing (CUDA-graph safe). Rows may all point at the null page.
     """
@@ -152,8 +183,8 @@ def write_decode_kv(
     pos = positions.long()
     page = block_table.gather(1, (pos // page_size).unsqueeze(1)).squeeze(1).long()
     flat = page * page_size + pos % page_size
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, flat, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, flat, v.to(v_cache.dtype))
+    _store(k_cache, k_scale, flat, k)
+    _store(v_cache, v_scale, flat, v)
 
 
 def write_prefill_kv(
@@ -163,14 +194,17 @@ def write_prefill_kv(
     v: torch.Tensor,
     block_table: torch.Tensor,
     lengths: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store right-padded prompts: ``k, v`` ``[B, S, H_kv, D]``, positions ``0 .. lengths[b]-1`` only."""
+    """Store right-padded prompts: ``k, v`` ``[B, S, H_kv, D]``, positions ``0 .. lengths[b]-1`` only
+    (fp8 pages: quantised, their scales in ``k_scale``/``v_scale``)."""
     page_size = k_cache.shape[1]
     valid = torch.arange(k.shape[1], device=k.device) < lengths.to(k.device).unsqueeze(1)
     rows, pos = valid.nonzero(as_tuple=True)
     flat = block_table[rows, pos // page_size].long() * page_size + pos % page_size
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, flat, k[rows, pos].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, flat, v[rows, pos].to(v_cache.dtype))
+    _store(k_cache, k_scale, flat, k[rows, pos])
+    _store(v_cache, v_scale, flat, v[rows, pos])
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int = 132) -> int:
@@ -195,11 +229,18 @@ def _attention_triton(
     cache_lens: torch.Tensor,
     scale: float,
     num_splits: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     assert heads % kv_heads == 0, f"{heads} query heads are not a multiple of {kv_heads} kv heads"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    fp8 = k_scale is not None
+    if fp8:
+        assert v_scale is not None and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
+    compute = q.dtype if fp8 else k_cache.dtype
     group = heads // kv_heads
     max_len = block_table.shape[1] * page_size
     if num_splits is None:
@@ -214,14 +255,15 @@ def _attention_triton(
         part_o = part_lse = out  # unused
     block_d = max(16, triton.next_power_of_2(dim))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, cache_lens, out, part_o, part_lse,
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+        block_table, cache_lens, out, part_o, part_lse,
         scale * LOG2E, group, dim, max_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1),
+        *scale_strides, block_table.stride(0), out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:
@@ -240,13 +282,20 @@ def _attention_torch(
     block_table: torch.Tensor,
     cache_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     max_len = block_table.shape[1] * page_size
     pages = block_table.long()
-    keys = k_cache[pages].reshape(batch, max_len, kv_heads, dim).float()
-    values = v_cache[pages].reshape(batch, max_len, kv_heads, dim).float()
+    # gathered as bytes: index kernels are not implemented for float8 everywhere
+    keys = as_bytes(k_cache)[pages].view(k_cache.dtype).reshape(batch, max_len, kv_heads, dim)
+    values = as_bytes(v_cache)[pages].view(v_cache.dtype).reshape(batch, max_len, kv_heads, dim)
+    if k_scale is not None and v_scale is not None:  # fp8 pages: their values times their scales
+        keys = dequantize(keys, k_scale[pages].reshape(batch, max_len, kv_heads))
+        values = dequantize(values, v_scale[pages].reshape(batch, max_len, kv_heads))
+    keys, values = keys.float(), values.float()
     qg = q.float().view(batch, kv_heads, heads // kv_heads, dim)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
     valid = torch.arange(max_len, device=q.device) < cache_lens.to(q.device).unsqueeze(1)  # [B, L]
@@ -266,6 +315,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     use_triton: bool | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` over row b's first ``cache_lens[b]`` keys.
 
@@ -273,10 +324,15 @@ def paged_decode_attention(
     int32; ``cache_lens`` ``[B]`` int32. fp32 accumulation, output in q's dtype, zeros for empty rows.
     ``use_triton=None``: the Triton kernel for CUDA tensors, PyTorch otherwise (``True`` forces Triton,
     e.g. under ``TRITON_INTERPRET=1``). ``num_splits=None``: :func:`default_num_splits`. A narrower
-    ``block_table`` view (fewer columns) bounds the work to that many pages per row.
+    ``block_table`` view (fewer columns) bounds the work to that many pages per row. fp8 caches
+    (e4m3) come with their ``k_scale``/``v_scale`` ``[num_pages, page_size, H_kv]`` (fp32).
     """
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None) != (k_cache.dtype == FP8):
+        raise ValueError("fp8 K/V pages need both k_scale and v_scale (and only fp8 pages take them)")
     if use_triton is None:
         use_triton = HAVE_TRITON and q.is_cuda
     if use_triton:
-        return _attention_triton(q, k_cache, v_cache, block_table, cache_lens, scale, num_splits)
-    return _attention_torch(q, k_cache, v_cache, block_table, cache_lens, scale)
+        return _attention_triton(
+            q, k_cache, v_cache, block_table, cache_lens, scale, num_splits, k_scale, v_scale
+        )
+    return _attention_torch(q, k_cache, v_cache, block_table, cache_lens, scale, k_scale, v_scale)

@@ -6,6 +6,10 @@ prompts are prefilled with causal SDPA and their K/V written to pages, and a dec
 token per row against :func:`~miles_multilora.rollout.paged_attention.paged_decode_attention`.
 Every row has its own position (no left padding), exactly like the trainer's right-padded
 forward, and a decode step has no host sync, so it can be captured in a CUDA graph.
+
+With ``kv_cache_dtype="fp8"`` the pages hold e4m3 K/V and per-(token, head) scales
+(:mod:`~miles_multilora.rollout.kv_quant`); prefill attends over its K/V as the pages give them back,
+so every attention (prefill, decode, a resumed row's prefill) reads the same values.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
+from miles_multilora.config.sections.rollout import KV_CACHE_DTYPES
 from miles_multilora.lora.layer import MultiLoRALinear
 from miles_multilora.lora.row_delta import RowDelta, RowShrink
 from miles_multilora.models.compat import lm_head_logits
@@ -28,7 +33,8 @@ from miles_multilora.models.provider import gpt_module
 from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
-from miles_multilora.rollout.kv_cache import PagedKVCache
+from miles_multilora.rollout.kv_cache import PagedKVCache, kv_bytes_per_token
+from miles_multilora.rollout.kv_quant import as_stored
 from miles_multilora.rollout.moe_decode import is_moe, moe_decode, prepare_moe
 from miles_multilora.rollout.paged_attention import paged_decode_attention, write_decode_kv, write_prefill_kv
 from miles_multilora.rollout.rope_kv import fused_rope_kv_supported, rope_and_write_kv
@@ -38,7 +44,9 @@ from miles_multilora.scoring.logprobs import lm_head_weight
 class PagedModel:
     """Prefill and decode of ``model`` (a GPTModel, TP-sharded or not) against a :class:`PagedKVCache`."""
 
-    def __init__(self, model: torch.nn.Module, max_seq_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_seq_len: int, kv_cache_dtype: str = "bf16") -> None:
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.model = gpt = gpt_module(model)
         cfg = gpt.config
         problems = [
@@ -57,6 +65,13 @@ class PagedModel:
         unsupported = [what for bad, what in problems if bad]
         if unsupported:
             raise RolloutError(f"the embedded engine does not support {', '.join(unsupported)}; use sglang")
+        self.fp8 = kv_cache_dtype == "fp8"
+        if self.fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise RolloutError(
+                "rollout.kv_cache_dtype=fp8: the paged attention kernels read e4m3 pages on compute "
+                f"capability 8.9+ (Ada, Hopper) only; this GPU is {torch.cuda.get_device_name(self.device)}. "
+                "Use rollout.kv_cache_dtype=bf16"
+            )
         self.config = cfg
         self.layers = list(gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -100,13 +115,20 @@ class PagedModel:
         return next(self.model.parameters()).device
 
     def kv_bytes_per_token(self) -> int:
-        """K and V bytes one token takes in the cache, over all layers (this TP rank)."""
+        """K and V bytes one token takes in the cache, over all layers (this TP rank), scales included."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * itemsize
+        return kv_bytes_per_token(len(self.layers), self.kv_heads, self.head_dim, itemsize, self.fp8)
 
     def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
         return PagedKVCache(
-            len(self.layers), num_pages, page_size, self.kv_heads, self.head_dim, self.dtype, self.device
+            len(self.layers),
+            num_pages,
+            page_size,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            fp8=self.fp8,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -176,16 +198,17 @@ class PagedModel:
     ) -> Tensor:
         """Layer ``i``'s queries ``[B, H, D]`` (RoPE applied); its k and v stored in the cache."""
         batch = x.shape[1]
+        k_cache, v_cache, k_scale, v_scale = cache.layer(i)
         if self.fused_rope:  # one kernel on the fused QKV output: RoPE on q and k, and the KV write
             mixed, lora = self._linear(attn.linear_qkv, x)
             mixed = mixed.view(batch, self.kv_heads, -1, self.head_dim)
             return rope_and_write_kv(
-                mixed, self.cos, self.sin, positions, table, cache.k[i], cache.v[i], lora
+                mixed, self.cos, self.sin, positions, table, k_cache, v_cache, lora, k_scale, v_scale
             )
         q, k, v = attn.get_query_key_value_tensors(x, None)
         freqs = self.freqs[positions.long()].transpose(0, 1)  # [1, B, 1, rot_dim]
         q, k = self._rope(q, freqs)[0], self._rope(k, freqs)
-        write_decode_kv(cache.k[i], cache.v[i], k[0], v[0], table, positions)
+        write_decode_kv(k_cache, v_cache, k[0], v[0], table, positions, k_scale, v_scale)
         return q
 
     @staticmethod
@@ -207,9 +230,11 @@ class PagedModel:
             attn = layer.self_attention
             q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
             q, k = self._rope(q, freqs), self._rope(k, freqs)
-            write_prefill_kv(
-                cache.k[i], cache.v[i], k.transpose(0, 1), v.transpose(0, 1), block_table, lengths
-            )
+            k_cache, v_cache, k_scale, v_scale = cache.layer(i)
+            rows_k, rows_v = k.transpose(0, 1), v.transpose(0, 1)
+            write_prefill_kv(k_cache, v_cache, rows_k, rows_v, block_table, lengths, k_scale, v_scale)
+            if cache.fp8:  # attend over what the pages hold, as every later step does
+                k, v = as_stored(k), as_stored(v)
             ctx = causal_attention(
                 q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), self.scales[i]
             )
@@ -233,7 +258,10 @@ class PagedModel:
             attn = layer.self_attention
             hidden, x = self._norm(hidden, layer.input_layernorm, *pending)
             q = self._qkv(i, attn, x, cache, positions, block_table)
-            ctx = paged_decode_attention(q, cache.k[i], cache.v[i], block_table, lens, self.scales[i])
+            k_cache, v_cache, k_scale, v_scale = cache.layer(i)
+            ctx = paged_decode_attention(
+                q, k_cache, v_cache, block_table, lens, self.scales[i], k_scale=k_scale, v_scale=v_scale
+            )
             out, lora = self._linear(attn.linear_proj, ctx.reshape(1, batch, self.heads * self.head_dim))
             hidden, x = self._norm(hidden, layer.pre_mlp_layernorm, out, lora)
             pending = self._mlp(layer, x)

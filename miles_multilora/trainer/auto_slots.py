@@ -259,7 +259,7 @@ def measure(rank: TrainerRank) -> SlotMeasurement:
     free, total = torch.cuda.mem_get_info(meter.device)
     reserved = torch.cuda.memory_reserved(meter.device)
     cache = getattr(rank.engine, "_cache", None)  # the embedded engine's PagedKVCache (for the log)
-    kv = sum(t.numel() * t.element_size() for t in (cache.k, cache.v)) if cache is not None else 0
+    kv = cache.nbytes if cache is not None else 0
     return SlotMeasurement(
         total=int(total),
         outside=max(0, int(total - free - reserved)),

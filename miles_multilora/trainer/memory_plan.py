@@ -58,6 +58,7 @@ from typing import Any
 from miles_multilora.config.run import RunConfig
 from miles_multilora.config.sections.model import TinyModelConfig
 from miles_multilora.errors import ConfigError
+from miles_multilora.rollout.kv_cache import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +361,8 @@ def decide(
 def memory_model(cfg: RunConfig, shape: ModelShape, context: int, device_total: int) -> MemoryModel:
     """The estimate for ``cfg``'s rank: its dtype, TP, LoRA slots, LM-head chunk, and the embedded
     engine's KV cache as the engine sizes it (``rollout.kv_cache_tokens``, else
-    ``rollout.kv_cache_fraction`` of ``device_total``, at most ``max_batch_size`` rows of the context)."""
+    ``rollout.kv_cache_fraction`` of ``device_total``, at most ``max_batch_size`` rows of the context;
+    ``rollout.kv_cache_dtype=fp8``: a byte per value and each head's scale)."""
     if cfg.model.dtype not in DTYPE_BYTES:
         raise ConfigError(
             "model.dtype", f"unknown dtype {cfg.model.dtype!r}; use one of {sorted(DTYPE_BYTES)}"
@@ -368,7 +370,8 @@ def memory_model(cfg: RunConfig, shape: ModelShape, context: int, device_total: 
     b = DTYPE_BYTES[cfg.model.dtype]
     r, tp = cfg.rollout, cfg.model.tp
     embedded = r.engine == "embedded"
-    kv_per_token = 2 * shape.num_layers * max(1, shape.num_query_groups // tp) * shape.dim * b
+    groups = max(1, shape.num_query_groups // tp)
+    kv_per_token = kv_bytes_per_token(shape.num_layers, groups, shape.dim, b, r.kv_cache_dtype == "fp8")
     kv = 0
     if embedded:
         tokens = r.kv_cache_tokens or min(

@@ -82,24 +82,27 @@ def _all_pages_free(cache: PagedKVCache) -> bool:
     return cache.free_pages == cache.num_pages - 1 and len(set(cache._free)) == cache.free_pages
 
 
-@pytest.mark.parametrize("sync_interval", [1, 3])
+@pytest.mark.parametrize(("sync_interval", "kv_cache_dtype"), [(1, "bf16"), (3, "bf16"), (3, "fp8")])
 def test_preempted_rows_resume_with_the_outputs_of_a_run_with_room_for_all(
-    model, tokenizer, monkeypatch, sync_interval
+    model, tokenizer, monkeypatch, sync_interval, kv_cache_dtype
 ):
-    free = _engine_for(model, tokenizer, page_size=PAGE).generate(_requests(tokenizer))
+    """fp8 pages too: a resumed row's prefill attends over what its pages hold, as decoding did."""
+    free = _engine_for(model, tokenizer, page_size=PAGE, kv_cache_dtype=kv_cache_dtype).generate(
+        _requests(tokenizer)
+    )
     # a stop string and an EOS id that end some samples mid-way (read off the unconstrained run)
     stop = next(r.text[6:8] for r in free if " " not in r.text[6:8])
     eos = Counter(t for r in free for t in r.output_ids[2:]).most_common(8)[-1][0]
     requests = _requests(tokenizer, stop=[stop])
-    roomy = _engine_for(model, tokenizer, page_size=PAGE, eos_token_ids=[eos], sync_interval=sync_interval)
+    kw = dict(page_size=PAGE, eos_token_ids=[eos], sync_interval=sync_interval, kv_cache_dtype=kv_cache_dtype)
+    roomy = _engine_for(model, tokenizer, **kw)
     want = roomy.generate(requests)
     assert {r.finish_reason for r in want} == {"eos", "stop", "length"}
     assert roomy.stats["preemptions"] == 0 and roomy.stats["peak_rows"] == len(requests)
     resumed = _count_resumes(monkeypatch)
-    tight = _engine_for(
-        model, tokenizer, page_size=PAGE, eos_token_ids=[eos], sync_interval=sync_interval, kv_cache_tokens=56
-    )
+    tight = _engine_for(model, tokenizer, kv_cache_tokens=56, **kw)
     _assert_same(tight.generate(requests), want)
+    assert tight._cache.fp8 == (kv_cache_dtype == "fp8")
     stats = tight.stats
     assert stats["preemptions"] >= 5 and max(resumed.values()) >= 2  # rows preempted more than once
     assert stats["resumed_tokens"] > 0 and stats["peak_pages"] == tight._cache.num_pages - 1
@@ -110,12 +113,13 @@ def test_preempted_rows_resume_with_the_outputs_of_a_run_with_room_for_all(
     assert _all_pages_free(tight._cache)
 
 
-def test_a_groups_shared_prompt_pages_are_freed_exactly_once(model, tokenizer, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+def test_a_groups_shared_prompt_pages_are_freed_exactly_once(model, tokenizer, monkeypatch, kv_cache_dtype):
     prompt = tokenizer.encode("Tell me a story about a cat, please.")  # 9 full pages
     spec = SamplingSpec(max_new_tokens=30, temperature=1.0)
     requests = [GenerationRequest("a", 0, 3, prompt, spec, seed=s) for s in range(4)]
-    want = _engine_for(model, tokenizer, page_size=PAGE).generate(requests)
-    engine = _engine_for(model, tokenizer, page_size=PAGE, kv_cache_tokens=120)
+    want = _engine_for(model, tokenizer, page_size=PAGE, kv_cache_dtype=kv_cache_dtype).generate(requests)
+    engine = _engine_for(model, tokenizer, page_size=PAGE, kv_cache_tokens=120, kv_cache_dtype=kv_cache_dtype)
     engine._ensure_state(requests)
     cache = engine._cache
     events: list[tuple[str, int]] = []  # (alloc | share | free, page), in order
@@ -190,16 +194,36 @@ def test_a_request_that_cannot_fit_alone_names_the_setting(model, tokenizer):
     assert engine.stats["preemptions"] > 0 and _all_pages_free(engine._cache)
 
 
+def test_at_the_same_fraction_an_fp8_cache_takes_the_tokens_its_smaller_pages_allow(
+    model, tokenizer, monkeypatch
+):
+    """The GPU sizing (``rollout.kv_cache_fraction`` of the device's memory, in tokens) divides by
+    bytes per token that count what the cache allocates: e4m3 values plus a scale per head."""
+    engines = {
+        d: _engine_for(model, tokenizer, page_size=PAGE, max_batch_size=10**7, kv_cache_dtype=d)
+        for d in ("bf16", "fp8")
+    }
+    for engine in engines.values():
+        assert engine.paged.new_cache(10, PAGE).nbytes == 10 * PAGE * engine.paged.kv_bytes_per_token()
+        engine.device = torch.device("cuda")  # size it as on a 1 GiB GPU (not bound by rows x context)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"total_memory": 2**30}))
+    tokens = {d: engine._capacity_tokens() for d, engine in engines.items()}
+    dim = engines["fp8"].paged.head_dim  # fp32 model: 4 bytes a value against 1 + 4 / dim
+    assert tokens["fp8"] / tokens["bf16"] == pytest.approx(4 * dim / (dim + 4), rel=1e-4)
+
+
 @pytest.mark.gpu
-def test_replayed_graphs_preempt_and_resume_with_the_same_samples(tokenizer, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+def test_replayed_graphs_preempt_and_resume_with_the_same_samples(tokenizer, monkeypatch, kv_cache_dtype):
     """On CUDA (graphs, host checks every 8 steps, pages allocated ahead for them), a cache that
-    preempts gives the samples of one with room for every row."""
+    preempts gives the samples of one with room for every row (fp8: the fused RoPE kernel writes
+    e4m3 pages and the Triton kernel reads them inside the graphs)."""
     from miles_multilora.models.compat import init_distributed
 
     init_distributed()
     model = _lora_gpt(seed=1).cuda()
     requests = _requests(tokenizer, stop=["e "])
-    kw = dict(page_size=8, cuda_graphs=True, sync_interval=8)
+    kw = dict(page_size=8, cuda_graphs=True, sync_interval=8, kv_cache_dtype=kv_cache_dtype)
     roomy = _engine_for(model, tokenizer, **kw)
     want = roomy.generate(requests)
     resumed = _count_resumes(monkeypatch)

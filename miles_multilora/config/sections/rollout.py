@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from miles_multilora.config.sections.checks import check
 
+KV_CACHE_DTYPES = ("bf16", "fp8")  # rollout.kv_cache_dtype (rollout/kv_quant.py)
+
 
 @dataclass
 class RolloutConfig:
@@ -16,6 +18,9 @@ class RolloutConfig:
     # longest request, at most 131072 tokens). Pages are taken as rows grow; when they run out, rows are preempted.
     kv_cache_tokens: int = 0
     kv_cache_fraction: float = 0.25  # the GPU memory share of the KV cache when kv_cache_tokens is 0
+    # the embedded engine's KV pages: bf16 (the model's dtype) | fp8 (e4m3 with a scale per token and
+    # kv head: about half the bytes per token, so about twice the tokens fit the same memory)
+    kv_cache_dtype: str = "bf16"
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
     sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
     sglang_url: str | None = None  # SGLang server URL(s), comma-separated
@@ -51,6 +56,17 @@ class RolloutConfig:
             0 < self.kv_cache_fraction < 1,
             "rollout.kv_cache_fraction",
             f"must be in (0, 1), got {self.kv_cache_fraction}",
+        )
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "rollout.kv_cache_dtype",
+            f"must be bf16 (the model's dtype) or fp8, got {self.kv_cache_dtype!r}",
+        )
+        check(
+            self.kv_cache_dtype == "bf16" or self.engine == "embedded",
+            "rollout.kv_cache_dtype",
+            f"fp8 applies to the embedded engine's cache; rollout.engine={self.engine} servers set "
+            "their own (--kv-cache-dtype): leave rollout.kv_cache_dtype=bf16",
         )
         check(self.sync_interval is None or self.sync_interval >= 1, "rollout.sync_interval", "must be >= 1")
         check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0: synchronous steps)")
