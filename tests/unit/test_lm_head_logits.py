@@ -42,7 +42,8 @@ def test_the_engines_decode_logits_are_fp32_for_a_bf16_model():
     init_distributed()
     model = build_tiny_gpt(vocab_size=128, max_seq_len=64, seed=0, dtype="bfloat16")
     paged = PagedModel(model, 64)
-    hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    device = model.output_layer.weight.device
+    hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).bfloat16().to(device)
     logits = paged._logits(hidden, normed=True)
     assert logits.dtype == torch.float32 and logits.shape == (5, 128)
     torch.testing.assert_close(logits, lm_head_logits(hidden[0], model.output_layer.weight), rtol=0, atol=0)
