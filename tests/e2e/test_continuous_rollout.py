@@ -126,7 +126,7 @@ def test_a_checkpoint_lists_prompts_in_flight_and_a_resume_draws_them_first(
     seen = record_trained(resumed)
     snap = snapshot_of(1, specs[:1], {"lower": version})
     a = snap.running[0]
-    snap = Snapshot(1, 1, (type(a)(a.name, a.run_id, a.slot, a.spec, version, version, path, True),), (), ())
+    snap = Snapshot(1, 1, (type(a)(a.name, a.run_id, a.slot, a.spec, version, path, True),), (), ())
     out = resumed.step(snap)
     assert not out.failed, out.failed
     assert resumed.version("lower") == version + 1
@@ -154,7 +154,7 @@ def test_cancel_and_register_mid_stream(worker: RLStep) -> None:
         snap = snapshot_of(i + 1, kept, worker.versions(), init=False)
         if "newcomer" not in worker.residents:  # only the newcomer's slot is initialised
             a = snap.running[2]
-            fresh = type(a)(a.name, a.run_id, a.slot, a.spec, 0, 0, None, True)
+            fresh = type(a)(a.name, a.run_id, a.slot, a.spec, 0, None, True)
             snap = Snapshot(snap.snapshot_id, snap.num_slots, (*snap.running[:2], fresh), (), ())
         out = worker.step(snap)
         assert not out.failed, out.failed
