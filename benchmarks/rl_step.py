@@ -120,6 +120,7 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
                 "max_batch_size": args.adapters * args.prompts * args.samples,
                 "max_staleness": max(k for _, k, _ in staleness_modes(args)),
                 "adapter_pace": not getattr(args, "no_pace", False),
+                "kv_cache_dtype": getattr(args, "kv_cache_dtype", "bf16"),
                 **({"kv_cache_fraction": args.kv_cache_fraction} if args.kv_cache_fraction else {}),
             },
             "trainer": {
@@ -377,6 +378,7 @@ def add_workload_args(
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--base-precision", default="dtype", help="model.base_precision: dtype | fp8")
+    parser.add_argument("--kv-cache-dtype", default="bf16", help="rollout.kv_cache_dtype: bf16 | fp8")
     parser.add_argument(
         "--kv-cache-fraction",
         type=float,
