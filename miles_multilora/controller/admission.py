@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from miles_multilora.config.adapter import AdapterSpec, check_sampling_vocab
-from miles_multilora.config.lora_targets import check_targets, families_of_modules
+from miles_multilora.config.lora_targets import MLP, check_targets, families_of_modules
 from miles_multilora.config.run import RunConfig
 from miles_multilora.data.datasets import looks_local
 from miles_multilora.data.reward_registry import check_remote_reward
 from miles_multilora.data.spec_checks import SpecCheckLimits, check_spec_work
 from miles_multilora.errors import ConfigError, SpecError
-from miles_multilora.models.paths import context_length, vocab_size
+from miles_multilora.models.paths import context_length, experts_per_token, vocab_size
 
 MIN_PROMPT_TOKENS = 1  # what sampling.max_new_tokens must leave of the context window
 ResourceValidator = Callable[[AdapterSpec], Any]
@@ -54,6 +54,9 @@ class AdmissionRules:
             (``controller.max_reward_timeout_s``).
         max_reward_failures: the largest ``reward.max_consecutive_failures`` a spec may ask
             (``controller.max_reward_failures``).
+        expert_rank_multiple: with ``lora.expert_rank_scaling`` on a mixture-of-experts model, its
+            ``moe_router_topk``: an adapter that trains the MLP family must have a rank divisible by
+            it (1: no rule), refused here rather than when its slot is first initialised.
     """
 
     reward_modules: tuple[str, ...] = ()
@@ -66,6 +69,7 @@ class AdmissionRules:
     vocab_size: int | None = None
     max_reward_timeout_s: float = 60.0
     max_reward_failures: int = 20
+    expert_rank_multiple: int = 1
 
     def check_spec_work(self, spec: AdapterSpec) -> None:
         """The bounded child-process checks (:mod:`miles_multilora.data.spec_checks`) for ``spec``;
@@ -104,6 +108,14 @@ class AdmissionRules:
             check_sampling_vocab(spec.sampling, self.vocab_size)
         if self.lora_families is not None:
             check_targets(spec.lora_targets, self.lora_families)
+        k = self.expert_rank_multiple
+        trains_experts = spec.lora_targets is None or MLP in spec.lora_targets
+        if k > 1 and trains_experts and spec.rank % k:
+            raise SpecError(
+                "rank",
+                f"lora.expert_rank_scaling gives the routed experts rank {spec.rank} / {k} (moe_router_topk): "
+                f"the rank must be a multiple of {k}, got {spec.rank}",
+            )
         if self.max_context is not None:
             room = self.max_context - 1 - spec.sampling.max_new_tokens
             if room < MIN_PROMPT_TOKENS:
@@ -175,4 +187,5 @@ def rules_for_run(cfg: RunConfig) -> AdmissionRules:
         lora_families=families_of_modules(cfg.lora.target_modules),
         max_reward_timeout_s=c.max_reward_timeout_s,
         max_reward_failures=c.max_reward_failures,
+        expert_rank_multiple=(experts_per_token(cfg) or 1) if cfg.lora.expert_rank_scaling else 1,
     )

@@ -83,3 +83,15 @@ def vocab_size(cfg: RunConfig) -> int | None:
         return int(cfg.model.tiny.vocab_size)
     size = read_checkpoint_config(path).get("vocab_size")
     return int(size) if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def experts_per_token(cfg: RunConfig) -> int | None:
+    """How many routed experts each token uses (``moe_router_topk``), or None for a dense model."""
+    path = resolve_model_path(cfg)
+    if path is None:
+        tiny = cfg.model.tiny
+        return int(tiny.moe_router_topk) if tiny.num_experts else None
+    hf = read_checkpoint_config(path)
+    routed = any(hf.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    k = hf.get("num_experts_per_tok")
+    return int(k) if routed and isinstance(k, int) and k > 0 else None

@@ -77,3 +77,27 @@ def test_a_rank_not_divisible_by_topk_is_refused_before_any_change():
         init_slot(model, 0, rank=3, alpha=ALPHA, seed=1)
     assert err.value.key == "rank" and "multiple of 2" in str(err.value)
     assert _ranks_scales(model) == before
+
+
+def test_registration_refuses_a_rank_the_scaled_experts_cannot_split():
+    """The controller refuses the rank at registration, not when the adapter's slot is first set up."""
+    from miles_multilora.config.run import config_from_container
+    from miles_multilora.controller.admission import rules_for_run
+    from miles_multilora.controller.core import ControllerCore
+
+    tiny = {"num_experts": 4, "moe_router_topk": 2}
+    on = config_from_container(
+        {"model": {"source": "tiny", "tiny": tiny}, "lora": {"expert_rank_scaling": True}}
+    )
+    off = config_from_container({"model": {"source": "tiny", "tiny": tiny}})
+    dense = config_from_container({"model": {"source": "tiny"}, "lora": {"expert_rank_scaling": True}})
+    assert rules_for_run(on).expert_rank_multiple == 2
+    assert rules_for_run(off).expert_rank_multiple == rules_for_run(dense).expert_rank_multiple == 1
+    core = ControllerCore(num_slots=2, max_rank=16, rules=rules_for_run(on))
+    spec = {"name": "odd", "dataset": {"task": "basic_arithmetic"}, "num_steps": 2, "rank": 3}
+    with pytest.raises(SpecError) as info:
+        core.register(spec)
+    assert info.value.key == "rank" and "multiple of 2" in str(info.value)
+    assert core.list() == []  # nothing registered
+    assert core.register({**spec, "rank": 4})["state"] == "PENDING"
+    assert core.register({**spec, "name": "attn_only", "lora_targets": ["attn"]})["state"] == "PENDING"
