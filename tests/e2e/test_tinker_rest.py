@@ -270,8 +270,13 @@ def test_the_cookbooks_weights_download_decrypts_a_training_checkpoint(
             assert (out / name).read_bytes() == response.read(), name
     left = [c.tinker_path for c in trained["rest_a"].list_user_checkpoints().result().checkpoints]
     assert not [p for p in left if p.endswith("/external_weights/download")]  # deleted after the download
-    bad = {"model_id": trained["tc"].model_id, "path": "enc", "age_encryption_recipients": ["age1nope"]}
-    refused = requests.post(
-        f"{served.url}/api/v1/save_weights_external", json=bad, headers={"X-API-Key": KEY_A}, timeout=10
-    )
+    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY_A)  # a live model: a restart may have run
+    try:
+        model_id = sc.create_lora_training_client(base_model="tiny", rank=2).result().model_id
+        bad = {"model_id": model_id, "path": "enc", "age_encryption_recipients": ["age1nope"]}
+        refused = requests.post(
+            f"{served.url}/api/v1/save_weights_external", json=bad, headers={"X-API-Key": KEY_A}, timeout=10
+        )
+    finally:
+        sc.close("success")
     assert refused.status_code == 400 and "age_encryption_recipients[0]" in refused.json()["detail"]
