@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from miles_multilora.errors import ConfigError
 from miles_multilora.models import compat
+from miles_multilora.models.llama_style import HF_LAYER, LAYER, dense_names, llama_style
 
 compat.import_auto_bridge()  # imports megatron-bridge with the compat shims (TE/Triton placeholders)
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry  # noqa: E402
@@ -29,9 +29,6 @@ from megatron.bridge.models.conversion.param_mapping import (  # noqa: E402
     ReplicatedMapping,
 )
 from transformers import Qwen2MoeForCausalLM  # noqa: E402
-
-_LAYER = "decoder.layers.*"
-_HF = "model.layers.*"
 
 
 @MegatronModelBridge.register_bridge(source=Qwen2MoeForCausalLM, target=GPTModel, model_type="qwen2_moe")
@@ -46,14 +43,7 @@ class Qwen2MoeBridge(MegatronModelBridge):
                 "Qwen2-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not supported: "
                 "every layer must be a mixture of experts",
             )
-        provider = super().provider_bridge(hf_pretrained)
-        provider.normalization = "RMSNorm"
-        provider.gated_linear_unit = True
-        provider.activation_func = F.silu
-        provider.position_embedding_type = "rope"
-        provider.add_bias_linear = False
-        provider.add_qkv_bias = True
-        provider.qk_layernorm = False
+        provider = llama_style(super().provider_bridge(hf_pretrained), qkv_bias=True)
         provider.num_moe_experts = config.num_experts
         provider.moe_router_topk = config.num_experts_per_tok
         provider.moe_ffn_hidden_size = config.moe_intermediate_size
@@ -62,39 +52,34 @@ class Qwen2MoeBridge(MegatronModelBridge):
         return provider
 
     def mapping_registry(self) -> MegatronMappingRegistry:
-        shared = f"{_LAYER}.mlp.shared_experts"
+        shared = f"{LAYER}.mlp.shared_experts"
         direct = {
-            "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-            "output_layer.weight": "lm_head.weight",
-            "decoder.final_layernorm.weight": "model.norm.weight",
-            f"{_LAYER}.self_attention.linear_qkv.layer_norm_weight": f"{_HF}.input_layernorm.weight",
-            f"{_LAYER}.pre_mlp_layernorm.weight": f"{_HF}.post_attention_layernorm.weight",
-            f"{_LAYER}.self_attention.linear_proj.weight": f"{_HF}.self_attn.o_proj.weight",
-            f"{_LAYER}.mlp.router.weight": f"{_HF}.mlp.gate.weight",
-            f"{_LAYER}.mlp.experts.local_experts.*.linear_fc2.weight": f"{_HF}.mlp.experts.*.down_proj.weight",
-            f"{shared}.linear_fc2.weight": f"{_HF}.mlp.shared_expert.down_proj.weight",
+            **dense_names(),
+            f"{LAYER}.mlp.router.weight": f"{HF_LAYER}.mlp.gate.weight",
+            f"{LAYER}.mlp.experts.local_experts.*.linear_fc2.weight": f"{HF_LAYER}.mlp.experts.*.down_proj.weight",
+            f"{shared}.linear_fc2.weight": f"{HF_LAYER}.mlp.shared_expert.down_proj.weight",
         }
         qkv = {
-            which: {p: f"{_HF}.self_attn.{p}_proj.{which}" for p in ("q", "k", "v")}
+            which: {p: f"{HF_LAYER}.self_attn.{p}_proj.{which}" for p in ("q", "k", "v")}
             for which in ("weight", "bias")
         }
         return MegatronMappingRegistry(
             *(AutoMapping(megatron_param=m, hf_param=h) for m, h in direct.items()),
             ReplicatedMapping(
-                megatron_param=f"{shared}.gate_weight", hf_param=f"{_HF}.mlp.shared_expert_gate.weight"
+                megatron_param=f"{shared}.gate_weight", hf_param=f"{HF_LAYER}.mlp.shared_expert_gate.weight"
             ),
             *(
-                QKVMapping(megatron_param=f"{_LAYER}.self_attention.linear_qkv.{which}", **names)
+                QKVMapping(megatron_param=f"{LAYER}.self_attention.linear_qkv.{which}", **names)
                 for which, names in qkv.items()
             ),
             GatedMLPMapping(
-                megatron_param=f"{_LAYER}.mlp.experts.local_experts.*.linear_fc1.weight",
-                gate=f"{_HF}.mlp.experts.*.gate_proj.weight",
-                up=f"{_HF}.mlp.experts.*.up_proj.weight",
+                megatron_param=f"{LAYER}.mlp.experts.local_experts.*.linear_fc1.weight",
+                gate=f"{HF_LAYER}.mlp.experts.*.gate_proj.weight",
+                up=f"{HF_LAYER}.mlp.experts.*.up_proj.weight",
             ),
             GatedMLPMapping(
                 megatron_param=f"{shared}.linear_fc1.weight",
-                gate=f"{_HF}.mlp.shared_expert.gate_proj.weight",
-                up=f"{_HF}.mlp.shared_expert.up_proj.weight",
+                gate=f"{HF_LAYER}.mlp.shared_expert.gate_proj.weight",
+                up=f"{HF_LAYER}.mlp.shared_expert.up_proj.weight",
             ),
         )

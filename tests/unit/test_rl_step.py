@@ -64,17 +64,7 @@ def drive(core: ControllerCore, steps: list[RLStep]) -> list[StepReport] | None:
 
 def apply(core: ControllerCore, report: StepReport) -> None:
     """Rank 0's step report applied to the controller, as the driver loop applies it."""
-    for slot in report.cleared:
-        core.slot_cleared(slot)
-    if report.results:
-        core.report_step(report.results)
-    for name, path in report.drained.items():
-        core.drained(name, path)
-    for name, path in report.finished.items():
-        core.mark_done(name, path)
-    for name, reason in report.failed.items():
-        if name not in report.finished:
-            core.mark_failed(name, reason)
+    core.apply_report(report)
 
 
 def run(core: ControllerCore, steps: list[RLStep], limit: int = 20) -> list[StepReport]:
