@@ -39,7 +39,7 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 # What an in-process run on the demo model imports (benchmarks/vs_trl.py, rl_step.py, fp8_drift.py,
-# the demo model's conversion, the GPU tests), walked through their requirements.
+# tinker_clients.py, the demo model's conversion, the GPU tests), walked through their requirements.
 ROOTS = (
     "megatron-core",
     "transformers",
@@ -60,6 +60,12 @@ ROOTS = (
     "pyyaml",
     "requests",
     "trl",
+    # the Tinker door and its benchmarks (benchmarks/tinker_clients.py): the server, the official SDK
+    "fastapi",
+    "uvicorn",
+    "pyrage",
+    "tinker",
+    "h2",
 )
 # Installed without their declared requirements (GPU-only packages, an unrelated CLI; provision.sh
 # does the same), so their requirements are not walked.

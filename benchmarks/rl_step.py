@@ -127,6 +127,8 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
                 "output_dir": str(out), "micro_batch_size": args.micro_batch,
                 "max_tokens_per_micro_batch": args.max_tokens, "recompute": args.recompute,
                 "logprob_chunk_tokens": args.chunk,
+                # every step waits for its rewards (a step time, not the scoring service's)
+                "reward_wait_s": 3600.0,
             },
             "logging": {"wandb_mode": "disabled", "console": False, "plot": False},
         }
