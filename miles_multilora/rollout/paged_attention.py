@@ -38,7 +38,7 @@ NUM_STAGES = 2
 if HAVE_TRITON:
 
     @triton.jit
-    def _split_chunk(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    def split_chunk(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
         """Keys per split of a row of ``length`` keys: whole key blocks, at least ``MIN_CHUNK``."""
         return tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
 
@@ -66,7 +66,7 @@ if HAVE_TRITON:
         first = 0
         if HAS_START:
             first = tl.minimum(tl.load(starts_ptr + b), length)
-        chunk = _split_chunk(length - first, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+        chunk = split_chunk(length - first, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
         start = first + split * chunk
         end = tl.minimum(start + chunk, length)
 
@@ -142,7 +142,7 @@ if HAVE_TRITON:
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.minimum(tl.load(lens_ptr + b), max_len)
-        used = tl.cdiv(length, _split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
+        used = tl.cdiv(length, split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         mask_s = offs_s < used

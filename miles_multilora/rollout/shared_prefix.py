@@ -136,7 +136,18 @@ def _partial(scores: Tensor, values: Tensor, valid: Tensor, spec: str) -> tuple[
     return torch.einsum(spec, probs, values), lse
 
 
-def _torch(q, k_cache, v_cache, table, lens, scale, groups, k_scale, v_scale) -> Tensor:  # noqa: ANN001
+def _torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    table: Tensor,
+    lens: Tensor,
+    scale: float,
+    groups: PrefixGroups,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> Tensor:
+    """Both parts in fp32 PyTorch (each row's whole table gathered: for exactness, not speed)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     g = heads // kv_heads
@@ -177,7 +188,7 @@ def _torch(q, k_cache, v_cache, table, lens, scale, groups, k_scale, v_scale) ->
 
 # --------------------------------------------------------------------------------------------- triton
 if HAVE_TRITON:
-    from miles_multilora.rollout.paged_attention import _split_chunk
+    from miles_multilora.rollout.paged_attention import split_chunk
 
     @triton.jit
     def _prefix_kernel(
@@ -197,7 +208,7 @@ if HAVE_TRITON:
         hk = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(glens_ptr + grp)
-        chunk = _split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+        chunk = split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
         start = split * chunk
         end = tl.minimum(start + chunk, length)
 
@@ -275,8 +286,8 @@ if HAVE_TRITON:
         length = tl.minimum(tl.load(lens_ptr + b), max_len)
         prefix = tl.minimum(tl.load(prefix_ptr + b), length)
         own = length - prefix
-        used_s = tl.cdiv(own, _split_chunk(own, SUFFIX_SPLITS, BLOCK_N, MIN_CHUNK))
-        used_p = tl.cdiv(prefix, _split_chunk(prefix, PREFIX_SPLITS, BLOCK_N, MIN_CHUNK))
+        used_s = tl.cdiv(own, split_chunk(own, SUFFIX_SPLITS, BLOCK_N, MIN_CHUNK))
+        used_p = tl.cdiv(prefix, split_chunk(prefix, PREFIX_SPLITS, BLOCK_N, MIN_CHUNK))
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         mask_s = (offs_s < used_s) | ((offs_s >= SUFFIX_SPLITS) & (offs_s < SUFFIX_SPLITS + used_p))
@@ -294,7 +305,19 @@ if HAVE_TRITON:
         )
 
 
-def _triton(q, k_cache, v_cache, table, lens, scale, groups, num_splits, k_scale, v_scale) -> Tensor:  # noqa: ANN001
+def _triton(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    table: Tensor,
+    lens: Tensor,
+    scale: float,
+    groups: PrefixGroups,
+    num_splits: int | None,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> Tensor:
+    """The suffix split kernel, the prefix kernel and the merge, into one partial buffer."""
     batch, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     assert heads % kv_heads == 0 and groups.members.shape[1] == MAX_GROUP_ROWS
