@@ -212,3 +212,23 @@ def test_generation_with_shared_prefix_attention_matches_without(
     sizes = [len(g) for _, groups, lens in planned for g, n in zip(groups, lens, strict=True) if n >= 8]
     assert max(sizes) == 4  # a prompt's four samples read its (>= 2) shared pages together
     assert (engine.stats["preemptions"] > 0) == (kv_cache_tokens > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+def test_replayed_graphs_with_shared_prefix_attention_give_the_same_samples(tiny, kv_cache_dtype):
+    """On CUDA (fp32 model, graphs replayed, host checks every 3 steps, a cache that preempts): the
+    Triton kernels inside the graphs give the samples of the per-row kernel."""
+    from tests.unit.test_rollout_batching import _engine_for, _key
+    from tests.unit.test_rollout_embedded import _lora_gpt
+
+    model, tokenizer = _lora_gpt(seed=1).cuda(), tiny[1]
+    requests = _group_requests(tokenizer)
+    kw = dict(
+        page_size=4, cuda_graphs=True, sync_interval=3, kv_cache_dtype=kv_cache_dtype, kv_cache_tokens=64
+    )
+    off = _engine_for(model, tokenizer, **kw).generate(requests)
+    engine = _engine_for(model, tokenizer, shared_prefix_attention=True, **kw)
+    on = engine.generate(requests)
+    assert [_key(r) for r in on] == [_key(r) for r in off]
+    assert engine._graphs.captures >= 1 and engine._batch.groups is not None
