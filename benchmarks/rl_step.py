@@ -16,6 +16,7 @@ tokens/s, the train phase's MFU (``4 x base parameters x trained tokens`` per se
 
     python benchmarks/rl_step.py --cpu        # tiny preset, under two minutes on a 2-core CPU
     python benchmarks/rl_step.py              # the 2 B shape of docs/benchmarks.md (GPU)
+    python benchmarks/rl_step.py --preset long-prompt --shared-prefix off,on  # shared-prefix attention A/B
 """
 
 from __future__ import annotations
@@ -237,8 +238,9 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_token_bytes = engine.paged.kv_bytes_per_token()
     rows: dict[str, dict[str, float]] = {}
-    for m, (label, k, pace) in enumerate(staleness_modes(args)):
+    for m, (label, k, pace, shared) in enumerate(comparison_modes(args)):
         use_staleness(worker, k, continuous)
+        engine.use_shared_prefix_attention(shared)
         if continuous is not None:
             continuous.pace = pace
         specs = [[spec(f"m{m}a{i}", args.prompts, args) for i in range(args.adapters)]]
@@ -295,6 +297,10 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
             f"{r['gen_tok_s']:>10.0f} {r['decode_ms']:>9.2f} {r['roofline']:>10.2f} {r['train_tok_s']:>11.0f} {r['trained']:>12.0f} {r['e2e_tok_s']:>10.0f} "
             f"{r['e2e_tok_s'] / base:>7.2f}x"
         )  # fmt: skip
+    for label, r in rows.items():
+        if label.endswith(" sp on") and (off := rows.get(label[:-2] + "off")):
+            print(f"shared-prefix attention on vs off at max_staleness={label.split()[0]}: generation "
+                  f"{r['gen_tok_s'] / off['gen_tok_s']:.2f}x tok/s, decode {r['decode_ms']:.2f} ms per step against {off['decode_ms']:.2f}")  # fmt: skip
 
 
 def profile_last_train(calls: int) -> None:
@@ -396,6 +402,9 @@ PRESETS = {
     # long samples: 128 rows, <= 12000 new tokens (mean ~2000), full recompute
     "long": dict(prompt_len=200, new_tokens=12000, mean_len=2000, prompts=1, samples=8,
                  micro_batch=64, max_tokens=16384, recompute="full"),
+    # long prompts (multi-turn, tool use, code context): 256 rows, prompt 4096, <= 2048 new (mean ~800)
+    "long-prompt": dict(prompt_len=4096, new_tokens=2048, mean_len=800, prompts=2, samples=8,
+                        micro_batch=64, max_tokens=16384),
 }  # fmt: skip
 
 
@@ -405,6 +414,20 @@ def staleness_modes(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
     raw = getattr(args, "staleness", None) or "0"
     no_pace = getattr(args, "no_pace", False)
     return [(x, int(x.rstrip("s")), not x.endswith("s") and not no_pace) for x in raw.split(",")]
+
+
+def comparison_modes(args: argparse.Namespace) -> list[tuple[str, int, bool, bool]]:
+    """:func:`staleness_modes`, each once per ``--shared-prefix`` value (label, max_staleness, pace,
+    shared-prefix attention); without the flag the config's setting (off)."""
+    values = [v for v in (getattr(args, "shared_prefix", None) or "").split(",") if v]
+    if set(values) - {"off", "on"}:
+        raise SystemExit(f"--shared-prefix takes off and/or on, comma-separated; got {values}")
+    shared = [(f" sp {v}", v == "on") for v in values]
+    return [
+        (label + s, k, pace, on)
+        for label, k, pace in staleness_modes(args)
+        for s, on in shared or [("", False)]
+    ]
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -453,6 +476,10 @@ def main() -> None:
     )
     parser.add_argument("--no-pace", action="store_true", help="rollout.adapter_pace=false")
     parser.add_argument(
+        "--shared-prefix", default=None,
+        help="compare rollout.shared_prefix_attention side by side on schedule (a), e.g. off,on",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-match-wall", action="store_true",
         help="with --staleness: time --steps steps per mode (default: every mode after the first "
         "runs timed steps until they took as long as the first mode's)",
@@ -490,7 +517,7 @@ def main() -> None:
     if args.profile:
         profile_last_train(args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    if args.staleness:
+    if args.staleness or args.shared_prefix:
         print(f"{base_params / 1e9:.2f} B base parameters on {device}; {args.adapters} x {args.prompts} prompts x "
               f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len})")  # fmt: skip
         compare_staleness(worker, args)

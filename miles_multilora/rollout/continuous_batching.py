@@ -325,6 +325,7 @@ class Scheduler:
         else:
             rows = n
         filtered = any(r.filtered for r in self.rows)
+        batch.plan_groups(self.rows)
         dense = batch.dense_shrink_for(rows, (self.requests[r.request].slot for r in self.rows))
         if graphs is not None:
             graphs.prepare(rows, filtered, dense)  # a first use captures outside the timed steps

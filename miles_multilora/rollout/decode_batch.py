@@ -9,6 +9,10 @@ inactive), so a step over the first ``bucket >= n`` rows is always valid.
 routing from the row slots, forward, seeded sampling, recording, and the EOS / length decision, all
 on the device. :class:`DecodeGraphs` captures it in a CUDA graph per (batch bucket, filtered
 sampling) and replays it; graphs are dropped when any tensor they read was reallocated.
+
+With ``shared_prefix``, :attr:`DecodeBatch.groups` tells the step which rows share leading prompt
+pages (:mod:`~miles_multilora.rollout.shared_prefix`); :meth:`DecodeBatch.plan_groups` writes it
+before each run of steps, from the rows' pages.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from miles_multilora.lora.stacked_shrink import sync_stacked
 from miles_multilora.rollout.device_sampling import sample_tokens
 from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.paged_model import PagedModel
+from miles_multilora.rollout.rows import Row
+from miles_multilora.rollout.shared_prefix import PrefixGroups, plan_prefix_groups
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
 STATE_FIELDS = (
@@ -74,6 +80,7 @@ class DecodeBatch:
         vocab_size: int,
         eos_token_ids: list[int],
         layers: list[MultiLoRALinear],
+        shared_prefix: bool = False,
     ) -> None:
         self.paged, self.cache, self.max_rows, self.vocab_size = paged, cache, max_rows, vocab_size
         self.layers = layers
@@ -101,6 +108,8 @@ class DecodeBatch:
         self.out_logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
         ids = sorted(set(eos_token_ids)) or [-1]  # -1 never matches a token
         self.eos = torch.tensor(ids, **long)
+        self.groups: PrefixGroups | None = None
+        self.use_shared_prefix(shared_prefix)
 
     # ------------------------------------------------------------------ the step
     def side_stream_for(self, n: int) -> torch.cuda.Stream | None:
@@ -150,7 +159,8 @@ class DecodeBatch:
             self.active[:n],
         )
         self.route(self.slots[:n], dense)
-        logits = self.paged.decode(self.cache, tokens, positions, table)
+        groups = self.groups.rows(n) if self.groups is not None else None
+        logits = self.paged.decode(self.cache, tokens, positions, table, groups)
         token, logprob = sample_tokens(
             logits, self.vocab_size, self.temperature[:n], self.seeds[:n], count,
             self.top_k[:n], self.top_p[:n], filtered=filtered,
@@ -164,6 +174,20 @@ class DecodeBatch:
         positions.add_(moved)
         tokens.copy_(torch.where(active, token, tokens))
         active.logical_and_(~done)
+
+    def use_shared_prefix(self, on: bool) -> None:
+        """Switch shared-prefix attention on or off for the next steps (captured graphs see a new
+        fingerprint and are captured again)."""
+        if on != (self.groups is not None):
+            self.groups = PrefixGroups.empty(self.max_rows, self.tokens.device) if on else None
+
+    def plan_groups(self, rows: list[Row]) -> None:
+        """With shared-prefix attention: group batch rows ``rows`` (in order) by the prompt pages they
+        share, for the next decode steps (their grouping changes only when rows come, go or move)."""
+        if self.groups is None:
+            return
+        written = [row.prompt_len + row.count - 1 for row in rows]  # keys before the next step's
+        self.groups.set(*plan_prefix_groups([row.pages for row in rows], written, self.cache.page_size))
 
     # ------------------------------------------------------------------ row bookkeeping
     def reset_rows(self, start: int, stop: int) -> None:
@@ -186,7 +210,8 @@ class DecodeBatch:
         self.reset_rows(len(keep), n)
 
     def state_tensors(self) -> list[Tensor]:
-        return [getattr(self, name) for name in STATE_FIELDS] + [self.eos]
+        groups = self.groups.tensors() if self.groups is not None else []
+        return [getattr(self, name) for name in STATE_FIELDS] + [self.eos, *groups]
 
 
 def tensors_fingerprint(tensors: list[Tensor]) -> tuple[int, ...]:

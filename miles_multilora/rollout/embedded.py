@@ -87,6 +87,8 @@ class EmbeddedEngine(RolloutEngine):
         kv_cache_dtype: ``bf16`` (the model's dtype) or ``fp8`` (e4m3 pages with per-token, per-head
             scales: about half the bytes per token, so about twice the tokens in the same memory;
             ``rollout.kv_cache_dtype``).
+        shared_prefix_attention: read each group's shared prompt pages once per decode step for all
+            its rows (:mod:`~miles_multilora.rollout.shared_prefix`; ``rollout.shared_prefix_attention``).
         cuda_graphs: replay captured decode steps (``rollout.cuda_graphs``; None: on CUDA).
         sync_interval: device decode steps between host checks (``rollout.sync_interval``; default
             8 on CUDA, 1 on CPU where checking costs nothing).
@@ -108,6 +110,7 @@ class EmbeddedEngine(RolloutEngine):
         kv_cache_tokens: int = 0,
         kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
         kv_cache_dtype: str = "bf16",
+        shared_prefix_attention: bool = False,
         cuda_graphs: bool | None = None,
         sync_interval: int | None = None,
         pad_id: int = 0,
@@ -131,6 +134,7 @@ class EmbeddedEngine(RolloutEngine):
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_fraction = kv_cache_fraction
         self.pad_id = pad_id
+        self.shared_prefix_attention = shared_prefix_attention
         self.paged = PagedModel(model, max_seq_len, kv_cache_dtype)
         self.device = self.paged.device
         on_cuda = self.device.type == "cuda"
@@ -257,6 +261,7 @@ class EmbeddedEngine(RolloutEngine):
                 self.vocab_size,
                 sorted(self.eos_token_ids),
                 self.layers,
+                shared_prefix=self.shared_prefix_attention,
             )
             self._graphs = DecodeGraphs(self._batch, self.model) if self.use_graphs else None
             if self._stream is not None:
@@ -300,6 +305,12 @@ class EmbeddedEngine(RolloutEngine):
                     self._graphs.check()
                 stream.run(stop)
         return stream.state()
+
+    def use_shared_prefix_attention(self, on: bool) -> None:
+        """Switch shared-prefix attention for the next runs (benchmarks compare it on and off)."""
+        self.shared_prefix_attention = on
+        if self._batch is not None:
+            self._batch.use_shared_prefix(on)
 
     def take(self, ids: Sequence[int]) -> list[GenerationResult]:
         """The results of finished requests ``ids``, removed from the stream."""

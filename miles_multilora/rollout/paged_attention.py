@@ -38,30 +38,36 @@ NUM_STAGES = 2
 if HAVE_TRITON:
 
     @triton.jit
-    def _split_chunk(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    def split_chunk(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
         """Keys per split of a row of ``length`` keys: whole key blocks, at least ``MIN_CHUNK``."""
         return tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qk_scale, G, D, max_len,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, starts_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        qk_scale, G, D, max_len, part_stride,
         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
         stride_sp, stride_st, stride_bt, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, MIN_CHUNK: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        KV_FP8: tl.constexpr,
+        KV_FP8: tl.constexpr, HAS_START: tl.constexpr,
     ):  # fmt: skip
         """Program (row, kv head, split): online softmax of the G query heads over the split's keys.
         A split past the row's keys stores nothing (the combine reads only the row's used splits).
+        ``HAS_START``: the row's keys begin at ``starts_ptr[b]`` (its suffix past a shared prefix,
+        :mod:`~miles_multilora.rollout.shared_prefix`), and every used split stores a partial result
+        (``part_stride`` slots per (row, head)).
         ``KV_FP8``: e4m3 pages, widened to q's dtype; ``ks_ptr``/``vs_ptr`` their per-(token, head)
         scales (strides ``stride_sp``, ``stride_st``; heads contiguous), applied in fp32."""
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.minimum(tl.load(lens_ptr + b), max_len)
-        chunk = _split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
-        start = split * chunk
+        first = 0
+        if HAS_START:
+            first = tl.minimum(tl.load(starts_ptr + b), length)
+        chunk = split_chunk(length - first, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+        start = first + split * chunk
         end = tl.minimum(start + chunk, length)
 
         offs_g = tl.arange(0, BLOCK_G)
@@ -115,11 +121,11 @@ if HAVE_TRITON:
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or row) gives zeros
         mask_o = mask_g[:, None] & mask_d[None, :]
-        if NUM_SPLITS == 1:
+        if NUM_SPLITS == 1 and not HAS_START:
             o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_o)
         elif start < length:
-            part = (b * G * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS]
+            part = (b * G * tl.num_programs(1) + heads) * part_stride + split  # [B, H, part_stride]
             tl.store(part_o_ptr + part[:, None] * D + offs_d[None, :], o, mask=mask_o)
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             tl.store(part_lse_ptr + part, lse, mask=mask_g)
@@ -136,7 +142,7 @@ if HAVE_TRITON:
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.minimum(tl.load(lens_ptr + b), max_len)
-        used = tl.cdiv(length, _split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
+        used = tl.cdiv(length, split_chunk(length, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         mask_s = offs_s < used
@@ -221,6 +227,50 @@ def min_chunk_keys() -> int:
     return max(BLOCK_N, MIN_SPLIT_KEYS // BLOCK_N * BLOCK_N)
 
 
+def launch_split_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    starts: torch.Tensor | None = None,
+    total_splits: int | None = None,
+) -> None:
+    """The split kernel over every row: one split straight into ``out``, else partial outputs and
+    log2-sum-exps into ``part_o``/``part_lse`` (``[B, H, total_splits, D]``/``[B, H, total_splits]``,
+    the row's splits first). ``starts``: the rows' first keys (then every split goes to the parts)."""
+    batch, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    assert heads % kv_heads == 0, f"{heads} query heads are not a multiple of {kv_heads} kv heads"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    fp8 = k_scale is not None
+    if fp8:
+        assert v_scale is not None and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
+    compute = q.dtype if fp8 else k_cache.dtype
+    group = heads // kv_heads
+    max_len = block_table.shape[1] * page_size
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+        block_table, cache_lens, starts if starts is not None else cache_lens, out, part_o, part_lse,
+        scale * LOG2E, group, dim, max_len, total_splits or num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides, block_table.stride(0), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=BLOCK_N, PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8,
+        HAS_START=starts is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+
+
 def _attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -234,14 +284,6 @@ def _attention_triton(
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
-    assert heads % kv_heads == 0, f"{heads} query heads are not a multiple of {kv_heads} kv heads"
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
-    fp8 = k_scale is not None
-    if fp8:
-        assert v_scale is not None and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
-    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
-    compute = q.dtype if fp8 else k_cache.dtype
-    group = heads // kv_heads
     max_len = block_table.shape[1] * page_size
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, max_len, num_sms(q.device))
@@ -253,24 +295,25 @@ def _attention_triton(
         part_lse = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
     else:
         part_o = part_lse = out  # unused
-    block_d = max(16, triton.next_power_of_2(dim))
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
-        block_table, cache_lens, out, part_o, part_lse,
-        scale * LOG2E, group, dim, max_len,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *scale_strides, block_table.stride(0), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
+    launch_split_kernel(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cache_lens,
+        scale,
+        num_splits,
+        k_scale,
+        v_scale,
+        out,
+        part_o,
+        part_lse,
+    )
     if num_splits > 1:
         _combine_splits_kernel[(batch, heads)](
             part_o, part_lse, cache_lens, out, heads, dim, max_len, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk_keys(), BLOCK_N=BLOCK_N,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=max(16, triton.next_power_of_2(dim)),
         )  # fmt: skip
     return out
 

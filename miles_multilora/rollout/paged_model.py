@@ -38,6 +38,7 @@ from miles_multilora.rollout.kv_quant import as_stored
 from miles_multilora.rollout.moe_decode import is_moe, moe_decode, prepare_moe
 from miles_multilora.rollout.paged_attention import paged_decode_attention, write_decode_kv, write_prefill_kv
 from miles_multilora.rollout.rope_kv import fused_rope_kv_supported, rope_and_write_kv
+from miles_multilora.rollout.shared_prefix import PrefixGroups, shared_prefix_attention
 from miles_multilora.scoring.logprobs import lm_head_weight
 
 
@@ -245,9 +246,17 @@ class PagedModel:
         return self._logits(last.unsqueeze(0))
 
     # ------------------------------------------------------------------ decode
-    def decode(self, cache: PagedKVCache, tokens: Tensor, positions: Tensor, block_table: Tensor) -> Tensor:
+    def decode(
+        self,
+        cache: PagedKVCache,
+        tokens: Tensor,
+        positions: Tensor,
+        block_table: Tensor,
+        groups: PrefixGroups | None = None,
+    ) -> Tensor:
         """One token per row: ``tokens`` ``[B]`` at ``positions`` ``[B]`` (its index in its row). Writes
         its K/V there, attends over the row's first ``positions + 1`` keys; returns logits ``[B, V]``.
+        ``groups``: the rows' shared prompt pages, each read once per group (shared-prefix attention).
         No host sync: capturable. Slot routing must be set by the caller."""
         batch = tokens.shape[0]
         hidden = self.model.embedding(input_ids=tokens.view(batch, 1), position_ids=positions.view(batch, 1))
@@ -259,9 +268,15 @@ class PagedModel:
             hidden, x = self._norm(hidden, layer.input_layernorm, *pending)
             q = self._qkv(i, attn, x, cache, positions, block_table)
             k_cache, v_cache, k_scale, v_scale = cache.layer(i)
-            ctx = paged_decode_attention(
-                q, k_cache, v_cache, block_table, lens, self.scales[i], k_scale=k_scale, v_scale=v_scale
-            )
+            scale = self.scales[i]
+            if groups is not None:
+                ctx = shared_prefix_attention(
+                    q, k_cache, v_cache, block_table, lens, scale, groups, k_scale=k_scale, v_scale=v_scale
+                )
+            else:
+                ctx = paged_decode_attention(
+                    q, k_cache, v_cache, block_table, lens, scale, k_scale=k_scale, v_scale=v_scale
+                )
             out, lora = self._linear(attn.linear_proj, ctx.reshape(1, batch, self.heads * self.head_dim))
             hidden, x = self._norm(hidden, layer.pre_mlp_layernorm, out, lora)
             pending = self._mlp(layer, x)

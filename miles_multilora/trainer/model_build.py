@@ -118,6 +118,7 @@ def build_engine(cfg: RunConfig, built: BuiltModel, *, manages_adapters: bool, d
         kv_cache_tokens=r.kv_cache_tokens,
         kv_cache_fraction=r.kv_cache_fraction,
         kv_cache_dtype=r.kv_cache_dtype,
+        shared_prefix_attention=r.shared_prefix_attention,
         cuda_graphs=r.cuda_graphs,
         sync_interval=r.sync_interval,
     )

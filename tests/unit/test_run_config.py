@@ -50,6 +50,11 @@ def test_default_configs_compose_and_validate():
         (["rollout.kv_cache_fraction=1.5"], "rollout.kv_cache_fraction", "(0, 1)"),
         (["rollout.kv_cache_dtype=fp16"], "rollout.kv_cache_dtype", "bf16 (the model's dtype) or fp8, got"),
         (["rollout=vllm", "rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype", "own (--kv-cache-dtype)"),
+        (
+            ["rollout=vllm", "rollout.shared_prefix_attention=true"],
+            "rollout.shared_prefix_attention",
+            "embedded",
+        ),
         (["rollout=vllm", "rollout.vllm_url=null"], "rollout.vllm_url", "comma-separated URLs"),
         (["rollout=vllm", "rollout.max_versions_per_adapter=0"], "rollout.max_versions_per_adapter", ">= 1"),
         (["rollout=vllm", "rollout.vllm_logprobs_mode=raw"], "rollout.vllm_logprobs_mode", "--logprobs-mode"),

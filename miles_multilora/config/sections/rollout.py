@@ -21,6 +21,10 @@ class RolloutConfig:
     # the embedded engine's KV pages: bf16 (the model's dtype) | fp8 (e4m3 with a scale per token and
     # kv head: about half the bytes per token, so about twice the tokens fit the same memory)
     kv_cache_dtype: str = "bf16"
+    # the embedded engine reads a prompt group's shared prompt pages once per decode step for all its
+    # rows (cascade attention, rollout/shared_prefix.py); same results up to float reassociation. Off
+    # until its speed-up is measured on a GPU (the long-prompt preset of benchmarks/rl_step.py)
+    shared_prefix_attention: bool = False
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
     sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
     sglang_url: str | None = None  # SGLang server URL(s), comma-separated
@@ -67,6 +71,12 @@ class RolloutConfig:
             "rollout.kv_cache_dtype",
             f"fp8 applies to the embedded engine's cache; rollout.engine={self.engine} servers set "
             "their own (--kv-cache-dtype): leave rollout.kv_cache_dtype=bf16",
+        )
+        check(
+            not self.shared_prefix_attention or self.engine == "embedded",
+            "rollout.shared_prefix_attention",
+            f"applies to the embedded engine's decode attention; rollout.engine={self.engine} servers "
+            "share prefixes their own way: leave rollout.shared_prefix_attention=false",
         )
         check(self.sync_interval is None or self.sync_interval >= 1, "rollout.sync_interval", "must be >= 1")
         check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0: synchronous steps)")
