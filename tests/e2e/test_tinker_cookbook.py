@@ -3,7 +3,8 @@
 The supervised trainer (``tinker_cookbook.supervised.train.main``, with its held-out eval, which
 scores with ``SamplingClient.compute_logprobs``), the RL trainer (``tinker_cookbook.rl.train.main``
 on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to, and with a KL penalty
-against a reference sampler), the math RL recipe, the DPO trainer
+against a reference sampler), the math RL recipe (also at its defaults), the ``rl_numerics_check``
+recipe with its sampler-trainer KL, the DPO trainer
 (``tinker_cookbook.preference.train_dpo.main``, whose loss runs through ``forward_backward_custom``),
 the on-policy distillation and SDFT trainers and the multiplayer ``guess_number`` recipe run a few
 steps each, with data built in-process or in tmp files through the cookbook's dataset
