@@ -3,7 +3,8 @@
 The supervised trainer (``tinker_cookbook.supervised.train.main``, with its held-out eval, which
 scores with ``SamplingClient.compute_logprobs``), the RL trainer (``tinker_cookbook.rl.train.main``
 on ``stable_reinforce``, the loss the cookbook's math RL recipe defaults to, and with a KL penalty
-against a reference sampler), the math RL recipe, the DPO trainer
+against a reference sampler), the math RL recipe (also at its defaults), the ``rl_numerics_check``
+recipe with its sampler-trainer KL, the DPO trainer
 (``tinker_cookbook.preference.train_dpo.main``, whose loss runs through ``forward_backward_custom``),
 the on-policy distillation and SDFT trainers and the multiplayer ``guess_number`` recipe run a few
 steps each, with data built in-process or in tmp files through the cookbook's dataset
@@ -542,6 +543,31 @@ def test_math_rl_recipe_runs_as_is_on_its_default_loss(
     assert final["name"] == "final" and final["sampler_path"].startswith("tinker://"), final
 
 
+@pytest.mark.slow
+def test_math_rl_recipe_runs_a_step_at_its_defaults(cookbook_env: Any, tmp_path: Path) -> None:
+    """The math RL recipe at its defaults (arithmetic, 100 groups of 4, 5 new tokens, learning rate
+    1e-5, ``stable_reinforce``), but for the model, the renderer, the server and the LoRA rank (its
+    32 is above this server's ``lora.max_rank``), for one step: 400 episodes in one batch."""
+    from tinker_cookbook.recipes.math_rl import train as math_rl
+
+    server = cookbook_env
+    log_path = tmp_path / "math_rl_defaults"
+    cli = math_rl.CLIConfig(
+        model_name=server.state.base_model, renderer_name=RENDERER, lora_rank=8, base_url=server.url,
+        log_path=str(log_path), behavior_if_log_dir_exists="raise", max_steps=1,
+    )  # fmt: skip
+    assert (cli.env, cli.group_size, cli.groups_per_batch, cli.max_tokens) == ("arithmetic", 4, 100, 5)
+    asyncio.run(math_rl.cli_main(cli))
+
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0], rows
+    assert rows[0]["env/all/total_episodes"] == 400, rows[0]
+    assert rows[0]["env/all/ac_tokens_per_turn"] <= 5, rows[0]
+    _finite(rows[0], "env/all/reward/total")
+    assert abs(_finite(rows[0], "optim/kl_sample_train_v2")) < 1e-6, rows[0]  # sampler and trainer agree
+    assert _checkpoints(log_path)[-1]["name"] == "final"
+
+
 @chz.chz
 class _PairsFromFile(ComparisonDatasetBuilder):
     """Preference pairs from a local JSONL file of ``{"prompt", "chosen", "rejected"}`` rows."""
@@ -662,3 +688,36 @@ def test_the_decisions_recipe_scores_each_label_in_one_sample_request(cookbook_e
     total = sum(math.exp(lp) for lp in each)
     assert list(chosen) == ["A", "B", "C"]
     assert list(chosen.values()) == pytest.approx([math.exp(lp) / total for lp in each], abs=1e-5)
+
+
+def test_rl_numerics_check_recipe_logs_a_small_sampler_trainer_kl(
+    cookbook_env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``rl_numerics_check`` recipe as its ``build_config`` makes it (loss ``importance_sampling``,
+    its counting environment with the ``read_page`` tool), at a tiny size: one-page documents of 300
+    characters, 8 new tokens. Its corpus is WikiText-103 from the hub; here the same loader returns
+    this project's design notes (English text), the one thing replaced. The renderer is
+    ``qwen3_instruct``: the recipe needs tool calling, which ``role_colon`` lacks, and the demo
+    tokenizer is ChatML. The recipe's check is ``optim/kl_sample_train_v1`` and ``_v2``: the sampler's
+    logprobs of the sampled tokens against the trainer's forward on them."""
+    from tinker_cookbook.recipes.rl_numerics_check import env as numerics_env
+    from tinker_cookbook.recipes.rl_numerics_check import train as numerics
+
+    server = cookbook_env
+    corpus = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    monkeypatch.setattr(numerics_env, "load_wikitext_corpus", lambda max_chars=0: corpus)
+    log_path = tmp_path / "numerics"
+    cli = numerics.CLIConfig(
+        model_name=server.state.base_model, renderer_name="qwen3_instruct", lora_rank=8, group_size=2,
+        groups_per_batch=2, max_tokens=8, max_trajectory_tokens=2048, max_steps=2, save_every=0,
+        task=numerics_env.CountingTaskConfig(num_pages_min=1, num_pages_max=1, page_chars=300),
+        log_path=str(log_path), base_url=server.url,
+    )  # fmt: skip
+    asyncio.run(rl_train.main(numerics.build_config(cli)))
+
+    rows = [r for r in _metrics(log_path) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == [0, 1], rows
+    for row in rows:
+        _finite(row, "env/all/reward/total")
+        assert abs(_finite(row, "optim/kl_sample_train_v1")) < 1e-4, row
+        assert 0 <= _finite(row, "optim/kl_sample_train_v2") < 1e-6, row
