@@ -300,9 +300,15 @@ def _attention_torch(
     scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
     valid = torch.arange(max_len, device=q.device) < cache_lens.to(q.device).unsqueeze(1)  # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: all -inf -> zeros
+    top = scores.amax(-1, keepdim=True)
+    probs = torch.exp(scores - torch.where(top.isfinite(), top, 0.0))  # rows without keys: zeros
+    total = probs.sum(-1, keepdim=True)
+    if k_scale is None:
+        # the weights rounded to the model dtype before they meet the values, as every fused attention
+        # does (the Triton kernel here, flash and PyTorch's CPU kernel in the trainer); the sum is not
+        probs = probs.to(q.dtype).float()
     values = values.masked_fill(~valid[:, :, None, None], 0.0)  # stale slots may hold inf/NaN
-    out = torch.einsum("bkgl,blkd->bkgd", probs, values)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values) / torch.where(total > 0, total, 1.0)
     return out.reshape(batch, heads, dim).to(q.dtype)
 
 
