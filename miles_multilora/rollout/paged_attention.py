@@ -328,6 +328,9 @@ def paged_decode_attention(
 
     ``q`` ``[B, H, D]``; caches ``[num_pages, page_size, H_kv, D]``; ``block_table`` ``[B, max_pages]``
     int32; ``cache_lens`` ``[B]`` int32. fp32 accumulation, output in q's dtype, zeros for empty rows.
+    On 16-bit pages the softmax weights meet the values rounded to q's dtype (their sum stays fp32),
+    as the Triton kernel and the trainer's flash attention do, so a decode step's output rounds as the
+    trainer's does.
     ``use_triton=None``: the Triton kernel for CUDA tensors, PyTorch otherwise (``True`` forces Triton,
     e.g. under ``TRITON_INTERPRET=1``). ``num_splits=None``: :func:`default_num_splits`. A narrower
     ``block_table`` view (fewer columns) bounds the work to that many pages per row. fp8 caches
