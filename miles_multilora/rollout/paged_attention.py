@@ -343,9 +343,15 @@ def _attention_torch(
     scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
     valid = torch.arange(max_len, device=q.device) < cache_lens.to(q.device).unsqueeze(1)  # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: all -inf -> zeros
+    top = scores.amax(-1, keepdim=True)
+    probs = torch.exp(scores - torch.where(top.isfinite(), top, 0.0))  # rows without keys: zeros
+    total = probs.sum(-1, keepdim=True)
+    if k_scale is None:
+        # the weights rounded to the model dtype before they meet the values, as every fused attention
+        # does (the Triton kernel here, flash and PyTorch's CPU kernel in the trainer); the sum is not
+        probs = probs.to(q.dtype).float()
     values = values.masked_fill(~valid[:, :, None, None], 0.0)  # stale slots may hold inf/NaN
-    out = torch.einsum("bkgl,blkd->bkgd", probs, values)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values) / torch.where(total > 0, total, 1.0)
     return out.reshape(batch, heads, dim).to(q.dtype)
 
 
@@ -365,6 +371,9 @@ def paged_decode_attention(
 
     ``q`` ``[B, H, D]``; caches ``[num_pages, page_size, H_kv, D]``; ``block_table`` ``[B, max_pages]``
     int32; ``cache_lens`` ``[B]`` int32. fp32 accumulation, output in q's dtype, zeros for empty rows.
+    On 16-bit pages the softmax weights meet the values rounded to q's dtype (their sum stays fp32),
+    as the Triton kernel and the trainer's flash attention do, so a decode step's output rounds as the
+    trainer's does.
     ``use_triton=None``: the Triton kernel for CUDA tensors, PyTorch otherwise (``True`` forces Triton,
     e.g. under ``TRITON_INTERPRET=1``). ``num_splits=None``: :func:`default_num_splits`. A narrower
     ``block_table`` view (fewer columns) bounds the work to that many pages per row. fp8 caches
