@@ -3,7 +3,8 @@
 Two slots with different rows on a tiny Qwen3-MoE checkpoint (4 experts; its weights are the same
 at every layout, read by megatron-bridge): two ``forward_backward`` + ``optim_step`` rounds
 at DP=2 x EP=2 give the losses, per-slot grad norms, scores and exported adapters (every expert,
-gathered) of DP=2 x EP=1; and the states each saves load at the other EP size. One row per micro-batch and an odd number of rows: the DP ranks run
+gathered) of DP=2 x EP=1; the states each saves load at the other EP size, and adapters parked
+(spilled) and restored into other slots at either size come back exactly. One row per micro-batch and an odd number of rows: the DP ranks run
 different numbers of micro-batches, so the EP ranks' token exchange needs the lockstep fillers.
 """
 
@@ -64,6 +65,28 @@ def _open(trainer, slot: int, restore: Path | None = None) -> None:  # noqa: ANN
     trainer.open_slot(slot, rank, alpha, seed, OptimizerSpec(**spec), "ab"[slot], restore=restore)
 
 
+def _turns(trainer, out: Path, rank: int) -> None:  # noqa: ANN001
+    """Both adapters reopened from their saved states, parked (spilled to disk: no host memory) and
+    restored into each other's slots, then exported (``turn{slot}``)."""
+    from miles_multilora.config.adapter import OptimizerSpec
+    from miles_multilora.trainer.residency import Residency
+
+    torch.distributed.barrier()  # every saved state written (by its writers) before it is read
+    residency = Residency(trainer, host_bytes=0, spill_dir=out / f"spill{rank}", prefetch_bytes=0)
+    for slot in (0, 1):
+        trainer.close_slot(slot)
+        lora_rank, alpha, seed, spec = SLOTS[slot]
+        residency.open(
+            "ab"[slot], slot, lora_rank, alpha, seed, OptimizerSpec(**spec), restore=out / f"state{slot}"
+        )
+    for name in "ab":
+        residency.park(name)
+    assert residency.stats["spilled"] == 2 and not trainer.slots
+    for slot in (0, 1):
+        residency.restore("ab"[slot], 1 - slot)
+        trainer.export_peft(1 - slot, out / f"turn{slot}")
+
+
 def _job(rank: int, world: int, ep: int, out: str, hf: str, load_from: str | None) -> None:
     from miles_multilora.trainer.primitives import ScoredRow
     from miles_multilora.trainer.rank import TrainerRank
@@ -91,6 +114,7 @@ def _job(rank: int, world: int, ep: int, out: str, hf: str, load_from: str | Non
             trainer.close_slot(slot)
             _open(trainer, slot, restore=Path(load_from) / f"state{slot}")
             trainer.export_peft(slot, Path(out) / f"loaded{slot}")
+    _turns(trainer, Path(out), rank)
     if rank == 0:
         torch.save({"losses": losses, "norms": norms, "scores": scores}, Path(out) / "result.pt")
 
@@ -131,6 +155,10 @@ def test_dp2_ep2_trains_as_dp2_ep1_and_their_states_load_at_either(tmp_path, che
         loaded = _adapter(dir_two / f"loaded{slot}")
         assert loaded.keys() == w1.keys() and all(torch.equal(loaded[k], w1[k]) for k in w1)
     assert (dir_two / "state0" / "experts_ep1of2.pt").is_file()
+    for directory in (dir_one, dir_two):  # parked, spilled and restored in the other slot: exact
+        for slot in (0, 1):
+            turned, own = _adapter(directory / f"turn{slot}"), _adapter(directory / f"slot{slot}")
+            assert turned.keys() == own.keys() and all(torch.equal(turned[k], own[k]) for k in own)
     # EP=2's state loaded at EP=1 (one rank, here) exports exactly EP=2's adapter
     trainer = TrainerRank(_config(tmp_path / "one", str(checkpoint), 1, 1))
     try:
