@@ -50,6 +50,7 @@ def _resolve_world(m: ModelConfig, t: TrainerConfig) -> None:
     if t.world_size is None:
         m.dp = m.dp or 1
         t.world_size = m.dp * model_parallel
+        _check_expert_parallel(m)
         return
     check(
         t.world_size % model_parallel == 0,
@@ -64,6 +65,18 @@ def _resolve_world(m: ModelConfig, t: TrainerConfig) -> None:
         "trainer.world_size",
         f"must equal model.dp * model.tp * model.pp = {m.dp} * {m.tp} * {m.pp} = {m.dp * model_parallel} "
         "(or leave one of trainer.world_size and model.dp unset)",
+    )
+    _check_expert_parallel(m)
+
+
+def _check_expert_parallel(m: ModelConfig) -> None:
+    """Megatron-core's rule: the world splits into groups of ``ep * pp`` ranks (expert tensor
+    parallelism 1), i.e. ``model.ep`` divides ``model.dp * model.tp``."""
+    check(
+        (m.dp * m.tp) % m.ep == 0,
+        "model.ep",
+        f"must divide model.dp * model.tp = {m.dp} * {m.tp} = {m.dp * m.tp} (the expert-parallel ranks are "
+        f"taken from the data- and tensor-parallel ones); got model.ep={m.ep}: lower model.ep or raise model.dp",
     )
 
 

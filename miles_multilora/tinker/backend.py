@@ -215,7 +215,8 @@ class TinkerBackend:
         )
         for victim in mine[: max(len(mine) - max_per_owner + 1, 0)]:
             self.drop_copy(victim)
-        saved = read_shard(directory, self.rank.layout.tp_rank)  # once; FileNotFoundError: deleted
+        layout = self.rank.layout  # its EP rank's experts, at any saved EP size
+        saved = read_shard(directory, layout.tp_rank, layout.ep)  # once; FileNotFoundError: deleted
         meta = shard_meta(saved)
         if meta is None:
             raise TinkerError("model_path", "not readable sampler weights: no meta")

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from miles_multilora.lora import MultiLoRAExpertLinear, multi_lora_layers
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -33,6 +35,9 @@ class DPLayout:
     tp_rank: int = 0
     world_size: int = 1
     dp_group: Any = None
+    ep_size: int = 1  # expert-parallel ranks (model.ep): each holds its share of the experts
+    ep_rank: int = 0
+    expert_dp_rank: int = 0  # among the ranks holding the same experts
 
     @classmethod
     def from_megatron(cls, world_size: int) -> DPLayout:
@@ -47,12 +52,31 @@ class DPLayout:
             tp_rank=ps.get_tensor_model_parallel_rank(),
             world_size=world_size,
             dp_group=ps.get_data_parallel_group(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
         )
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every rank must run as many forward (and backward) passes as the others: the
+        expert-parallel MoE layers exchange tokens with ranks that train other rows."""
+        return self.ep_size > 1
 
     @property
     def is_shard_writer(self) -> bool:
         """DP rank 0 writes this TP rank's checkpoint shard (each adapter once)."""
         return self.dp_rank == 0
+
+    @property
+    def writes_experts(self) -> bool:
+        """With expert parallelism, expert-DP rank 0 writes this EP rank's experts (each once)."""
+        return self.ep_size > 1 and self.expert_dp_rank == 0
+
+    @property
+    def ep(self) -> tuple[int, int]:
+        """``(EP rank, EP size)``."""
+        return self.ep_rank, self.ep_size
 
 
 def generation_shard(n_groups: int, layout: DPLayout) -> list[int]:
@@ -122,6 +146,24 @@ def sum_metrics(per_slot: dict[int, dict[str, float]], layout: DPLayout) -> dict
             for k, v in metrics.items():
                 acc[k] = max(acc.get(k, 0.0), float(v)) if k in MAXED_METRICS else acc.get(k, 0.0) + float(v)
     return total
+
+
+def grad_groups(model: torch.nn.Module, dp_group: Any) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+    """The LoRA parameters by the group their gradients are summed over: the dense layers' over the
+    data-parallel group, the experts' over their expert-data-parallel group (the replicas of the
+    same experts; with expert parallelism the EP ranks hold other experts). Groups of one rank and
+    ``None`` are left out."""
+    out: list[tuple[Any, list[torch.nn.Parameter]]] = []
+    for layer in multi_lora_layers(model):
+        group = layer.expert_dp_group if isinstance(layer, MultiLoRAExpertLinear) else dp_group
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        entry = next((e for e in out if e[0] is group), None)
+        if entry is None:
+            entry = (group, [])
+            out.append(entry)
+        entry[1].extend((layer.lora_A, layer.lora_B))
+    return out
 
 
 def allreduce_slot_grads(

@@ -1,5 +1,6 @@
 """What a trainer rank is built from: the Megatron model with its MultiLoRA slots, its tokenizer,
-and its rollout engine (the embedded engine on the rank's own model, or an HTTP engine).
+and its rollout engine (the embedded engine on the rank's own model, or an HTTP engine; none that
+samples at ``model.ep > 1`` with the embedded one, which has no expert parallelism yet).
 
 The rank's context is the checkpoint's own (``max_position_embeddings``; the tiny model's
 ``model.tiny.max_seq_len``), or ``model.max_context`` below it. Before the model is built, the
@@ -8,6 +9,7 @@ resolves ``trainer.recompute=auto``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,13 +17,47 @@ from typing import Any
 import torch
 
 from miles_multilora.config.run import RunConfig
+from miles_multilora.config.sections.model import check_expert_split
 from miles_multilora.lora import apply_multi_lora
 from miles_multilora.lora.inject import use_fp8_base
 from miles_multilora.models import provider
 from miles_multilora.models.paths import capped_context, resolve_model_path
-from miles_multilora.rollout import RolloutEngine
+from miles_multilora.rollout import (
+    AdapterVersion,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    RolloutError,
+)
 from miles_multilora.trainer.memory_plan import MemoryPlan, ModelShape, plan_rank
 from miles_multilora.trainer.tokenizer import load_tokenizer, stop_token_ids
+
+EP_SAMPLING = (
+    "the embedded engine does not sample with expert parallelism (model.ep > 1) yet: this rank trains "
+    "and exports only; sample with rollout=sglang or rollout=vllm, or set model.ep=1"
+)
+
+
+class NoSampling(RolloutEngine):
+    """The engine of a rank that trains but cannot sample: every request fails with ``reason``; the
+    adapters it is told of are only recorded."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def check_request(self, req: GenerationRequest, index: int = 0) -> None:
+        raise RolloutError(self.reason)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        raise RolloutError(self.reason)
+
+    def update_adapters(self, changed: Mapping[str, AdapterVersion]) -> None:
+        self._adapters.update(changed)
+
+    def remove_adapters(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._adapters.pop(name, None)
 
 
 @dataclass
@@ -57,6 +93,9 @@ def build_model(cfg: RunConfig) -> BuiltModel:
         vocab_size, hf_config = t.vocab_size, None
     else:
         config = provider.read_hf_config(model_path)
+        if cfg.model.ep > 1:
+            experts = config.get("num_experts") or config.get("num_local_experts") or 0
+            check_expert_split(int(experts), cfg.model.ep, str(model_path / "config.json"))
         native = config.get("max_position_embeddings")
         source = str(model_path / "config.json")
         max_seq_len = capped_context(cfg, None if native is None else int(native), source)
@@ -92,8 +131,10 @@ def build_engine(cfg: RunConfig, built: BuiltModel, *, manages_adapters: bool, d
     """``cfg.rollout``'s engine: the embedded engine serves ``built.model`` itself; an HTTP engine
     (SGLang, vLLM) gets each adapter version as an exported PEFT dir. ``manages_adapters``: this
     rank loads adapters on the servers (one rank does); DP ranks start at different servers."""
-    eos = stop_token_ids(built.tokenizer, resolve_model_path(cfg))
     r = cfg.rollout
+    if cfg.model.ep > 1 and r.engine == "embedded":
+        return NoSampling(EP_SAMPLING)
+    eos = stop_token_ids(built.tokenizer, resolve_model_path(cfg))
     if r.engine != "embedded":
         from miles_multilora.rollout.factory import remote_engine
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from miles_multilora.algo.device_metrics import read_together
 from miles_multilora.config.sections.trainer import TrainerConfig
@@ -138,6 +139,20 @@ def _slot_micro_batches(
         yield picked, [rows[i] for i in picked]
 
 
+def _lockstep_batches(
+    batches: list[tuple[list[int], list[ScoredRow]]], lockstep: bool, pad_id: int
+) -> list[tuple[list[int], list[ScoredRow]]]:
+    """``batches``, and with ``lockstep`` filler micro-batches (one 2-token row of slot 0, no picked
+    rows) up to the most any rank runs: expert-parallel MoE layers exchange tokens with the other
+    ranks at every forward and backward, so every rank runs as many (a rank with no rows too)."""
+    if not lockstep:
+        return batches
+    count = torch.tensor([len(batches)], dtype=torch.long, device=compat.default_device())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    filler = ScoredRow(slot=0, tokens=[pad_id, pad_id], positions=[0])
+    return batches + [([], [filler])] * (int(count.item()) - len(batches))
+
+
 @contextmanager
 def _routed(
     model: torch.nn.Module, slots: list[int], packed: PackedRows | None, ids: torch.Tensor
@@ -164,12 +179,14 @@ def forward_backward_rows(
     backward: bool = True,
     reference: bool = False,
     return_logprobs: bool = True,
+    lockstep: bool = False,
 ) -> ForwardBackwardResult:
     """Score ``rows`` in micro-batches (by ``settings``' row and token budgets) with each row's slot
     routed, and evaluate ``loss_fn`` on each; with ``backward`` backpropagate it (gradients
     accumulate in the slots), else only its metrics are kept (no graph). ``reference`` also
     computes the base model's logprobs (slot -1, no grad) for the loss. The per-row logprobs are
-    copied to the host once, at the end, when ``return_logprobs``."""
+    copied to the host once, at the end, when ``return_logprobs``. ``lockstep``: every rank runs as
+    many micro-batches (expert parallelism; fillers add exact zeros to the gradients)."""
     chunk = settings.logprob_chunk_tokens
     kept: list[tuple[list[int], torch.Tensor]] = []
     per_slot: dict[int, dict[str, float]] = {}
@@ -178,7 +195,8 @@ def forward_backward_rows(
     # packed rows need the chunked LM head too (a LoRA or biased output layer scores padded rows)
     pack = settings.pack_rows and packing_applies(model) and lm_head_weight(model) is not None
     device = compat.default_device()
-    for picked, batch in _slot_micro_batches(rows, range(len(rows)), settings):
+    batches = _lockstep_batches(list(_slot_micro_batches(rows, range(len(rows)), settings)), lockstep, pad_id)
+    for picked, batch in batches:
         tokens = [r.tokens for r in batch]
         packed = None
         if pack:
@@ -201,6 +219,10 @@ def forward_backward_rows(
         # forward again there
         with _routed(model, slots, packed, input_ids), torch.set_grad_enabled(backward):
             lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, False, packed)
+            if not picked:  # a lockstep filler: the same passes, no loss, no metrics
+                if backward:
+                    (lp.sum() * 0.0).backward()
+                continue
             loss, metrics = loss_fn(MicroBatch(batch, lp, mask, ref))
             if backward:
                 loss.backward()
@@ -239,16 +261,18 @@ def score_rows(
     pad_id: int,
     vocab_size: int,
     k: int = 0,
+    lockstep: bool = False,
 ) -> list[RowScores]:
     """Score ``rows`` in micro-batches (as :func:`forward_backward_rows`, each row's slot routed,
     slot -1 the base model): the logprob of the next input token at each position, at temperature
-    1, and with ``k > 0`` the ``k`` most likely next tokens there. No gradient, no loss."""
+    1, and with ``k > 0`` the ``k`` most likely next tokens there. No gradient, no loss.
+    ``lockstep``: every rank runs as many micro-batches (expert parallelism)."""
     if any(r.targets is not None for r in rows):
         raise ValueError("score_rows scores the next input token: rows must not carry targets")
     out = [RowScores([], [] if k > 0 else None, [] if k > 0 else None) for _ in rows]  # rows of no positions
     live = [i for i, r in enumerate(rows) if r.width]
     model.train(False)
-    for picked, batch in _slot_micro_batches(rows, live, settings):
+    for picked, batch in _lockstep_batches(list(_slot_micro_batches(rows, live, settings)), lockstep, pad_id):
         input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
         device = input_ids.device
         row_index = tensor_on([i for i, r in enumerate(batch) for _ in r.positions], device)
@@ -257,6 +281,8 @@ def score_rows(
             model, input_ids, [r.slot for r in batch], vocab_size, row_index, positions, k,
             settings.logprob_chunk_tokens,
         )  # fmt: skip
+        if not picked:  # a lockstep filler
+            continue
         lp_host = lp.float().cpu().tolist()
         ids_host = ids.cpu().tolist() if ids is not None else None
         values_host = values.float().cpu().tolist() if values is not None else None

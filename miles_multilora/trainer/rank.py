@@ -42,6 +42,7 @@ from miles_multilora.trainer.data_parallel import (
     allreduce_slot_grads,
     balance,
     generate_sharded,
+    grad_groups,
     sum_metrics,
 )
 from miles_multilora.trainer.model_build import build_engine, build_model
@@ -168,8 +169,9 @@ class TrainerRank:
         self.world_size = world_size
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", os.cpu_count() or 1))))
         compat.init_distributed(
-            tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size
-        )
+            tp=cfg.model.tp, pp=cfg.model.pp, seed=cfg.trainer.seed, rank=rank, world_size=world_size,
+            ep=cfg.model.ep,
+        )  # fmt: skip
         self.layout = DPLayout.from_megatron(world_size)
         built = build_model(cfg)
         self.model = built.model
@@ -180,6 +182,8 @@ class TrainerRank:
         self.pad_id = built.pad_id
         self.memory_plan = built.memory  # what the start-up memory plan chose (None on a CPU)
         self.optimizer = SlotAdamW(self.model)
+        self.grad_groups = grad_groups(self.model, self.layout.dp_group)  # dense: DP; experts: expert DP
+        self.expert_names = shard.expert_tensor_names(self.model)  # split over EP ranks in saved states
         self.slot_rows = SlotRows(self.model, self.optimizer)  # parks and restores as rows (slot_rows.py)
         self.remote_engine = cfg.rollout.engine != "embedded"
         self.engine = build_engine(cfg, built, manages_adapters=self.is_writer, dp_rank=self.layout.dp_rank)
@@ -401,7 +405,7 @@ class TrainerRank:
         mine = self._dp_share(rows)
         result = forward_backward_rows(
             self.model, [rows[i] for i in mine], loss_fn, self.cfg.trainer, self.pad_id, self.vocab_size,
-            backward=backward, reference=reference, return_logprobs=return_logprobs,
+            backward=backward, reference=reference, return_logprobs=return_logprobs, lockstep=self.layout.lockstep,
         )  # fmt: skip
         if self.layout.dp_size == 1:
             return result
@@ -422,8 +426,9 @@ class TrainerRank:
         row and scores its share; every rank gets every row's scores."""
         mine = self._dp_share(rows)
         scores = score_rows(
-            self.model, [rows[i] for i in mine], self.cfg.trainer, self.pad_id, self.vocab_size, k
-        )
+            self.model, [rows[i] for i in mine], self.cfg.trainer, self.pad_id, self.vocab_size, k,
+            lockstep=self.layout.lockstep,
+        )  # fmt: skip
         if self.layout.dp_size == 1:
             return scores
         parts: list[Any] = [None] * self.layout.dp_size
@@ -450,13 +455,13 @@ class TrainerRank:
         self, slots: Iterable[int], settings: Mapping[int, OptimizerSpec] | None = None
     ) -> dict[int, SlotStepStats]:
         """One AdamW step of each of ``slots`` (``settings``: new optimizer settings for some of them
-        first): their gradients summed over DP, stepped, zeroed. A slot whose gradient norm is not
+        first): their gradients summed over DP (the experts' over expert DP), stepped, zeroed. A slot whose gradient norm is not
         finite does not move; each one that moved gets the next version, published."""
         active = sorted(set(slots))
         for slot, spec in (settings or {}).items():
             self.optimizer.configure_slot(slot, spec)
-        if self.layout.dp_size > 1:
-            allreduce_slot_grads(self.optimizer.params, active, self.layout.dp_group)
+        for group, params in self.grad_groups:
+            allreduce_slot_grads(params, active, group)
         stats = self.optimizer.step(active)
         self.optimizer.zero_grad(active)
         moved = [s for s, st in stats.items() if not st.skipped and s in self.slots]
@@ -468,10 +473,12 @@ class TrainerRank:
     # ----------------------------------------------------------------- slot state
     def save_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None:
         """Write ``slot``'s state (exact tensors, optimizer state, meta) into ``directory``: one shard
-        per TP rank, written by DP rank 0 (:mod:`~miles_multilora.trainer.shard`). Without
-        ``optimizer``, the weights alone (an empty optimizer state: weights for sampling)."""
+        per TP rank, written by DP rank 0, and with expert parallelism one of each EP rank's experts
+        (:mod:`~miles_multilora.trainer.shard`). Without ``optimizer``, the weights alone (an empty
+        optimizer state: weights for sampling)."""
         opened = self.slot(slot)
-        if not self.layout.is_shard_writer:
+        layout = self.layout
+        if not (layout.is_shard_writer or layout.writes_experts):
             return
         meta = shard.SlotMeta(
             opened.name, opened.rank, opened.alpha, opened.seed, opened.version, opened.targets
@@ -479,7 +486,10 @@ class TrainerRank:
         tensors, optimizer = shard.trim_to_rank(
             slot_state(self.model, slot), self.optimizer.slot_state_dict(slot) if optimizer else {}
         )  # the adapter's own rank, not the slot's max_rank
-        shard.write_shard(directory, self.layout.tp_rank, tensors, optimizer, meta)
+        parts = (layout.is_shard_writer, layout.writes_experts)
+        shard.write_shard(
+            directory, layout.tp_rank, tensors, optimizer, meta, layout.ep, self.expert_names, parts
+        )
 
     def load_slot(self, slot: int, directory: str | Path | dict, optimizer: bool = True) -> None:
         """Put the state saved in ``directory`` (or this rank's shard of it, read) into open
@@ -496,7 +506,7 @@ class TrainerRank:
             self.slot_rows.write(opened.slot, source.layout, source.buffers)
             opened.version = source.meta.version
             return
-        saved = source if isinstance(source, dict) else shard.read_shard(source, self.layout.tp_rank)
+        saved = source if isinstance(source, dict) else self.read_shard(source)
         meta = shard.shard_meta(saved)
         self._check_saved(opened, meta, saved)
         if optimizer:  # weights, optimizer state (and a parked state's gradients) in batched copies
@@ -508,6 +518,10 @@ class TrainerRank:
             load_slot_state(self.model, opened.slot, saved["slot"])
             self.optimizer.refresh_masters(opened.slot)
             opened.version += 1
+
+    def read_shard(self, directory: str | Path) -> dict:
+        """This rank's shard of the state saved in ``directory`` (its experts, at any saved EP size)."""
+        return shard.read_shard(directory, self.layout.tp_rank, self.layout.ep, self.expert_names)
 
     def _check_saved(self, opened: OpenSlot, meta: shard.SlotMeta | None, saved: dict | None) -> None:
         """A saved state's rank and LoRA targets (from ``meta``, else the tensors of ``saved``) must

@@ -9,6 +9,11 @@ tensors and plain values only. Shards written before ``meta`` existed (RL checkp
 A shard keeps each layer's A and B (and their optimizer moments and fp32 masters) at the layer's
 own LoRA rank, not the slot's ``max_rank`` (:func:`trim_to_rank`); loading pads them back with
 zeros (:func:`pad_optimizer`), which is what the slot holds beyond its rank.
+
+With expert parallelism (``model.ep`` = n > 1) the experts' tensors and moments are not in the TP
+shards: ``<dir>/experts_ep{e}of{n}.pt`` holds EP rank ``e``'s (experts are whole on each rank). A
+state saved at one EP size loads at any other that divides its experts: :func:`read_shard` joins
+the saved experts and takes this rank's.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 
 import torch
 
+from miles_multilora.errors import SpecError
+from miles_multilora.lora import MultiLoRAExpertLinear, multi_lora_layers
 from miles_multilora.private_files import private_open
 
 
@@ -92,15 +99,65 @@ def shard_path(directory: str | Path, tp_rank: int) -> Path:
     return Path(directory) / f"slot_rank{tp_rank}.pt"
 
 
-def write_shard(
-    directory: str | Path, tp_rank: int, slot: dict[str, torch.Tensor], optimizer: dict, meta: SlotMeta
-) -> Path:
-    """Write TP rank ``tp_rank``'s shard into ``directory`` (created), atomically."""
-    path = shard_path(directory, tp_rank)
+def experts_path(directory: str | Path, ep: tuple[int, int]) -> Path:
+    """The file of expert-parallel rank ``ep[0]`` of ``ep[1]``: its experts' tensors and moments."""
+    return Path(directory) / f"experts_ep{ep[0]}of{ep[1]}.pt"
+
+
+def expert_tensor_names(model: torch.nn.Module) -> frozenset[str]:
+    """The slot tensors (and optimizer entries) split over expert-parallel ranks: every expert
+    layer's ``lora_B`` and its per-expert ``lora_A`` (a shared ``A`` is whole on each rank)."""
+    names = set()
+    for layer in multi_lora_layers(model):
+        if isinstance(layer, MultiLoRAExpertLinear):
+            names.add(f"{layer.key}.lora_B")
+            if not layer.shared_a:
+                names.add(f"{layer.key}.lora_A")
+    return frozenset(names)
+
+
+def _split(state: dict, names: frozenset[str], keep: bool) -> dict:
+    """``state`` (``{"slot", "optimizer"}``) with only the tensors in ``names`` (``keep``) or without them."""
+    out = dict(state, slot={n: t for n, t in state["slot"].items() if (n in names) == keep})
+    out["optimizer"] = {
+        k: ({n: t for n, t in v.items() if (n in names) == keep} if k in _MOMENTS else v)
+        for k, v in state["optimizer"].items()
+    }
+    return out
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "master")
+
+
+def _save(path: Path, state: dict) -> Path:
     tmp = path.with_name(f".{path.name}.part")
     with private_open(tmp, "wb") as f:  # 0600, its directories 0700
-        torch.save({"slot": slot, "optimizer": optimizer, "meta": meta_dict(meta)}, f)
+        torch.save(state, f)
     os.replace(tmp, path)
+    return path
+
+
+def write_shard(
+    directory: str | Path,
+    tp_rank: int,
+    slot: dict[str, torch.Tensor],
+    optimizer: dict,
+    meta: SlotMeta,
+    ep: tuple[int, int] = (0, 1),
+    experts: frozenset[str] = frozenset(),
+    parts: tuple[bool, bool] = (True, True),
+) -> Path:
+    """Write TP rank ``tp_rank``'s shard into ``directory`` (created), atomically. With expert
+    parallelism (``ep``: this rank's EP rank and size) the tensors named in ``experts`` go to the
+    EP rank's own file; ``parts``: whether this rank writes the TP shard, its experts' file."""
+    state = {"slot": slot, "optimizer": optimizer, "meta": meta_dict(meta)}
+    path = shard_path(directory, tp_rank)
+    if ep[1] == 1:
+        return _save(path, state)
+    if parts[1]:
+        _save(experts_path(directory, ep), _split(state, experts, keep=True))
+    if parts[0]:
+        _save(path, _split(state, experts, keep=False))
     return path
 
 
@@ -112,9 +169,46 @@ def meta_dict(meta: SlotMeta) -> dict[str, Any]:
     return out
 
 
-def read_shard(directory: str | Path, tp_rank: int) -> dict[str, Any]:
-    """TP rank ``tp_rank``'s shard: ``{"slot", "optimizer"}`` and ``"meta"`` (a dict) when written."""
-    return torch.load(shard_path(directory, tp_rank), weights_only=True)
+def saved_ep_size(directory: str | Path) -> int:
+    """The expert-parallel size a state in ``directory`` was saved at (1: the experts are in the TP shards)."""
+    found = sorted(Path(directory).glob("experts_ep0of*.pt"))
+    return int(found[0].stem.rsplit("of", 1)[1]) if found else 1
+
+
+def read_shard(
+    directory: str | Path, tp_rank: int, ep: tuple[int, int] = (0, 1), experts: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """TP rank ``tp_rank``'s shard: ``{"slot", "optimizer"}`` and ``"meta"`` (a dict) when written.
+    For EP rank ``ep[0]`` of ``ep[1]``, its local experts (the tensors named in ``experts``, split on
+    their first dimension) from the state saved at any EP size."""
+    base = torch.load(shard_path(directory, tp_rank), weights_only=True)
+    saved = saved_ep_size(directory)
+    if saved == 1 and ep[1] == 1:
+        return base
+    files = [base] if saved == 1 else []
+    for j in range(saved if saved > 1 else 0):  # every saved EP rank's experts
+        files.append(torch.load(experts_path(directory, (j, saved)), weights_only=True))
+    if saved > 1:  # what the saved experts' files hold
+        experts = experts | frozenset(files[0]["slot"])
+    name = next((n for n in sorted(experts) if n in files[0]["slot"]), None)
+    if name is None:
+        return base
+    per_saved = files[0]["slot"][name].shape[0]
+    total = per_saved * len(files)
+    if total % ep[1]:
+        raise SpecError("model.ep", f"the saved state's {total} experts do not split over {ep[1]} EP ranks")
+    lo, hi = ep[0] * total // ep[1], (ep[0] + 1) * total // ep[1]
+
+    def join(tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {n: torch.cat([p[n] for p in tensors])[lo:hi] for n in tensors[0] if n in experts}
+
+    out = dict(base, slot={**base["slot"], **join([f["slot"] for f in files])})
+    optimizer = dict(base["optimizer"])
+    for key in _MOMENTS:
+        if key in optimizer:
+            optimizer[key] = {**optimizer[key], **join([f["optimizer"][key] for f in files])}
+    out["optimizer"] = optimizer
+    return out
 
 
 def shard_meta(shard: dict[str, Any]) -> SlotMeta | None:

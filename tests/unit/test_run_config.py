@@ -44,6 +44,20 @@ def test_default_configs_compose_and_validate():
         (["trainer.world_size=3", "model.tp=2"], "trainer.world_size", "multiple of 2"),
         (["trainer.world_size=4", "model.dp=3"], "trainer.world_size", "model.dp * model.tp"),
         (["model.dp=0"], "model.dp", ">= 1"),
+        (["model.ep=0"], "model.ep", ">= 1"),
+        (["model.ep=2", "model.dp=2"], "model.ep", "model.source=demo has no experts: set model.ep=1"),
+        (["model=tiny", "model.ep=2", "model.dp=2"], "model.ep", "model.tiny.num_experts has no experts"),
+        (["model=tiny", "model.tiny.num_experts=6", "model.ep=4", "model.dp=4"], "model.ep", "divide the 6"),
+        (
+            ["model=tiny", "model.tiny.num_experts=4", "model.ep=4", "model.dp=2"],
+            "model.ep",
+            "dp * model.tp = 2",
+        ),
+        (
+            ["model=tiny", "model.tiny.num_experts=4", "model.ep=2"],
+            "model.ep",
+            "lower model.ep or raise model.dp",
+        ),
         (["algo.eps_low=2"], "algo.eps_low", "[0, 1)"),
         (["lora.max_rank=4"], "adapters[0].rank", "max_rank 4"),
         (["lora.kernels=cuda"], "lora.kernels", "auto, triton or torch"),
@@ -91,6 +105,13 @@ def test_cli_prints_a_config_error_holding_brackets_as_text(capsys):
         (["model.dp=2", "model.tp=2"], 2, 4),
         (["trainer.world_size=4", "model.tp=2"], 2, 4),
         (["trainer.world_size=2", "model.dp=2"], 2, 2),
+        (["model=tiny", "model.tiny.num_experts=4", "model.ep=2", "model.dp=2"], 2, 2),
+        (["model=tiny", "model.tiny.num_experts=4", "model.ep=2", "model.tp=2"], 1, 2),
+        (
+            ["model=tiny", "model.tiny.num_experts=4", "model.ep=4", "trainer.world_size=4", "model.tp=2"],
+            2,
+            4,
+        ),
     ],
 )
 def test_data_parallel_size_and_world_size_fill_each_other_in(overrides, dp, world):

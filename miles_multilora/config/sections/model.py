@@ -7,6 +7,20 @@ from dataclasses import dataclass, field
 from miles_multilora.config.sections.checks import check
 
 
+def check_expert_split(num_experts: int, ep: int, source: str) -> None:
+    """``model.ep`` must split the model's ``num_experts`` (read from ``source``) evenly over the ranks."""
+    check(
+        num_experts > 0,
+        "model.ep",
+        f"expert parallelism is for mixture-of-experts models; {source} has no experts: set model.ep=1",
+    )
+    check(
+        num_experts % ep == 0,
+        "model.ep",
+        f"must divide the {num_experts} experts ({source}) so every rank holds as many; got model.ep={ep}",
+    )
+
+
 @dataclass
 class TinyModelConfig:
     num_layers: int = 2
@@ -59,6 +73,9 @@ class ModelConfig:
     tp: int = 1
     pp: int = 1
     dp: int | None = None  # data-parallel replicas; None: trainer.world_size / (tp * pp), else 1
+    # expert parallelism (MoE bases): each rank holds num_experts / ep experts; ep divides dp * tp.
+    # Training only: the embedded engine does not sample at ep > 1 (rollout=sglang or vllm do)
+    ep: int = 1
     moe_token_dispatcher: str = "alltoall"  # mixture-of-experts models: allgather | alltoall
     # prompt + completion tokens; None: the checkpoint's max_position_embeddings (tiny: tiny.max_seq_len).
     # A lower value caps it (less KV cache and activation memory); a higher one is refused.
@@ -105,6 +122,13 @@ class ModelConfig:
         )
         self.tiny.validate()
         check(self.dp is None or self.dp >= 1, "model.dp", "must be >= 1")
+        check(self.ep >= 1, "model.ep", f"must be >= 1 (1: every rank holds every expert), got {self.ep}")
+        if self.ep > 1 and self.source != "hf":  # an HF checkpoint's experts are checked when it is read
+            tiny = self.source == "tiny"
+            experts = self.tiny.num_experts if tiny else 0
+            check_expert_split(
+                experts, self.ep, "model.tiny.num_experts" if tiny else f"model.source={self.source}"
+            )
         check(
             self.pp == 1,
             "model.pp",
