@@ -34,7 +34,7 @@ The activation terms count what autograd keeps per token and layer in this code 
   stays as the projection's input (H100, 1.70 B shape, 32k tokens: 49.3 GiB with and without);
 - MLP: the norm's input and output (2h), fc1's output (2f, kept by the fused SwiGLU) and fc2's
   input (f); a mixture of experts: the router's input (h) and, per routed copy (top-k), the
-  permuted input (h) and the expert's 3 x its FFN size;
+  permuted input (h) and the expert's 3 x its FFN size, plus a shared expert's 3 x its FFN size;
 - full recompute keeps each layer's input (h) and re-runs one layer at a time in the backward;
 - one layer's worth more is live while a layer's gradients are computed (with full recompute: the
   re-run layer), and ``4h`` per token outside the layers (final norm, selected hidden rows, the
@@ -88,6 +88,7 @@ class ModelShape:
     num_experts: int = 0  # > 0: every MLP a mixture of experts
     moe_router_topk: int = 0
     moe_ffn_hidden_size: int = 0  # 0: ffn_hidden_size
+    shared_expert_ffn: int = 0  # > 0: a shared expert (a dense MLP of this size) beside the routed ones
 
     @property
     def dim(self) -> int:
@@ -103,6 +104,7 @@ class ModelShape:
             t.num_layers, t.hidden_size, t.ffn_hidden_size, t.num_attention_heads, t.num_query_groups,
             t.vocab_size, num_experts=t.num_experts, moe_router_topk=t.moe_router_topk if t.num_experts else 0,
             moe_ffn_hidden_size=t.moe_ffn_hidden_size or 0,
+            shared_expert_ffn=(t.moe_shared_expert_ffn_hidden_size or 0) if t.num_experts else 0,
         )  # fmt: skip
 
     @classmethod
@@ -122,6 +124,7 @@ class ModelShape:
             num_experts=experts,
             moe_router_topk=int(c.get("num_experts_per_tok") or 0) if experts else 0,
             moe_ffn_hidden_size=int(c.get("moe_intermediate_size") or 0),
+            shared_expert_ffn=int(c.get("shared_expert_intermediate_size") or 0) if experts else 0,
         )
 
 
@@ -132,6 +135,7 @@ class MemoryModel:
     shape: ModelShape
     dtype_bytes: int = 2
     tp: int = 1
+    ep: int = 1  # expert parallelism: each rank holds num_experts / ep of the routed experts
     lora_slots: int = 1
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -155,24 +159,32 @@ class MemoryModel:
         s, b = self.shape, self.dtype_bytes
         h, hq, kv, f = self._sharded()
         attention = h * (hq + 2 * kv) + hq * h
-        if s.num_experts:
-            mlp = s.num_experts * 3 * h * s.expert_ffn + h * s.num_experts  # experts whole on each rank
+        if s.num_experts:  # the rank's experts (whole: expert TP 1), the router, the shared expert
+            mlp = self.local_experts * 3 * h * s.expert_ffn + h * s.num_experts
+            mlp += 3 * h * (s.shared_expert_ffn // self.tp)
         else:
             mlp = 3 * h * f
         vocab = s.vocab_size // self.tp * h * (1 if s.tied_embeddings else 2)
         return b * (s.num_layers * (attention + mlp + 2 * h) + vocab + h)
 
+    @property
+    def local_experts(self) -> int:
+        """Routed experts this rank holds (``num_experts / ep``)."""
+        return self.shape.num_experts // self.ep
+
     def lora_elements(self) -> int:
-        """Elements of every slot's A and B on this rank (max rank, every target)."""
+        """Elements of every slot's A and B on this rank (max rank, every target): the rank's own
+        experts' and, with a shared expert, its (TP-sharded) ones."""
         s, r = self.shape, self.lora_rank
         h, hq, kv, f = self._sharded()
-        experts = max(1, s.num_experts)
-        fe = s.expert_ffn // (1 if s.num_experts else self.tp)
+        experts = max(1, self.local_experts)
+        fe = s.expert_ffn if s.num_experts else f
+        fs = s.shared_expert_ffn // self.tp
         per_layer = {
             "linear_qkv": r * (h + hq + 2 * kv),
             "linear_proj": r * (hq + h),
-            "linear_fc1": experts * r * (h + 2 * (fe if s.num_experts else f)),
-            "linear_fc2": experts * r * ((fe if s.num_experts else f) + h),
+            "linear_fc1": experts * r * (h + 2 * fe) + (r * (h + 2 * fs) if fs else 0),
+            "linear_fc2": experts * r * (fe + h) + (r * (fs + h) if fs else 0),
         }
         total = s.num_layers * sum(per_layer[t] for t in self.lora_targets if t in per_layer)
         if "output_layer" in self.lora_targets:
@@ -219,7 +231,7 @@ class MemoryModel:
             return h
         attention = 2 * h + (hq + 2 * kv) + (hq + kv) + hq  # selective keeps the same (docstring)
         if s.num_experts:
-            mlp = 2 * h + s.moe_router_topk * (h + 3 * s.expert_ffn)
+            mlp = 2 * h + s.moe_router_topk * (h + 3 * s.expert_ffn) + 3 * (s.shared_expert_ffn // self.tp)
         else:
             mlp = 2 * h + 3 * f
         return attention + mlp + len(self.lora_targets) * self.lora_rank
@@ -383,6 +395,7 @@ def memory_model(cfg: RunConfig, shape: ModelShape, context: int, device_total: 
         shape,
         dtype_bytes=b,
         tp=tp,
+        ep=cfg.model.ep,
         lora_slots=cfg.lora.num_slots,
         lora_rank=cfg.lora.max_rank,
         lora_targets=LORA_TARGETS if targets == ["all-linear"] else tuple(targets),

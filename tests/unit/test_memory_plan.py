@@ -224,3 +224,38 @@ def test_the_activation_estimate_bounds_a_measured_step_on_a_gpu() -> None:
             torch.cuda.empty_cache()
     finally:
         compat.destroy_distributed()
+
+
+# Qwen1.5-MoE-A2.7B's config.json keys (14.3 B parameters: 60 routed experts and a shared one)
+QWEN2_MOE = {"num_hidden_layers": 24, "hidden_size": 2048, "intermediate_size": 5632,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+             "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+             "shared_expert_intermediate_size": 5632}  # fmt: skip
+
+
+def test_a_shared_expert_is_counted_and_ep_holds_a_share_of_the_routed_experts() -> None:
+    shape = ModelShape.from_hf_config(QWEN2_MOE)
+    assert shape.shared_expert_ffn == 5632
+    whole = MemoryModel(shape, dtype_bytes=2, lora_slots=2, lora_rank=8)
+    assert whole.base_weight_bytes() / 2 == pytest.approx(14.3e9, rel=0.01)
+    quarter = MemoryModel(shape, dtype_bytes=2, lora_slots=2, lora_rank=8, ep=4)
+    h, fe, layers = 2048, 1408, 24
+    assert whole.base_weight_bytes() - quarter.base_weight_bytes() == 2 * layers * 45 * 3 * h * fe
+    routed_lora = 2 * layers * 8 * ((h + 2 * fe) + (fe + h))  # fc1 and fc2 of one expert, 2 slots
+    assert whole.lora_elements() - quarter.lora_elements() == 45 * routed_lora
+    no_shared = MemoryModel(ModelShape.from_hf_config({**QWEN2_MOE, "shared_expert_intermediate_size": 0}),
+                            lora_slots=2, lora_rank=8)  # fmt: skip
+    fs = 5632
+    assert whole.lora_elements() - no_shared.lora_elements() == 2 * layers * 8 * ((h + 2 * fs) + (fs + h))
+    assert whole.layer_elements("none") - no_shared.layer_elements("none") == 3 * fs
+
+
+def test_the_memory_model_of_a_run_config_takes_its_expert_parallelism() -> None:
+    cfg = config_from_container({
+        "model": {"source": "tiny", "dp": 2, "ep": 2,
+                  "tiny": {"num_experts": 4, "moe_router_topk": 2, "moe_shared_expert_ffn_hidden_size": 96}},
+    })  # fmt: skip
+    shape = ModelShape.from_tiny(cfg.model.tiny)
+    assert shape.shared_expert_ffn == 96
+    m = mp.memory_model(cfg, shape, 256, 80 * GIB)
+    assert (m.ep, m.local_experts) == (2, 2)
