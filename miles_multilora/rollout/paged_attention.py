@@ -43,6 +43,49 @@ if HAVE_TRITON:
         return tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
 
     @triton.jit
+    def attend_key_range(
+        q, acc, m_i, l_i, start, end, bt_row, k_ptr, v_ptr, ks_ptr, vs_ptr, hk, qk_scale, offs_d, mask_d,
+        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_sp, stride_st,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    ):  # fmt: skip
+        """Online softmax of the query lines ``q`` over the paged keys ``[start, end)`` of kv head ``hk``
+        (block table row ``bt_row``), carried in ``(acc, m_i, l_i)`` (log2 units). ``KV_FP8``: e4m3
+        pages widened to q's dtype, their per-(token, head) scales applied in fp32."""
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            tok = offs_n % PAGE_SIZE
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(
+                k_ptr + (page * stride_kp + tok * stride_kt + hk * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            if KV_FP8:
+                k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if KV_FP8:
+                scale_at = page * stride_sp + tok * stride_st + hk  # the keys' scales, then the values'
+                s = s * tl.load(ks_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + (page * stride_vp + tok * stride_vt + hk * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            if KV_FP8:
+                p = p * tl.load(vs_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
+                v = v.to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, starts_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, G, D, max_len, part_stride,
@@ -86,38 +129,11 @@ if HAVE_TRITON:
         m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-            tok = offs_n % PAGE_SIZE
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(
-                k_ptr + (page * stride_kp + tok * stride_kt + hk * stride_kh)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV_FP8:
-                k = k.to(q_ptr.dtype.element_ty)  # exact: every e4m3 value is a bf16/fp16/fp32 value
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-            if KV_FP8:
-                scale_at = page * stride_sp + tok * stride_st + hk  # the keys' scales, then the values'
-                s = s * tl.load(ks_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr + (page * stride_vp + tok * stride_vt + hk * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV_FP8:
-                p = p * tl.load(vs_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
-                v = v.to(q_ptr.dtype.element_ty)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = attend_key_range(
+            q, acc, m_i, l_i, start, end, bt_row, k_ptr, v_ptr, ks_ptr, vs_ptr, hk, qk_scale, offs_d, mask_d,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_sp, stride_st,
+            PAGE_SIZE, BLOCK_N, PRECISION, KV_FP8,
+        )  # fmt: skip
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or row) gives zeros
         mask_o = mask_g[:, None] & mask_d[None, :]

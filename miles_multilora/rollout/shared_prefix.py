@@ -188,7 +188,7 @@ def _torch(
 
 # --------------------------------------------------------------------------------------------- triton
 if HAVE_TRITON:
-    from miles_multilora.rollout.paged_attention import split_chunk
+    from miles_multilora.rollout.paged_attention import attend_key_range, split_chunk
 
     @triton.jit
     def _prefix_kernel(
@@ -232,38 +232,11 @@ if HAVE_TRITON:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-            tok = offs_n % PAGE_SIZE
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(
-                k_ptr + (page * stride_kp + tok * stride_kt + hk * stride_kh)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV_FP8:
-                k = k.to(q_ptr.dtype.element_ty)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-            if KV_FP8:
-                scale_at = page * stride_sp + tok * stride_st + hk
-                s = s * tl.load(ks_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr + (page * stride_vp + tok * stride_vt + hk * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV_FP8:
-                p = p * tl.load(vs_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
-                v = v.to(q_ptr.dtype.element_ty)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = attend_key_range(
+            q, acc, m_i, l_i, start, end, bt_row, k_ptr, v_ptr, ks_ptr, vs_ptr, hk, qk_scale, offs_d, mask_d,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_sp, stride_st,
+            PAGE_SIZE, BLOCK_N, PRECISION, KV_FP8,
+        )  # fmt: skip
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
