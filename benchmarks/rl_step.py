@@ -315,11 +315,20 @@ def profile_last_train(calls: int) -> None:
         if count[0] != calls:
             return train(*args, **kwargs)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        start = time.perf_counter()
         with profile(activities=activities) as prof:
             out = train(*args, **kwargs)
+        wall = time.perf_counter() - start
         events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        launches = sum(
+            e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA"
+        )
+        print(f"train phase: {wall:.2f} s wall, device busy {busy:.2f} s ({busy / wall:.0%}), "
+              f"{launches} device kernels")  # fmt: skip
         sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(events.table(sort_by=sort, row_limit=30, max_name_column_width=60))
+        print(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))  # host side
         return out
 
     rl_step_module.train = profiled

@@ -90,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-peer", action="store_true")
     p.add_argument("--merge", nargs=2, metavar="JSON", help="combine two partial runs' vs_trl.json")
     p.add_argument(
+        "--profile-step", type=int, default=0, metavar="N",
+        help="print a host-side profile (cProfile, cumulative) of our N-th step",
+    )  # fmt: skip
+    p.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE",
         help="a hydra override of our run config (repeatable), e.g. rollout.max_batch_size=512",
     )  # fmt: skip
@@ -141,6 +145,17 @@ def ours_config(args: argparse.Namespace, specs: list[Any], out: Path, cuda: boo
     return load_run_config("train", overrides)
 
 
+def profiled_step(worker: Any, snapshot: Any) -> Any:
+    """One step of ``worker`` under cProfile; prints its top functions by cumulative time."""
+    import cProfile
+    import pstats
+
+    with cProfile.Profile() as prof:
+        report = worker.step(snapshot)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+    return report
+
+
 def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) -> dict[str, Any]:
     """Train ``specs`` together; each adapter's held-out curve on the clock of the module docstring."""
     import torch
@@ -173,7 +188,9 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
             if waiting:
                 raise RuntimeError(f"adapters wait but the controller gave no work: {waiting}")
             break
-        step_report = worker.step(snapshot)
+        step_report = (
+            profiled_step(worker, snapshot) if steps + 1 == args.profile_step else worker.step(snapshot)
+        )
         if cuda:
             torch.cuda.synchronize()
         held = {a.name for a in snapshot.adapters}
