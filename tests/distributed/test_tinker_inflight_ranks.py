@@ -2,7 +2,8 @@
 operations to the follower as the server does, :mod:`miles_multilora.launch.tinker_ranks`): an
 ``optim_step`` queued while an inflight sampler's rows decode runs between two decode steps on both
 ranks, so the rows (one per DP rank at DP=2, both on each TP rank at TP=2) keep decoding and record
-two versions, exactly where and what one rank records for the same seeds; the ranks agree."""
+two versions, exactly where and what one rank records for the same seeds, and sample parts queued
+after the step join the call on both ranks; the ranks agree."""
 
 from __future__ import annotations
 
@@ -84,11 +85,14 @@ def _serve(rank: int, world: int, out: str, parallel: str) -> None:
         sampled.append(queue.submit_calls(lane, calls, combine, costs))
     trained = queue.submit_forward_backward(ForwardBackwardRequest(model_id, [sft_datum(TEXT)]), lane)
     stepped = queue.submit_calls(lane, [lambda: mirror.optim_step(model_id, lr=3e-2)], trains=model_id)
+    for seed in (5, 7):  # two parts that join the call after the step: one more group per DP rank
+        calls, costs, combine = state.sample_parts(sampler, TEXT[2:6], 1, spec, seed)
+        sampled.append(queue.submit_calls(lane, calls, combine, costs))
     gate.set()
     blocked.result(60)
     results = [f.result(120).sequences[0] for f in sampled]
     trained.result(60), stepped.result(60)
-    assert queue.sample_batches == [2]  # one engine call: the step ran inside it
+    assert queue.sample_batches == [4]  # one engine call: the step ran inside it, two parts joined
     version = mirror.model(model_id).version
     queue.close()
     if world > 1:
@@ -115,8 +119,9 @@ def test_rows_follow_a_step_between_decode_steps_on_every_rank(tmp_path: Path, p
     for r in (alone, *ranks):
         assert r["version"] == 2
     versions = [v for _, v in _tokens(alone["samples"])]
-    for v in versions:  # one rank: the step ran after HOLD decode steps, the rows went on with it
+    for v in versions[:2]:  # one rank: the step ran after HOLD decode steps, the rows went on with it
         assert len(v) == TOKENS and v == sorted(v) and v[0] == 1 and v[-1] == 2
+    assert versions[2:] == [[2] * TOKENS] * 2  # the parts that joined after it
     # both ranks: the same join point, the same tokens (drawn from the same weights), and agreeing
     assert _tokens(ranks[0]["samples"]) == _tokens(ranks[1]["samples"]) == _tokens(alone["samples"])
     for got, want in zip(ranks[0]["samples"], alone["samples"], strict=True):
