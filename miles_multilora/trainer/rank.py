@@ -287,9 +287,9 @@ class TrainerRank:
         the others still decode, with a streaming (embedded) engine on one rank, or on several with
         a ``joiner`` (every rank's call has one: the ranks go in lockstep,
         :func:`~miles_multilora.trainer.stream_sampling.sample_lockstep`); else once all have
-        finished. There ``joiner`` may also bring more groups into the running batch, or run other
-        work between two decode steps (numbered on from the last, heard the same way, in the
-        results); elsewhere it is not asked.
+        finished. There ``joiner`` may also bring more groups into the running batch (numbered on
+        from the last, heard the same way, in the results), or run other work between two decode
+        steps; elsewhere it is not asked.
 
         A failed engine call is generated again without the group that fails it
         (:mod:`~miles_multilora.rollout.isolation`): that group's outcome is a :class:`RolloutError`
