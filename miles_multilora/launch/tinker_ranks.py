@@ -15,6 +15,15 @@ Reads (a model's slot, the held models, a request's checks) stay on rank 0. File
 the ranks the trainer rank names as writers; each rank parks its slots under its own offload
 directory.
 
+A sample call with joins (the queue's ``more``) runs on every rank's engine stream in lockstep
+(:func:`~miles_multilora.trainer.stream_sampling.sample_lockstep`): the ranks agree at every host
+check, and join when rank 0's queue has work for the running call. Rank 0 then runs that work
+(training of models whose inflight samplers' rows decode, sample parts joining) between two
+decode steps, and mirrors it as it goes: each operation it calls is broadcast to the followers,
+which run it too, inside their own sample call (:class:`FollowedJoins`), then the sample requests
+that join. So rows keep their KV cache on every rank and sample their next tokens with the
+stepped weights, as on one rank.
+
 The operations reach rank 0's backend from one thread (the queue's worker; at shutdown, the
 stopping thread after the queue has closed), and a lock keeps broadcast and run together, so every
 rank runs them in the same order. A follower whose call raises goes on: rank 0 runs the same
@@ -37,9 +46,11 @@ import torch.distributed as dist
 from miles_multilora.config.run import RunConfig
 from miles_multilora.errors import ConfigError
 from miles_multilora.launch.wiring import local_rendezvous, rank_env
+from miles_multilora.rollout import RolloutError
 from miles_multilora.tinker import serve
 from miles_multilora.tinker.backend import TinkerBackend
 from miles_multilora.tinker.operations import operations
+from miles_multilora.tinker.requests import SampleJoiner, SampleRequest
 from miles_multilora.trainer.auto_slots import sized_config
 from miles_multilora.trainer.rank import TrainerRank
 
@@ -48,6 +59,79 @@ logger = logging.getLogger(__name__)
 OPERATIONS = operations(TinkerBackend)  # what every rank runs (the backend's unmarked public methods)
 _STOP = "__stop__"
 _CALLBACKS = ("on_done", "more")  # rank 0's own listeners and joins: a follower's results go nowhere
+_JOINS = "__joins__"  # sent for ``more``: the follower's sample call follows rank 0's joins
+_JOINED = "__joined__"  # ends the work rank 0 ran between two decode steps: the requests that join
+
+
+def _send(group: Any, name: str, args: Any, kwargs: dict[str, Any]) -> None:
+    dist.broadcast_object_list([(name, args, kwargs)], src=0, group=group)
+
+
+def _receive(group: Any) -> tuple[str, Any, dict[str, Any]]:
+    message: list[Any] = [None]
+    dist.broadcast_object_list(message, src=0, group=group)
+    return message[0]
+
+
+def _run(backend: TinkerBackend, name: str, args: Any, kwargs: dict[str, Any]) -> None:
+    try:
+        getattr(backend, name)(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - rank 0 answers the client with the same error
+        logger.debug("tinker follower: %s raised %s", name, exc)
+
+
+class LeadJoins:
+    """Rank 0's joins of a mirrored sample call: its queue's (``joins``); what they take is mirrored
+    (each operation run meanwhile, then the requests that join)."""
+
+    def __init__(self, joins: SampleJoiner, mirror: MirroredBackend) -> None:
+        self._joins, self._mirror = joins, mirror
+
+    def waiting(self) -> bool:
+        return self._joins.waiting()
+
+    def ran_between(self) -> bool:
+        return self._joins.ran_between()
+
+    def take(self) -> list[SampleRequest]:
+        requests: list[SampleRequest] = []
+        error = None
+        self._mirror._between = True
+        try:
+            requests = list(self._joins.take())
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"  # the followers raise it too: all retry together
+            raise
+        finally:
+            self._mirror._between = False
+            _send(self._mirror._group, _JOINED, (requests, self._joins.ran_between(), error), {})
+        return requests
+
+
+class FollowedJoins:
+    """A follower's joins of a mirrored sample call: it never waits itself (the ranks join when rank
+    0's queue waits); at a join it runs the operations rank 0 runs, then takes the same requests."""
+
+    def __init__(self, backend: TinkerBackend, group: Any) -> None:
+        self._backend, self._group = backend, group
+        self._ran = False
+
+    def waiting(self) -> bool:
+        return False
+
+    def ran_between(self) -> bool:
+        return self._ran
+
+    def take(self) -> list[SampleRequest]:
+        while True:
+            name, args, kwargs = _receive(self._group)
+            if name != _JOINED:
+                _run(self._backend, name, args, kwargs)
+                continue
+            requests, self._ran, error = args
+            if error is not None:
+                raise RolloutError(f"rank 0's joins failed: {error}")
+            return requests
 
 
 class MirroredBackend:
@@ -61,6 +145,7 @@ class MirroredBackend:
         self._followers = followers
         self._lock = threading.Lock()
         self._running: int | None = None  # the thread inside an operation
+        self._between = False  # a sample call's joins run: operations are mirrored inside it
         self._stopped = False
 
     def __getattr__(self, name: str) -> Any:
@@ -69,17 +154,28 @@ class MirroredBackend:
             return attr
 
         def mirrored(*args: Any, **kwargs: Any) -> Any:
-            if self._running == threading.get_ident():  # the followers are inside the outer one
+            nested = self._running == threading.get_ident()  # the followers are inside the outer one
+            if nested and not self._between:
                 raise RuntimeError(
                     f"TinkerBackend.{name} called from inside another operation on rank 0: mark it "
                     "@reads if it only reads, else call it on the backend itself"
                 )
             sent = {k: v for k, v in kwargs.items() if k not in _CALLBACKS}
+            joins = kwargs.get("more")
+            if joins is not None:
+                if nested:
+                    raise RuntimeError(f"TinkerBackend.{name} with joins inside a sample call's joins")
+                sent["more"] = _JOINS
+            if nested:  # between two decode steps of a sample call: the followers run it there too
+                _send(self._group, name, args, sent)
+                return attr(*args, **kwargs)
             with self._lock:
                 if self._stopped:  # shutting down, the followers gone: rank 0 alone
                     return attr(*args, **kwargs)
                 self._check_followers()
-                dist.broadcast_object_list([(name, args, sent)], src=0, group=self._group)
+                _send(self._group, name, args, sent)
+                if joins is not None:
+                    kwargs["more"] = LeadJoins(joins, self)
                 self._running = threading.get_ident()
                 try:
                     return attr(*args, **kwargs)
@@ -118,15 +214,12 @@ class MirroredBackend:
 def follow(backend: TinkerBackend, group: Any) -> None:
     """A follower rank's loop: run each operation rank 0 broadcasts, until it says stop."""
     while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0, group=group)
-        name, args, kwargs = message[0]
+        name, args, kwargs = _receive(group)
         if name == _STOP:
             return
-        try:
-            getattr(backend, name)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - rank 0 answers the client with the same error
-            logger.debug("tinker follower: %s raised %s", name, exc)
+        if kwargs.get("more") == _JOINS:
+            kwargs["more"] = FollowedJoins(backend, group)
+        _run(backend, name, args, kwargs)
 
 
 def rank_offload_dir(cfg: RunConfig, rank: int) -> Path:

@@ -361,7 +361,9 @@ class TinkerBackend:
         ``on_done(i, outcome)`` hears each request's outcome as soon as it is known: a refusal at
         once, samples when the request's last sample ends (the others may still decode).
 
-        ``more`` (a streaming engine on one rank): requests that arrive while the last turn decodes
+        ``more`` (a streaming engine; on several ranks every rank's call has one, and they join
+        together, :func:`~miles_multilora.trainer.stream_sampling.sample_lockstep`): work that
+        arrives while the last turn decodes runs between two decode steps, and requests that arrive
         join its batch at a host check, numbered on from the last, into free rows; a model with
         rows in flight is never parked or evicted to make room for them. ``upcoming``: the models
         the work after this needs, prefetched while it decodes (as in :meth:`forward_backward`)."""

@@ -317,7 +317,7 @@ def floats(values: Values) -> list[float]:
 
 
 class SampleJoin:
-    """The rank's :class:`~miles_multilora.trainer.rank.GroupJoiner` for a sample call of the
+    """The rank's :class:`~miles_multilora.trainer.stream_sampling.GroupJoiner` for a sample call of the
     backend: each joining request becomes its generation requests (``prepare``, which gives its
     model a slot, never moving a model in ``decoding``: those with rows in flight), and its group
     is numbered on after the call's others."""

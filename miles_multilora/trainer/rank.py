@@ -56,7 +56,8 @@ from miles_multilora.trainer.primitives import (
 )
 from miles_multilora.trainer.slot_rows import PackedRows, SlotRows
 from miles_multilora.trainer.slot_write import write_slot_state
-from miles_multilora.trainer.stream import SampleStream, StreamGroup
+from miles_multilora.trainer.stream import SampleStream
+from miles_multilora.trainer.stream_sampling import GroupJoiner, Groups, sample_lockstep, sample_streaming
 
 
 @dataclass
@@ -74,23 +75,6 @@ class OpenSlot:
     version: int = 0
     run: str = ""
     targets: tuple[str, ...] = ()
-
-
-class GroupJoiner(Protocol):
-    """More groups for a running streaming batch (:meth:`TrainerRank.sample`)."""
-
-    def waiting(self) -> bool:
-        """Whether groups are waiting to join (asked at every host check: cheap)."""
-        ...
-
-    def join(self) -> Sequence[Sequence[GenerationRequest]]:
-        """The groups that join now (possibly none); other work may run first, between decode
-        steps (rows keep their KV and decode on with the weights it leaves)."""
-        ...
-
-    def ran_between(self) -> bool:
-        """Whether the last :meth:`join` ran other work (then it is asked again at once)."""
-        ...
 
 
 class RankPrimitives(Protocol):
@@ -300,27 +284,38 @@ class TrainerRank:
         """The results of each group of requests, on every rank. Groups are generated whole, round
         robin over DP ranks (request seeds do not depend on the rank), then gathered.
         ``on_group(i, results)`` hears each group's results: as soon as the group finishes, while
-        the others still decode, on one rank with a streaming (embedded) engine; else once all
-        have finished. There ``joiner`` may also bring more groups into the running batch (numbered
-        on from the last, heard the same way, in the results); elsewhere it is not asked.
+        the others still decode, with a streaming (embedded) engine on one rank, or on several with
+        a ``joiner`` (every rank's call has one: the ranks go in lockstep,
+        :func:`~miles_multilora.trainer.stream_sampling.sample_lockstep`); else once all have
+        finished. There ``joiner`` may also bring more groups into the running batch (numbered on
+        from the last, heard the same way, in the results), or run other work between two decode
+        steps; elsewhere it is not asked.
 
         A failed engine call is generated again without the group that fails it
         (:mod:`~miles_multilora.rollout.isolation`): that group's outcome is a :class:`RolloutError`
         with the reason, the others' their samples. When no group succeeds the error is raised."""
-        if on_group is not None and self.layout.world_size == 1 and self.streams:
-            return self._sample_streaming(groups, on_group, joiner)
+        if on_group is not None and self.streams:
+            if self.layout.world_size == 1:
+                return sample_streaming(
+                    self.stream(), groups, on_group, joiner, lambda left: split_failures(left, self._generate)
+                )
+            if joiner is not None:
+                return sample_lockstep(self.stream(), groups, on_group, joiner, self.gather, self._sharded)
+        results = self._sharded(groups)
+        raise_if_all_failed(results)  # the same on every rank: after the gather
+        for i, group in enumerate(results if on_group is not None else []):
+            on_group(i, group)
+        return results
 
+    def _sharded(self, groups: Groups) -> list[GroupOutcome]:
+        """Each group generated on one DP rank, split around failing ones; gathered on every rank."""
         # a TP-sharded (embedded) engine needs every rank of the TP group; an HTTP one only the first
-        results = generate_sharded(
+        return generate_sharded(
             list(groups),
             lambda part: split_failures(part, self._generate),
             self.layout,
             every_tp_rank=not self.remote_engine,
         )
-        raise_if_all_failed(results)  # the same on every rank: after the gather
-        for i, group in enumerate(results if on_group is not None else []):
-            on_group(i, group)
-        return results
 
     def _generate(self, part: list[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
         """Every group of ``part`` in one engine call (its results split back per group)."""
@@ -329,63 +324,6 @@ class TrainerRank:
         for group in part:
             out.append(results[start : start + len(group)])
             start += len(group)
-        return out
-
-    def _sample_streaming(
-        self,
-        groups: Sequence[Sequence[GenerationRequest]],
-        on_group: Callable[[int, GroupOutcome], None],
-        joiner: GroupJoiner | None,
-    ) -> list[GroupOutcome]:
-        """:meth:`sample` on the engine's stream: every group decodes in one batch, and each is
-        taken (and heard) at the first host check after its last sample ends; groups the
-        ``joiner`` brings are submitted at a host check and fill the rows others leave. When the
-        stream fails, the groups not yet heard are generated again, split around the failing ones."""
-        stream = self.stream()
-        out: list[GroupOutcome] = []
-        every: list[Sequence[GenerationRequest]] = []  # each group, by its number
-        pending: dict[int, StreamGroup] = {}
-
-        def submit(new: Sequence[Sequence[GenerationRequest]]) -> None:
-            first = len(out)
-            every.extend(new)
-            out.extend([] for _ in new)
-            for i, sent in enumerate(stream.submit(new), first):
-                pending[i] = sent
-
-        heard: set[int] = set()
-        ask = joiner is not None
-        try:
-            submit(groups)
-            while pending:
-                state = stream.run(
-                    lambda st, ask=ask: (
-                        any(g.finished(st) for g in pending.values()) or (ask and joiner.waiting())
-                    )  # type: ignore[union-attr]
-                )
-                done = [i for i, group in pending.items() if group.finished(state)]
-                for i in done:
-                    out[i] = stream.take([pending.pop(i)])[0]
-                    heard.add(i)
-                    on_group(i, out[i])
-                joined = list(joiner.join()) if joiner is not None else []
-                if joined:
-                    submit(joined)
-                elif not done and not ask:
-                    raise RolloutError("the engine's stream stopped with requests unfinished")
-                # a wait that brought nothing is not asked again until the next group ends
-                ask = joiner is not None and bool(done or joined or joiner.ran_between())
-        except Exception:  # noqa: BLE001 - the groups not heard yet, split around the failing ones
-            stream.cancel(pending.values())
-            left = [i for i in range(len(every)) if i not in heard]
-            retried = split_failures([every[i] for i in left], self._generate)
-            raise_if_all_failed(retried, succeeded_before=bool(heard))
-            for i, outcome in zip(left, retried, strict=True):
-                out[i] = outcome
-                on_group(i, outcome)
-        except BaseException:
-            stream.cancel(pending.values())
-            raise
         return out
 
     # ----------------------------------------------------------------- training
