@@ -285,7 +285,12 @@ class EmbeddedEngine(RolloutEngine):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generate ``requests`` to the end; work submitted earlier and still in flight decodes
         alongside and stays in the stream."""
-        ids = self.submit(requests)
+        try:
+            ids = self.submit(requests)
+        except Exception:
+            if self.expert_parallel is not None:  # join the other EP ranks' run before failing
+                self.run(lambda state: True)
+            raise
         if not ids and self.expert_parallel is None:  # an EP rank joins the others' run regardless
             return []
         pending = set(ids)
