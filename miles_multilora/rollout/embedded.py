@@ -20,6 +20,12 @@ to :meth:`EmbeddedEngine.generate` runs:
 
 Adapter weights live in the model itself, so :meth:`update_adapters` only records versions and
 slots; optimizer steps write the weights in place and replays use them.
+
+With expert parallelism (``model.ep > 1``) each EP rank's engine serves its own requests while
+the MoE layers exchange tokens with the other EP ranks at every forward
+(:mod:`~miles_multilora.rollout.expert_parallel`): :meth:`EmbeddedEngine.run` and
+:meth:`EmbeddedEngine.generate` are collectives over the EP group that every rank calls, with or
+without requests (:mod:`~miles_multilora.rollout.lockstep`), and decode steps run eagerly.
 """
 
 from __future__ import annotations
