@@ -7,8 +7,9 @@ tokens and logprobs of every request equal those of one EP=1 engine generating a
 the rows split between the ranks, with every row on one rank (the other has none), with the
 ranks' rows finishing at different steps, and through the stream (continuous rollout: runs that
 stop at different conditions on each rank, work submitted between runs, KV pages taken on demand
-and rows preempted on one rank only). Both token dispatchers carry the prefill's exchange. A rank
-that left the exchange early would hang its peer: the runs are bounded in time."""
+and rows preempted on one rank only); and at TP=2 x EP=2. Both token dispatchers carry the
+prefill's exchange. The adapters are made at EP=1 and loaded as PEFT dirs. A rank that left the
+exchange early would hang its peer: the runs are bounded in time."""
 
 from __future__ import annotations
 
@@ -31,29 +32,40 @@ SPLITS = {
 }
 STREAM = ([0, 1, 2, 3, 4, 5], [7], [6])  # rank 0's first submission, rank 1's, rank 0's second
 ADAPTERS = {"math": (0, 3), "code": (2, 1)}  # name -> (slot, version)
+SLOT_RANKS = ((0, 4), (2, 2))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A tiny Qwen3-MoE checkpoint (4 experts, top 2): megatron-bridge reads the same weights at
-    every EP layout (a rank its own experts)."""
-    from tests.moe_helpers import make_tiny_moe_checkpoint
-
-    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("engine_ep") / "hf", "qwen3_moe", seed=0)
-
-
-def _model(checkpoint: str, dispatcher: str):  # noqa: ANN202
-    from miles_multilora.lora import apply_multi_lora, init_slot
+def root(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE checkpoint (4 experts, top 2; megatron-bridge reads the same weights at every
+    layout, a rank its own experts) and two adapters made at EP=1 (PEFT dirs ``adapter{slot}``)."""
+    from miles_multilora.lora import apply_multi_lora, export_slot, init_slot
+    from miles_multilora.models import compat
     from miles_multilora.models.provider import load_hf_model
-    from tests.moe_helpers import randomize_b
+    from tests.moe_helpers import make_tiny_moe_checkpoint, randomize_b
 
-    model = load_hf_model(Path(checkpoint), moe_token_dispatcher=dispatcher).model
+    root = tmp_path_factory.mktemp("engine_ep")
+    make_tiny_moe_checkpoint(root / "hf", "qwen3_moe", seed=0)
+    compat.init_distributed(tp=1, pp=1, seed=0)
+    model = load_hf_model(root / "hf").model
+    apply_multi_lora(model, "all-linear", num_slots=3, max_rank=4)
+    for slot, lora_rank in SLOT_RANKS:
+        init_slot(model, slot, rank=lora_rank, alpha=8.0, seed=slot)
+        randomize_b(model, slot, seed=10 + slot, scale=0.3)
+        export_slot(model, slot, root / f"adapter{slot}", write=True)
+    return root
+
+
+def _model(root: str, dispatcher: str):  # noqa: ANN202
+    from miles_multilora.lora import apply_multi_lora, load_slot
+    from miles_multilora.models.provider import load_hf_model
+
+    model = load_hf_model(Path(root) / "hf", moe_token_dispatcher=dispatcher).model
     apply_multi_lora(model, "all-linear", num_slots=3, max_rank=4)
     with torch.no_grad():
         model.output_layer.weight.mul_(20.0)  # peaked next-token distributions: no near-ties
-    for slot, lora_rank in ((0, 4), (2, 2)):
-        init_slot(model, slot, rank=lora_rank, alpha=8.0, seed=slot)
-        randomize_b(model, slot, seed=10 + slot, scale=0.3)
+    for slot, _ in SLOT_RANKS:
+        load_slot(model, slot, Path(root) / f"adapter{slot}")
     return model
 
 
@@ -111,7 +123,7 @@ def _stream(model, rank: int) -> tuple[dict[int, tuple], float]:  # noqa: ANN001
     return dict(zip(uids, _sampled(results), strict=True)), engine.stats["preemptions"]
 
 
-def _worker(rank: int, world: int, checkpoint: str, out: str) -> None:
+def _worker(rank: int, world: int, root: str, out: str) -> None:
     from miles_multilora.models import compat
 
     torch.set_num_threads(1)
@@ -119,7 +131,7 @@ def _worker(rank: int, world: int, checkpoint: str, out: str) -> None:
     reqs = _requests()
     found: dict = {}
     for dispatcher in DISPATCHERS:
-        model = _model(checkpoint, dispatcher)
+        model = _model(root, dispatcher)
         for case, shares in SPLITS.items():
             mine = shares[rank]
             results = _engine(model).generate([reqs[u] for u in mine])
@@ -130,20 +142,28 @@ def _worker(rank: int, world: int, checkpoint: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint) -> dict[str, dict[int, tuple]]:  # noqa: ANN001
+def reference(root) -> dict[str, dict[int, tuple]]:  # noqa: ANN001
     """One EP=1 engine generating every request, per dispatcher."""
     from miles_multilora.models import compat
 
     compat.init_distributed(tp=1, pp=1, seed=0)
     reqs = _requests()
     return {
-        dispatcher: dict(enumerate(_sampled(_engine(_model(str(checkpoint), dispatcher)).generate(reqs))))
+        dispatcher: dict(enumerate(_sampled(_engine(_model(str(root), dispatcher)).generate(reqs))))
         for dispatcher in DISPATCHERS
     }
 
 
-def test_ep2_engine_samples_as_ep1(tmp_path: Path, checkpoint, reference) -> None:  # noqa: ANN001
-    run_distributed(_worker, 2, (str(checkpoint), str(tmp_path)), timeout=240)
+def _compare(got: dict[int, tuple], expected: dict[int, tuple], where: str) -> None:
+    assert sorted(got) == list(range(len(NEW_TOKENS))), where
+    for uid, (tokens, logprobs) in got.items():
+        assert tokens == expected[uid][0], f"{where}, request {uid}"
+        diff = (torch.tensor(logprobs) - torch.tensor(expected[uid][1])).abs().max()
+        assert diff <= 1e-5, f"{where}, request {uid}: logprobs differ by {diff}"
+
+
+def test_ep2_engine_samples_as_ep1(tmp_path: Path, root, reference) -> None:  # noqa: ANN001
+    run_distributed(_worker, 2, (str(root), str(tmp_path)), timeout=240)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0][("alltoall", "preemptions")] > 0  # rank 0 took pages on demand and gave some back
     for dispatcher in DISPATCHERS:
@@ -151,9 +171,25 @@ def test_ep2_engine_samples_as_ep1(tmp_path: Path, checkpoint, reference) -> Non
         assert {len(expected[u][0]) for u in range(4)} <= {2, 3}  # no EOS: every row ran its budget
         for case in (*SPLITS, "stream"):
             got = {**ranks[0][(dispatcher, case)], **ranks[1][(dispatcher, case)]}
-            assert sorted(got) == list(range(len(NEW_TOKENS)))
-            for uid, (tokens, logprobs) in got.items():
-                where = f"{dispatcher}, {case}, request {uid}"
-                assert tokens == expected[uid][0], where
-                diff = (torch.tensor(logprobs) - torch.tensor(expected[uid][1])).abs().max()
-                assert diff <= 1e-5, f"{where}: logprobs differ by {diff}"
+            _compare(got, expected, f"{dispatcher}, {case}")
+
+
+def _tp_worker(rank: int, world: int, root: str, out: str) -> None:
+    from miles_multilora.models import compat
+
+    torch.set_num_threads(1)
+    compat.init_distributed(tp=2, pp=1, seed=0, rank=rank, world_size=world, ep=2)
+    reqs = _requests()
+    found = {d: dict(enumerate(_sampled(_engine(_model(root, d)).generate(reqs)))) for d in DISPATCHERS}
+    torch.save(found, Path(out) / f"rank{rank}.pt")
+    compat.destroy_distributed()
+
+
+def test_tp2_ep2_engine_samples_as_one_rank(tmp_path: Path, root, reference) -> None:  # noqa: ANN001
+    """TP=2 x EP=2 on two ranks (one DP rank: both hold the same rows, each TP rank routes its share
+    of the prefill tokens, and a decode step's gathered rows repeat on each rank's experts)."""
+    run_distributed(_tp_worker, 2, (str(root), str(tmp_path)), timeout=240)
+    for r in range(2):
+        found = torch.load(tmp_path / f"rank{r}.pt")
+        for dispatcher in DISPATCHERS:
+            _compare(found[dispatcher], reference[dispatcher], f"rank {r}, {dispatcher}")
