@@ -4,6 +4,7 @@ comparison of two computations of the same tensor at the tensor's own scale."""
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -91,8 +92,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         raise
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = ()) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; re-raise failures."""
+def run_distributed(
+    fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout: float = 600
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; re-raise failures.
+    Processes still running after ``timeout`` seconds (a collective one rank never joined) are killed."""
     from miles_multilora.models.compat import free_port
 
     ctx = mp.get_context("spawn")
@@ -103,8 +107,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
     ]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(timeout=600)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     messages = []
     while not errors.empty():
         messages.append(errors.get())

@@ -24,7 +24,6 @@ from miles_multilora.data import MultiLoRADataSource, RewardManager
 from miles_multilora.data.reward_manager import AdapterRewards
 from miles_multilora.data.reward_process import RewardProcessLimits
 from miles_multilora.data.reward_registry import import_reward_modules
-from miles_multilora.errors import ConfigError
 from miles_multilora.rl.adapters import ResidentAdapter, Residents
 from miles_multilora.rl.checkpoint import CheckpointError, write_checkpoint
 from miles_multilora.rl.checkpoint_quota import DiskLimits
@@ -36,7 +35,6 @@ from miles_multilora.rl.scoring import PendingRewards
 from miles_multilora.rl.timing import PhaseTimer
 from miles_multilora.rl.train import Trained, train
 from miles_multilora.trainer.auto_slots import sized_config
-from miles_multilora.trainer.model_build import EP_SAMPLING
 from miles_multilora.trainer.rank import RankPrimitives, TrainerRank
 
 log = logging.getLogger(__name__)
@@ -98,8 +96,6 @@ class RLStep:
     def build(cls, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> RLStep:
         """The recipe on a trainer rank built from ``cfg`` (``rank`` of ``world_size``; with
         ``lora.num_slots=auto``, from its sized copy: :func:`~miles_multilora.trainer.auto_slots.sized_config`)."""
-        if cfg.model.ep > 1 and cfg.rollout.engine == "embedded":  # an RL step samples every step
-            raise ConfigError("model.ep", EP_SAMPLING)
         cfg = sized_config(cfg, rank, world_size)
         return cls(TrainerRank(cfg, rank, world_size), cfg)
 

@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 # and logprobs alone or batched with other requests (tests/unit/test_tinker_sampling.py); 8 leaves a
 # margin for kernels that tile rows by 8.
 CPU_DECODE_ROW_MULTIPLE = 8
+KV_FULL = (
+    "the KV cache cannot hold the next request group; raise rollout.kv_cache_tokens "
+    "or rollout.kv_cache_fraction"
+)
 
 
 @dataclass(frozen=True)
@@ -157,10 +161,7 @@ class Scheduler:
             while not self.idle:
                 self._admit()
                 if not self.rows:
-                    raise RolloutError(
-                        "the KV cache cannot hold the next request group; raise rollout.kv_cache_tokens "
-                        "or rollout.kv_cache_fraction"
-                    )
+                    raise RolloutError(KV_FULL)
                 steps = self._steps_until_sync()
                 self._grow(steps)
                 self._decode(steps)
@@ -196,17 +197,24 @@ class Scheduler:
         return pages_for(self.engine.sync_interval, self.page_size)
 
     def _admit(self) -> None:
-        """Admit preempted rows, then waiting groups, into free rows while the free pages stay
-        above the growth watermark. Whole groups (a group is split only when nothing runs and it
-        cannot come in at once), and only once enough rows are free that the prefill forward serves
-        several groups (at least an eighth of the batch, or all that wait). With nothing running
-        the first in line comes in regardless of the watermark (it fits alone: ``check_request``)."""
+        """Admit preempted rows, then waiting groups (:meth:`_pick`), and prefill them into the batch."""
+        picked, resumed = self._pick()
+        if picked or resumed:
+            self.rows += self.starter.start(picked, resumed, len(self.rows))
+
+    def _pick(self) -> tuple[list[Group], list[Row]]:
+        """The waiting groups and preempted rows to admit now, taken out of the queues: into free
+        rows while the free pages stay above the growth watermark. Whole groups (a group is split
+        only when nothing runs and it cannot come in at once), and only once enough rows are free
+        that the prefill forward serves several groups (at least an eighth of the batch, or all that
+        wait). With nothing running the first in line comes in regardless of the watermark (it fits
+        alone: ``check_request``)."""
         max_rows = self.engine.max_batch_size
         free_rows = max_rows - len(self.rows)
         waiting_rows = len(self.preempted) + sum(len(g.members) for g in self.waiting)
         first_size = 1 if self.preempted else len(self.waiting[0].members) if self.waiting else 1
         if self.rows and free_rows < min(waiting_rows, max(first_size, max_rows // 8)):
-            return
+            return [], []
         free_pages, growth = self.cache.free_pages, self._growth_pages()
         rows_after = len(self.rows)
         resumed: list[Row] = []
@@ -235,8 +243,7 @@ class Scheduler:
             free_rows -= fit
             free_pages -= group_admission_pages(len(group.prompt), fit, self.page_size)
             rows_after += fit
-        if picked or resumed:
-            self.rows += self.starter.start(picked, resumed, len(self.rows))
+        return picked, resumed
 
     # ------------------------------------------------------------------ pages
     def _grow(self, steps: int) -> None:
@@ -315,15 +322,20 @@ class Scheduler:
         soonest = min((r.budget - r.count for r in self.rows), default=interval)
         return max(1, min(interval, soonest))
 
-    def _decode(self, steps: int) -> None:
+    def _step_rows(self, n: int) -> int:
+        """The rows a decode step of ``n`` rows in the batch runs (the rest of them empty)."""
+        if self.graphs is not None:
+            return bucket_for(n, self.batch.max_rows)
+        # on a CPU the BLAS kernel, hence a row's rounding, depends on the row count
+        if self.engine.device.type == "cpu":
+            return min(-(-n // CPU_DECODE_ROW_MULTIPLE) * CPU_DECODE_ROW_MULTIPLE, self.batch.max_rows)
+        return n
+
+    def _decode(self, steps: int, rows: int | None = None) -> None:
+        """``steps`` decode steps over the first ``rows`` batch rows (default :meth:`_step_rows`)."""
         engine, batch, graphs = self.engine, self.batch, self.graphs
         n = len(self.rows)
-        if graphs is not None:
-            rows = bucket_for(n, batch.max_rows)
-        elif engine.device.type == "cpu":  # the BLAS kernel, hence a row's rounding, depends on the row count
-            rows = min(-(-n // CPU_DECODE_ROW_MULTIPLE) * CPU_DECODE_ROW_MULTIPLE, batch.max_rows)
-        else:
-            rows = n
+        rows = self._step_rows(n) if rows is None else rows
         filtered = any(r.filtered for r in self.rows)
         batch.plan_groups(self.rows)
         dense = batch.dense_shrink_for(rows, (self.requests[r.request].slot for r in self.rows))
@@ -334,7 +346,7 @@ class Scheduler:
             if graphs is not None:
                 graphs.replay(rows, filtered, dense)
             else:
-                longest = max(r.prompt_len + r.budget for r in self.rows)
+                longest = max((r.prompt_len + r.budget for r in self.rows), default=1)
                 batch.step(rows, filtered, dense, block_pages=self.cache.pages_for(longest))
         self.timers.append(timer.stop())
         stats = engine.stats

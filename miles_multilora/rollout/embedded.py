@@ -20,6 +20,12 @@ to :meth:`EmbeddedEngine.generate` runs:
 
 Adapter weights live in the model itself, so :meth:`update_adapters` only records versions and
 slots; optimizer steps write the weights in place and replays use them.
+
+With expert parallelism (``model.ep > 1``) each EP rank's engine serves its own requests while
+the MoE layers exchange tokens with the other EP ranks at every forward
+(:mod:`~miles_multilora.rollout.expert_parallel`): :meth:`EmbeddedEngine.run` and
+:meth:`EmbeddedEngine.generate` are collectives over the EP group that every rank calls, with or
+without requests (:mod:`~miles_multilora.rollout.lockstep`), and decode steps run eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from miles_multilora.rollout.continuous_batching import Scheduler, StopCondition
 from miles_multilora.rollout.decode_batch import DecodeBatch, DecodeGraphs
 from miles_multilora.rollout.engine import RolloutEngine, RolloutError
 from miles_multilora.rollout.kv_cache import PagedKVCache
+from miles_multilora.rollout.lockstep import LockstepScheduler
 from miles_multilora.rollout.paged_model import PagedModel
 from miles_multilora.rollout.rows import pages_for
 from miles_multilora.rollout.types import AdapterVersion, FinishReason, GenerationRequest, GenerationResult
@@ -139,6 +146,14 @@ class EmbeddedEngine(RolloutEngine):
         self.device = self.paged.device
         on_cuda = self.device.type == "cuda"
         self.use_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs and on_cuda)
+        # model.ep > 1: every forward exchanges tokens with the other EP ranks (rollout.lockstep).
+        # Decode steps run eagerly there: a captured graph would have to replay the NCCL all-gather
+        # and reduce-scatter of moe_decode_ep in step with every peer's replay, which PyTorch's
+        # graph capture of NCCL collectives allows only with care (same communicator, no other work
+        # on it in between) that is not built or measured yet.
+        self.expert_parallel = self.paged.expert_parallel
+        if self.expert_parallel is not None:
+            self.use_graphs = False
         self.sync_interval = sync_interval or (DEFAULT_SYNC_INTERVAL if on_cuda else 1)
         self.layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
         self._cache: PagedKVCache | None = None
@@ -244,7 +259,8 @@ class EmbeddedEngine(RolloutEngine):
         capacity = self._capacity_tokens()
         if capacity is None:
             rows = min(self.max_batch_size, len(requests) + self.in_flight())
-            longest = max(len(r.prompt_ids) + self.budget(r) for r in requests) + self.page_size
+            # no requests: an expert-parallel rank that only joins the others' forwards
+            longest = max((len(r.prompt_ids) + self.budget(r) for r in requests), default=0) + self.page_size
             # rows take pages as they grow (preempted when none are left): long budgets need not
             # be reserved for every row at once
             capacity = max(longest, min(rows * longest, CPU_KV_CACHE_TOKENS))
@@ -268,14 +284,20 @@ class EmbeddedEngine(RolloutEngine):
                 self._stream.rebind(self._batch, self._cache, self._graphs)
         if self._stream is None:
             assert self._batch is not None and self._cache is not None
-            self._stream = Scheduler(self, self._batch, self._cache, self._graphs)
+            scheduler = Scheduler if self.expert_parallel is None else LockstepScheduler
+            self._stream = scheduler(self, self._batch, self._cache, self._graphs)
 
     # --------------------------------------------------------------- generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generate ``requests`` to the end; work submitted earlier and still in flight decodes
         alongside and stays in the stream."""
-        ids = self.submit(requests)
-        if not ids:
+        try:
+            ids = self.submit(requests)
+        except Exception:
+            if self.expert_parallel is not None:  # join the other EP ranks' run before failing
+                self.run(lambda state: True)
+            raise
+        if not ids and self.expert_parallel is None:  # an EP rank joins the others' run regardless
             return []
         pending = set(ids)
         self.run(lambda state: pending <= state.finished)
@@ -293,11 +315,15 @@ class EmbeddedEngine(RolloutEngine):
 
     def run(self, stop: StopCondition | None = None) -> StreamState:
         """Decode the stream until ``stop`` holds at a host check or nothing is left; rows still
-        decoding keep their KV pages for the next call. Returns the stream's state."""
+        decoding keep their KV pages for the next call. Returns the stream's state. With expert
+        parallelism a collective: every EP rank calls it, and it returns when ``stop`` holds (or
+        nothing is left) on all of them (:mod:`~miles_multilora.rollout.lockstep`)."""
+        if self._stream is None and self.expert_parallel is not None:
+            self._ensure_state([])  # a rank with nothing submitted yet still joins the others
         if self._stream is None:
             return StreamState(set(), 0, 0, self.max_batch_size)
         stream = self._stream
-        if not stream.idle:
+        if not stream.idle or self.expert_parallel is not None:  # a collective at EP: always joined
             assert self._batch is not None
             with generation_mode(self.model):
                 self._batch.sync_lora()  # before the graph check: a first stacking moves base weights

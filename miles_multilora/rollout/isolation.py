@@ -6,7 +6,9 @@ engine checks each request before a batch runs (:meth:`~.engine.RolloutEngine.ch
 should a value slip past both and fail the call anyway, :func:`generate_isolated` generates the
 groups again in halves until each failing group is alone. That group's outcome is its error, the
 others' their samples. When every group fails, the engine itself is at fault: the first error is
-raised, as before (the trainer group is replaced, no adapter is blamed).
+raised, as before (the trainer group is replaced, no adapter is blamed). With expert parallelism
+an engine call is a collective of the EP ranks: :func:`checked_once` checks each group first and
+makes one call.
 """
 
 from __future__ import annotations
@@ -50,6 +52,34 @@ def split_failures(
         log.warning("an engine call of %d groups failed (%s); retrying it in halves", len(part), exc)
     mid = len(part) // 2
     return split_failures(part[:mid], generate) + split_failures(part[mid:], generate)
+
+
+def checked_once(
+    groups: Groups,
+    generate: Callable[[list[Sequence[GenerationRequest]]], list[list[GenerationResult]]],
+    check: Callable[[GenerationRequest, int], None],
+) -> list[GroupOutcome]:
+    """``generate`` once over the groups whose requests pass ``check`` (the others' outcome: their
+    error), called even when no group is left. For an expert-parallel engine, whose every call is a
+    collective the other EP ranks join: a failed call is not split and retried on this rank alone
+    (its peers would not follow); its error is the outcome of every group it carried."""
+    outcomes: list[GroupOutcome | None] = []
+    sent: list[Sequence[GenerationRequest]] = []
+    for group in groups:
+        try:
+            for i, request in enumerate(group):
+                check(request, i)
+        except Exception as exc:  # noqa: BLE001 - this group's own failure
+            outcomes.append(group_error(exc))
+            continue
+        outcomes.append(None)
+        sent.append(group)
+    try:
+        results = iter(generate(sent))
+    except Exception as exc:  # noqa: BLE001 - the call's groups fail together
+        error = group_error(exc)
+        return [error if o is None else o for o in outcomes]
+    return [next(results) if o is None else o for o in outcomes]
 
 
 def raise_if_all_failed(outcomes: Sequence[GroupOutcome], succeeded_before: bool = False) -> None:

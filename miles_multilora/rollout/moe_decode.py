@@ -10,7 +10,8 @@ over the pairs) and each row sums its ``k`` expert outputs in expert order (no a
 result does not depend on the batch). Every shape is fixed by ``B``, so one captured graph serves
 every routing and adapter mix. A shared expert runs on the rows as a dense MLP (its fc1/fc2 LoRA
 routed by the rows' slots like the dense layers') and is added after the routed sum, as in the
-trainer. Expert parallelism is not supported here (the engine refuses it).
+trainer. With expert parallelism the step exchanges the rows with the other EP ranks around the
+experts (:mod:`~miles_multilora.rollout.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def prepare_moe(moe: MoELayer) -> None:
         moe.experts.stacked(proj, "bias")
 
 
-def _pairs(moe: MoELayer, x2d: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def expert_pairs(moe: MoELayer, x2d: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Each row's chosen experts ``[B * k]`` (ascending per row), their row and routing weight."""
     probs, routing_map = moe.router(x2d.unsqueeze(1))
     k = moe.config.moe_router_topk
@@ -53,7 +54,7 @@ def _pairs(moe: MoELayer, x2d: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return chosen.reshape(-1), row, weight.reshape(-1)
 
 
-def _lora_groups(layer: MultiLoRAExpertLinear, row_slots: Tensor, experts: Tensor) -> RowRouting:
+def lora_groups(layer: MultiLoRAExpertLinear, row_slots: Tensor, experts: Tensor) -> RowRouting:
     """The pairs' weight groups ``slot * E + expert`` (``-1``: base only), routed on the device."""
     groups = torch.where(row_slots >= 0, row_slots * layer.num_local_experts + experts, -1)
     return build_row_routing(groups, layer.num_slots * layer.num_local_experts, tile_sizes())
@@ -64,7 +65,7 @@ def moe_decode(moe: MultiLoRAMoELayer, x: Tensor) -> Tensor:
     experts: LoRAExperts = moe.experts
     cfg = moe.config
     x2d = x.reshape(-1, x.shape[-1])
-    expert, row, weight = _pairs(moe, x2d)
+    expert, row, weight = expert_pairs(moe, x2d)
     order = torch.sort(expert, stable=True).indices
     expert, row, weight = expert[order], row[order], weight[order]
     num_experts = moe.num_local_experts
@@ -81,7 +82,7 @@ def moe_decode(moe: MultiLoRAMoELayer, x: Tensor) -> Tensor:
     for layer in (fc1_lora, fc2_lora):
         if layer is not None and isinstance(layer.routing, RowRouting):
             pair_slots = layer.routing.row_slots.reshape(-1).index_select(0, row)
-            routing = _lora_groups(layer, pair_slots, expert)
+            routing = lora_groups(layer, pair_slots, expert)
             break
     fc1 = experts.project("linear_fc1", hidden, host_counts, offsets, expert)
     if fc1_lora is not None and routing is not None:

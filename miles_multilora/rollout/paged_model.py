@@ -33,6 +33,7 @@ from miles_multilora.models.provider import gpt_module
 from miles_multilora.models.sdpa_attention import causal_attention
 from miles_multilora.rollout.decode_fusions import add_rmsnorm, fusable, swiglu
 from miles_multilora.rollout.engine import RolloutError
+from miles_multilora.rollout.expert_parallel import ExpertParallel, moe_decode_ep
 from miles_multilora.rollout.kv_cache import PagedKVCache, kv_bytes_per_token
 from miles_multilora.rollout.kv_quant import as_stored
 from miles_multilora.rollout.moe_decode import is_moe, moe_decode, prepare_moe
@@ -61,7 +62,6 @@ class PagedModel:
             (bool(getattr(cfg, "attention_output_gate", False)), "gated attention output"),
             (not (gpt.pre_process and gpt.post_process), "pipeline parallelism"),
             (parallel_state.get_context_parallel_world_size() > 1, "context parallelism"),
-            (parallel_state.get_expert_model_parallel_world_size() > 1, "expert parallelism"),
         ]
         unsupported = [what for bad, what in problems if bad]
         if unsupported:
@@ -106,6 +106,8 @@ class PagedModel:
         final = gpt.decoder.final_layernorm
         self.fused[id(final)] = fusable(final, self.layers[0].mlp, self.device)[0]
         self.cp_group = parallel_state.get_context_parallel_group()
+        # model.ep > 1: the decode step's MoE layers exchange rows with the other EP ranks
+        self.expert_parallel = ExpertParallel.of_model(gpt, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,9 +186,12 @@ class PagedModel:
     def _mlp(self, layer: Any, x: Tensor) -> tuple[Tensor, RowDelta | RowShrink | None]:
         """The layer's MLP output (bias added) and fc2's deferred LoRA term; the SwiGLU is fused
         (and runs fc1's LoRA expand) when the config allows it. A mixture of experts runs its static
-        decode step (:func:`~miles_multilora.rollout.moe_decode.moe_decode`)."""
+        decode step (:func:`~miles_multilora.rollout.moe_decode.moe_decode`; with expert parallelism
+        :func:`~miles_multilora.rollout.expert_parallel.moe_decode_ep`)."""
         mlp = layer.mlp
         if is_moe(mlp):
+            if self.expert_parallel is not None:
+                return moe_decode_ep(mlp, x, self.expert_parallel), None
             return moe_decode(mlp, x), None
         if self.fused[id(mlp)]:
             out, lora = self._linear(mlp.linear_fc1, x, consumer_expands=True)

@@ -69,21 +69,37 @@ class RowStarter:
         prompt's logits never depend on what else is admitted with it: CPU GEMMs round by their
         shape) and load their rows into batch rows ``first, first + 1, ...``; returns those rows in
         batch order."""
+        return self.run_chunks(self.chunks(groups, resumed), first)
+
+    def chunks(self, groups: list[Group], resumed: list[Row]) -> list[list[_Sequence]]:
+        """The prefill forwards :meth:`start` runs for ``groups`` and ``resumed``, one list each."""
         work = [_Sequence(g.slot, g.prompt, [], group=g) for g in groups]
         work += [
             _Sequence(self.requests[r.request].slot, self._resume_tokens(r), [], resumed=r) for r in resumed
         ]
-        rows: list[Row] = []
+        out: list[list[_Sequence]] = []
         chunk: list[_Sequence] = []
         for item in sorted(work, key=lambda s: len(s.tokens)):  # similar lengths pad less
             longest = max(len(item.tokens), *(len(s.tokens) for s in chunk)) if chunk else len(item.tokens)
             if chunk and (longest * (len(chunk) + 1) > PREFILL_TOKENS or self.engine.device.type == "cpu"):
-                rows += self._prefill(chunk, first + len(rows))
+                out.append(chunk)
                 chunk = []
             chunk.append(item)
         if chunk:
+            out.append(chunk)
+        return out
+
+    def run_chunks(self, chunks: list[list[_Sequence]], first: int) -> list[Row]:
+        """Prefill ``chunks`` (from :meth:`chunks`); their rows loaded at ``first, first + 1, ...``."""
+        rows: list[Row] = []
+        for chunk in chunks:
             rows += self._prefill(chunk, first + len(rows))
         return rows
+
+    def idle_prefill(self) -> None:
+        """A prefill forward of one padding token, base only, into the null page, its logits unused:
+        an expert-parallel rank with less to prefill joins the other ranks' token exchange."""
+        self._forward([_Sequence(-1, [self.engine.pad_id], [0])])
 
     def _resume_tokens(self, row: Row) -> list[int]:
         return row.resume_tokens(list(self.requests[row.request].prompt_ids))
@@ -153,6 +169,10 @@ class RowStarter:
         """The padded prefill forward: K/V into each sequence's pages, its last logits ``[B, V]``."""
         engine, device = self.engine, self.engine.device
         seq = max(len(s.tokens) for s in chunk)
+        ep = engine.expert_parallel
+        if ep is not None and ep.equal_tokens:  # as many rows and tokens as on the other EP ranks
+            rows, seq = ep.agree([len(chunk), seq])
+            chunk = chunk + [_Sequence(-1, [engine.pad_id], [0])] * (rows - len(chunk))
         tokens = torch.full((len(chunk), seq), engine.pad_id, dtype=torch.long)
         for b, s in enumerate(chunk):
             tokens[b, : len(s.tokens)] = torch.tensor(s.tokens)

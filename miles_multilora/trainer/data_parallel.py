@@ -90,18 +90,21 @@ def generate_sharded(
     layout: DPLayout,
     *,
     every_tp_rank: bool = True,
+    every_rank: bool = False,
 ) -> list[R]:
     """``generate`` over ``items`` split across DP ranks; every rank gets every item's result, in order.
 
     ``generate`` maps a list of items to one result per item. With ``every_tp_rank`` each rank of a
     TP group runs it (an engine sharded over TP needs them all); otherwise only TP rank 0 does (a
-    remote engine: one request per item, not one per TP rank). One object all-gather over the world.
+    remote engine: one request per item, not one per TP rank). With ``every_rank`` every rank runs
+    it, with or without items (an expert-parallel engine: each call is a collective of the EP
+    ranks). One object all-gather over the world.
     """
     runs_here = every_tp_rank or layout.tp_rank == 0
     if layout.dp_size == 1 and (every_tp_rank or layout.world_size == 1):
         return generate(list(items))
     mine = generation_shard(len(items), layout)
-    local = generate([items[i] for i in mine]) if runs_here and mine else []
+    local = generate([items[i] for i in mine]) if runs_here and (mine or every_rank) else []
     if len(local) != (len(mine) if runs_here else 0):
         raise RuntimeError(f"generation returned {len(local)} results for {len(mine)} items")
     gathered: list[Any] = [None] * layout.world_size

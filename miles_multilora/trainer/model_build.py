@@ -1,6 +1,6 @@
 """What a trainer rank is built from: the Megatron model with its MultiLoRA slots, its tokenizer,
-and its rollout engine (the embedded engine on the rank's own model, or an HTTP engine; none that
-samples at ``model.ep > 1`` with the embedded one, which has no expert parallelism yet).
+and its rollout engine (the embedded engine on the rank's own model, expert-parallel at
+``model.ep > 1``, or an HTTP engine).
 
 The rank's context is the checkpoint's own (``max_position_embeddings``; the tiny model's
 ``model.tiny.max_seq_len``), or ``model.max_context`` below it. Before the model is built, the
@@ -9,7 +9,6 @@ resolves ``trainer.recompute=auto``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,42 +21,9 @@ from miles_multilora.lora import apply_multi_lora
 from miles_multilora.lora.inject import use_fp8_base
 from miles_multilora.models import provider
 from miles_multilora.models.paths import capped_context, resolve_model_path
-from miles_multilora.rollout import (
-    AdapterVersion,
-    GenerationRequest,
-    GenerationResult,
-    RolloutEngine,
-    RolloutError,
-)
+from miles_multilora.rollout import RolloutEngine
 from miles_multilora.trainer.memory_plan import MemoryPlan, ModelShape, plan_rank
 from miles_multilora.trainer.tokenizer import load_tokenizer, stop_token_ids
-
-EP_SAMPLING = (
-    "the embedded engine does not sample with expert parallelism (model.ep > 1) yet: this rank trains "
-    "and exports only; sample with rollout=sglang or rollout=vllm, or set model.ep=1"
-)
-
-
-class NoSampling(RolloutEngine):
-    """The engine of a rank that trains but cannot sample: every request fails with ``reason``; the
-    adapters it is told of are only recorded."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__()
-        self.reason = reason
-
-    def check_request(self, req: GenerationRequest, index: int = 0) -> None:
-        raise RolloutError(self.reason)
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        raise RolloutError(self.reason)
-
-    def update_adapters(self, changed: Mapping[str, AdapterVersion]) -> None:
-        self._adapters.update(changed)
-
-    def remove_adapters(self, names: Iterable[str]) -> None:
-        for name in names:
-            self._adapters.pop(name, None)
 
 
 @dataclass
@@ -132,8 +98,6 @@ def build_engine(cfg: RunConfig, built: BuiltModel, *, manages_adapters: bool, d
     (SGLang, vLLM) gets each adapter version as an exported PEFT dir. ``manages_adapters``: this
     rank loads adapters on the servers (one rank does); DP ranks start at different servers."""
     r = cfg.rollout
-    if cfg.model.ep > 1 and r.engine == "embedded":
-        return NoSampling(EP_SAMPLING)
     eos = stop_token_ids(built.tokenizer, resolve_model_path(cfg))
     if r.engine != "embedded":
         from miles_multilora.rollout.factory import remote_engine

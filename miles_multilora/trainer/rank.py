@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from miles_multilora.models import compat
 from miles_multilora.optim import SlotAdamW
 from miles_multilora.optim.slot_adamw import SlotStepStats
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutError
-from miles_multilora.rollout.isolation import GroupOutcome, raise_if_all_failed, split_failures
+from miles_multilora.rollout.isolation import GroupOutcome, checked_once, raise_if_all_failed, split_failures
 from miles_multilora.trainer import shard
 from miles_multilora.trainer.data_parallel import (
     DPLayout,
@@ -309,13 +310,14 @@ class TrainerRank:
 
     def _sharded(self, groups: Groups) -> list[GroupOutcome]:
         """Each group generated on one DP rank, split around failing ones; gathered on every rank."""
-        # a TP-sharded (embedded) engine needs every rank of the TP group; an HTTP one only the first
+        # a TP-sharded (embedded) engine needs every rank of the TP group, an expert-parallel one every
+        # rank (each call a collective: checked_once); an HTTP one only the first TP rank
+        lockstep = self.layout.lockstep and not self.remote_engine
+        isolate = partial(checked_once, check=self.engine.check_request) if lockstep else split_failures
         return generate_sharded(
-            list(groups),
-            lambda part: split_failures(part, self._generate),
-            self.layout,
-            every_tp_rank=not self.remote_engine,
-        )
+            list(groups), lambda part: isolate(part, self._generate), self.layout,
+            every_tp_rank=not self.remote_engine, every_rank=lockstep,
+        )  # fmt: skip
 
     def _generate(self, part: list[Sequence[GenerationRequest]]) -> list[list[GenerationResult]]:
         """Every group of ``part`` in one engine call (its results split back per group)."""

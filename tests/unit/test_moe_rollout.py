@@ -9,7 +9,6 @@ import torch
 from miles_multilora.config.adapter import SamplingSpec
 from miles_multilora.lora import init_slot
 from miles_multilora.rollout import EmbeddedEngine, GenerationRequest
-from miles_multilora.rollout.paged_model import PagedModel
 from miles_multilora.scoring.logprobs import compute_logprobs
 from tests.moe_helpers import randomize_b, tiny_moe_gpt
 from tests.unit.test_rollout_embedded import (
@@ -76,16 +75,6 @@ def test_mixed_adapter_greedy_equals_full_forwards(torch_model, tokenizer):
     reqs = _mixed_requests(tokenizer, SamplingSpec(temperature=0.0, max_new_tokens=8))
     for req, res in zip(reqs, engine.generate(reqs), strict=True):
         assert res.output_ids == _greedy_by_full_forwards(model, req.prompt_ids, 8, len(tokenizer), req.slot)
-
-
-def test_engine_refuses_expert_parallelism(monkeypatch, model):
-    from megatron.core import parallel_state
-
-    from miles_multilora.rollout import RolloutError
-
-    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
-    with pytest.raises(RolloutError, match="expert parallelism"):
-        PagedModel(model, MAX_SEQ_LEN)
 
 
 def test_a_model_without_lora_decodes_its_base(tokenizer):

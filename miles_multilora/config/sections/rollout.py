@@ -25,7 +25,7 @@ class RolloutConfig:
     # rows (cascade attention, rollout/shared_prefix.py); same results up to float reassociation. Off
     # until its speed-up is measured on a GPU (the long-prompt preset of benchmarks/rl_step.py)
     shared_prefix_attention: bool = False
-    cuda_graphs: bool = True  # replay captured decode steps on CUDA
+    cuda_graphs: bool = True  # replay captured decode steps on CUDA (not at model.ep > 1: eager there)
     sync_interval: int | None = None  # decode steps between host checks (None: 8 on CUDA, 1 on CPU)
     sglang_url: str | None = None  # SGLang server URL(s), comma-separated
     vllm_url: str | None = None  # vLLM server URL(s), comma-separated
