@@ -8,7 +8,9 @@ snapshot per step to :class:`~miles_multilora.rl.RLStep` as the driver loop does
 (``launch/loop.py``), continuous rollout (``rollout.max_staleness``, ``--staleness``), the embedded
 engine (CUDA graphs on a GPU) and the held-out eval of the real run (``rl/evaluation.py``: at step 0,
 every ``eval.every`` steps and at the end); bf16 on a GPU, fp32 on the CPU (``--cpu``, or no CUDA); no
-checkpoint but each adapter's final one (``save_interval=0``: the peer saves none).
+checkpoint but each adapter's final one (``save_interval=0``: the peer saves none); every reward
+waited for (``trainer.reward_wait_s=60``), as the peer does; on a GPU micro-batches of up to 512 rows
+and 65,536 tokens (a 135M model's train phase is launch-bound: few, large launches).
 
 The peer: TRL's ``GRPOTrainer`` with PEFT LoRA (``benchmarks/vs_trl_peer.py``), one adapter after
 another (the first ``--peer-limit``), each from a fresh base model, as a user without this project
@@ -139,7 +141,10 @@ def ours_config(args: argparse.Namespace, specs: list[Any], out: Path, cuda: boo
         f"lora.num_slots={len(specs)}", f"lora.max_rank={max(s.rank for s in specs)}",
         f"rollout.max_staleness={args.staleness}", f"rollout.max_batch_size={rows}",
         f"model.dtype={'bfloat16' if cuda else 'float32'}", "adapters=[]",
+        "trainer.reward_wait_s=60",  # every reward waited for, as the peer does
     ]  # fmt: skip
+    if cuda:  # few, large micro-batches: a 135M model's train phase is launch-bound (docs/benchmarks.md)
+        overrides += ["trainer.micro_batch_size=512", "trainer.max_tokens_per_micro_batch=65536"]
     mine = {o.split("=", 1)[0] for o in args.override}  # --override wins (hydra refuses a key twice)
     overrides = [o for o in overrides if o.split("=", 1)[0] not in mine] + list(args.override)
     return load_run_config("train", overrides)

@@ -19,5 +19,5 @@ export WANDB_MODE="${WANDB_MODE:-offline}"
 export PYTHONUNBUFFERED=1
 exec "$PY" -m miles_multilora train "adapters=[$ADAPTERS]" \
   lora.num_slots="${SLOTS:-$COUNT}" model.dtype=bfloat16 \
-  rollout.max_batch_size=1024 trainer.micro_batch_size=64 \
+  rollout.max_batch_size=1024 trainer.micro_batch_size=512 trainer.max_tokens_per_micro_batch=65536 \
   trainer.output_dir=runs/gpu_demo "$@"

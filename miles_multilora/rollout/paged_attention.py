@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
+from miles_multilora._triton import HAVE_TRITON, num_sms, tl, tl_dtype, triton
 from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize, quantize
 
 LOG2E = 1.4426950408889634
@@ -93,7 +93,7 @@ if HAVE_TRITON:
         stride_sp, stride_st, stride_bt, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, MIN_CHUNK: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        KV_FP8: tl.constexpr, HAS_START: tl.constexpr,
+        KV_FP8: tl.constexpr, HAS_START: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):  # fmt: skip
         """Program (row, kv head, split): online softmax of the G query heads over the split's keys.
         A split past the row's keys stores nothing (the combine reads only the row's used splits).
@@ -123,8 +123,7 @@ if HAVE_TRITON:
             mask=mask_g[:, None] & mask_d[None, :],
             other=0.0,
         )
-        if not KV_FP8:
-            q = q.to(k_ptr.dtype.element_ty)
+        q = q.to(DOT_DTYPE)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -243,6 +242,15 @@ def min_chunk_keys() -> int:
     return max(BLOCK_N, MIN_SPLIT_KEYS // BLOCK_N * BLOCK_N)
 
 
+def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8: bool) -> torch.dtype:
+    """The dtype of the attention kernels' dot products: the cache's; with e4m3 pages fp16 for a
+    16-bit model (e4m3 -> fp16 is one conversion instruction and exact; bf16 takes three, and the
+    conversions, not the bytes, bounded the kernel), fp32 for an fp32 one."""
+    if not fp8:
+        return cache_dtype
+    return torch.float32 if q_dtype == torch.float32 else torch.float16
+
+
 def launch_split_kernel(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -270,7 +278,7 @@ def launch_split_kernel(
     if fp8:
         assert v_scale is not None and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     scale_strides = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
-    compute = q.dtype if fp8 else k_cache.dtype
+    compute = dot_dtype(q.dtype, k_cache.dtype, fp8)
     group = heads // kv_heads
     max_len = block_table.shape[1] * page_size
     _decode_split_kernel[(batch, kv_heads, num_splits)](
@@ -283,7 +291,7 @@ def launch_split_kernel(
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N, PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8,
-        HAS_START=starts is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_START=starts is not None, DOT_DTYPE=tl_dtype(compute), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
+from miles_multilora._triton import HAVE_TRITON, num_sms, tl, tl_dtype, triton
 from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize
 from miles_multilora.rollout.paged_attention import (
     BLOCK_N,
@@ -37,6 +37,7 @@ from miles_multilora.rollout.paged_attention import (
     NUM_STAGES,
     NUM_WARPS,
     default_num_splits,
+    dot_dtype,
     launch_split_kernel,
     min_chunk_keys,
 )
@@ -199,6 +200,7 @@ if HAVE_TRITON:
         FIRST_SLOT: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
         MIN_CHUNK: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
     ):  # fmt: skip
         """Program (group, kv head, split): online softmax of the G query heads of every row of the
         group (``BLOCK_M = rows * BLOCK_G`` query lines) over the split's prefix keys, read once.
@@ -225,8 +227,7 @@ if HAVE_TRITON:
             mask=mask_m[:, None] & mask_d[None, :],
             other=0.0,
         )
-        if not KV_FP8:
-            q = q.to(k_ptr.dtype.element_ty)
+        q = q.to(DOT_DTYPE)
         leader = tl.maximum(tl.load(members_ptr + grp * stride_mg), 0)
         bt_row = bt_ptr + leader.to(tl.int64) * stride_bt
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -313,7 +314,7 @@ def _triton(
     block_g = triton.next_power_of_2(group)
     block_m = max(16, triton.next_power_of_2(MAX_GROUP_ROWS * block_g))
     block_d = max(16, triton.next_power_of_2(dim))
-    compute = q.dtype if fp8 else k_cache.dtype
+    compute = dot_dtype(q.dtype, k_cache.dtype, fp8)
     _prefix_kernel[(groups.members.shape[0], kv_heads, prefix)](
         q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, table,
         groups.members, groups.group_lens, part_o, part_lse,
@@ -324,7 +325,7 @@ def _triton(
         groups.members.stride(0),
         FIRST_SLOT=suffix, NUM_SPLITS=prefix, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
         GROUP_ROWS=MAX_GROUP_ROWS, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8,
+        PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8, DOT_DTYPE=tl_dtype(compute),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     _merge_kernel[(batch, heads)](

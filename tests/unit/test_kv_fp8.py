@@ -234,3 +234,28 @@ def test_the_memory_plan_counts_fp8_pages_and_their_scales():
     # at a fraction: the same bytes (within a page), 256 / 132 times the tokens
     bf16, fp8 = kv_bytes("bf16", kv_cache_fraction=0.001), kv_bytes("fp8", kv_cache_fraction=0.001)
     assert abs(bf16 - fp8) <= 2 * 16 * kv_bytes_per_token(4, 2, 128, 2, fp8=False)
+
+
+def test_fp8_pages_are_attended_in_fp16_by_a_16_bit_model_and_in_fp32_by_an_fp32_one():
+    assert pa.dot_dtype(torch.bfloat16, FP8, fp8=True) == torch.float16  # e4m3 -> fp16: one instruction
+    assert pa.dot_dtype(torch.float16, FP8, fp8=True) == torch.float16
+    assert pa.dot_dtype(torch.float32, FP8, fp8=True) == torch.float32
+    assert pa.dot_dtype(torch.bfloat16, torch.bfloat16, fp8=False) == torch.bfloat16
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_fp8_pages_with_bf16_queries(device, monkeypatch):
+    """A bf16 model's queries over e4m3 pages (the kernel's fp16 dots) against the fp64 reference."""
+    monkeypatch.setattr(pa, "BLOCK_N", 16)
+    monkeypatch.setattr(pa, "MIN_SPLIT_KEYS", 16)
+    q, k_cache, v_cache, table, lens = _scenario(8, 4, "cpu")
+    (kq, vq, ks, vs), (kd, vd) = _fp8_pages(k_cache, v_cache)
+    q = q.bfloat16()
+    want = _dense(q, kd, vd, table, lens, 0.3)
+    args = [t.to(device) for t in (q, kq, vq, table, lens)]
+    got = paged_decode_attention(
+        *args, 0.3, num_splits=3, use_triton=True, k_scale=ks.to(device), v_scale=vs.to(device)
+    )
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-2, atol=1e-2)

@@ -199,3 +199,16 @@ def test_cpu_smoke_run_writes_the_table_plot_and_curves(tmp_path):
     assert not res["ours"]["failed"]
     assert (out / "vs_trl.png").stat().st_size > 0
     assert (out / "vs_trl.md").read_text() == report.markdown(saved)
+
+
+def test_ours_config_waits_for_rewards_and_takes_large_micro_batches_on_a_gpu(tmp_path):
+    import vs_trl
+
+    args = vs_trl.parse_args(["--override", "trainer.micro_batch_size=64"])
+    specs = vs_trl.load_specs(vs_trl.parse_args(["--limit", "2"]))
+    gpu = vs_trl.ours_config(args, specs, tmp_path, cuda=True)
+    cpu = vs_trl.ours_config(vs_trl.parse_args([]), specs, tmp_path, cuda=False)
+    assert gpu.trainer.reward_wait_s == cpu.trainer.reward_wait_s == 60
+    assert gpu.trainer.micro_batch_size == 64  # --override wins
+    assert gpu.trainer.max_tokens_per_micro_batch == 65536 and gpu.model.dtype == "bfloat16"
+    assert cpu.trainer.max_tokens_per_micro_batch == 0 and cpu.trainer.micro_batch_size == 8
