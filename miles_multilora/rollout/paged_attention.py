@@ -244,8 +244,9 @@ def min_chunk_keys() -> int:
 
 def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8: bool) -> torch.dtype:
     """The dtype of the attention kernels' dot products: the cache's; with e4m3 pages fp16 for a
-    16-bit model (e4m3 -> fp16 is one conversion instruction and exact; bf16 takes three, and the
-    conversions, not the bytes, bounded the kernel), fp32 for an fp32 one."""
+    16-bit model (e4m3 -> fp16 is exact and one conversion instruction per pair on Hopper; to bf16 it
+    goes through fp16 or fp32, and the e4m3 kernel was slower per value than the bf16 one,
+    docs/benchmarks.md), fp32 for an fp32 one."""
     if not fp8:
         return cache_dtype
     return torch.float32 if q_dtype == torch.float32 else torch.float16
