@@ -30,6 +30,7 @@ without requests (:mod:`~miles_multilora.rollout.lockstep`), and decode steps ru
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Protocol
@@ -49,6 +50,7 @@ from miles_multilora.rollout.types import AdapterVersion, FinishReason, Generati
 from miles_multilora.scoring.routing import check_servable_slots
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
+log = logging.getLogger(__name__)
 DEFAULT_SYNC_INTERVAL = 8  # on CUDA; the CPU checks every step (no sync cost there)
 DEFAULT_KV_CACHE_FRACTION = 0.25  # of the GPU's memory (rollout.kv_cache_fraction)
 CPU_KV_CACHE_TOKENS = 1 << 17  # the most a CPU cache sizes itself for (one row's request beyond it)
@@ -152,7 +154,10 @@ class EmbeddedEngine(RolloutEngine):
         # graph capture of NCCL collectives allows only with care (same communicator, no other work
         # on it in between) that is not built or measured yet.
         self.expert_parallel = self.paged.expert_parallel
-        if self.expert_parallel is not None:
+        if self.expert_parallel is not None and self.use_graphs:
+            log.info(
+                "model.ep > 1: the embedded engine decodes without CUDA graphs (rollout.cuda_graphs ignored)"
+            )
             self.use_graphs = False
         self.sync_interval = sync_interval or (DEFAULT_SYNC_INTERVAL if on_cuda else 1)
         self.layers = [m for m in model.modules() if isinstance(m, MultiLoRALinear)]
