@@ -100,7 +100,7 @@ def spec(name: str, prompts: int, args: argparse.Namespace) -> dict:
     }
 
 
-def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) -> Any:
+def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1, ep: int = 1) -> Any:
     return config_from_container(
         {
             "model": {
@@ -109,6 +109,7 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1) ->
                 "base_precision": getattr(args, "base_precision", "dtype"),
                 "dp": dp,
                 "tp": tp,
+                "ep": ep,
                 "tiny": {
                     "num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": args.ffn,
                     "num_attention_heads": args.heads, "num_query_groups": args.groups,

@@ -74,7 +74,7 @@ class ModelConfig:
     pp: int = 1
     dp: int | None = None  # data-parallel replicas; None: trainer.world_size / (tp * pp), else 1
     # expert parallelism (MoE bases): each rank holds num_experts / ep experts; ep divides dp * tp.
-    # Training only: the embedded engine does not sample at ep > 1 (rollout=sglang or vllm do)
+    # The embedded engine's EP ranks decode their own rows and exchange tokens at every MoE layer
     ep: int = 1
     moe_token_dispatcher: str = "alltoall"  # mixture-of-experts models: allgather | alltoall
     # prompt + completion tokens; None: the checkpoint's max_position_embeddings (tiny: tiny.max_seq_len).
