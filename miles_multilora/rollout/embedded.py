@@ -30,6 +30,7 @@ without requests (:mod:`~miles_multilora.rollout.lockstep`), and decode steps ru
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -51,6 +52,14 @@ from miles_multilora.scoring.routing import check_servable_slots
 
 STOP_WINDOW_SLACK = 8  # extra tokens decoded beyond the longest stop string when checking the tail
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def device_memory(device: torch.device) -> int:
+    """A CUDA device's total memory in bytes (asked once: every request's check sizes the cache)."""
+    return torch.cuda.get_device_properties(device).total_memory
+
+
 DEFAULT_SYNC_INTERVAL = 8  # on CUDA; the CPU checks every step (no sync cost there)
 DEFAULT_KV_CACHE_FRACTION = 0.25  # of the GPU's memory (rollout.kv_cache_fraction)
 CPU_KV_CACHE_TOKENS = 1 << 17  # the most a CPU cache sizes itself for (one row's request beyond it)
@@ -246,7 +255,7 @@ class EmbeddedEngine(RolloutEngine):
             return self.kv_cache_tokens
         if self.device.type != "cuda":
             return None
-        budget = int(self.kv_cache_fraction * torch.cuda.get_device_properties(self.device).total_memory)
+        budget = int(self.kv_cache_fraction * device_memory(self.device))
         tokens = budget // self.paged.kv_bytes_per_token()
         return min(tokens, self.max_batch_size * self.max_seq_len)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles_multilora.config.adapter import SamplingSpec
-from miles_multilora.rollout import GenerationRequest, RolloutError
+from miles_multilora.rollout import GenerationRequest, RolloutError, embedded
 from miles_multilora.rollout.kv_cache import PagedKVCache
 from miles_multilora.rollout.prefill import RowStarter
 from miles_multilora.rollout.rows import pages_for
@@ -206,7 +206,7 @@ def test_at_the_same_fraction_an_fp8_cache_takes_the_tokens_its_smaller_pages_al
     for engine in engines.values():
         assert engine.paged.new_cache(10, PAGE).nbytes == 10 * PAGE * engine.paged.kv_bytes_per_token()
         engine.device = torch.device("cuda")  # size it as on a 1 GiB GPU (not bound by rows x context)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"total_memory": 2**30}))
+    monkeypatch.setattr(embedded, "device_memory", lambda _: 2**30)
     tokens = {d: engine._capacity_tokens() for d, engine in engines.items()}
     dim = engines["fp8"].paged.head_dim  # fp32 model: 4 bytes a value against 1 + 4 / dim
     assert tokens["fp8"] / tokens["bf16"] == pytest.approx(4 * dim / (dim + 4), rel=1e-4)
