@@ -127,8 +127,10 @@ def _placement_groups(world: int, group_size: int, gpus: int, key: str = "model.
     return groups
 
 
-def start_trainer_group(cfg: RunConfig) -> list[Any]:
-    """``cfg.trainer.world_size`` trainer actors, wired into one torch.distributed world.
+def start_trainer_group(cfg: RunConfig, worker: type | None = None) -> list[Any]:
+    """``cfg.trainer.world_size`` trainer actors, wired into one torch.distributed world: each a
+    ``worker(cfg, rank, world)`` (default :class:`~miles_multilora.launch.worker.TrainerWorker`,
+    the RL recipe on a rank).
 
     On a Ray cluster with GPUs each rank asks for one GPU inside a placement group that keeps its
     TP group (and its EP group, ``model.ep`` > 1) on one node, and uses the GPU Ray assigns it;
@@ -141,7 +143,7 @@ def start_trainer_group(cfg: RunConfig) -> list[Any]:
     m = cfg.model
     group_size = node_group_size(m.tp, m.pp, m.ep)
     gpus = cluster_gpus()
-    actor_cls = _worker_class()
+    actor_cls = ray.remote(worker) if worker is not None else _worker_class()
     options: list[dict[str, Any]] = [{"num_cpus": 0} for _ in range(world)]
     master_addr, port = local_rendezvous()
     if gpus:
