@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import tempfile
@@ -77,10 +78,18 @@ def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
-def rank_bundles(world: int, model_parallel: int) -> list[tuple[int, int]]:
-    """``(placement group, bundle)`` of each global rank: one group per TP (x PP) group, in megatron's
-    rank order (tensor-parallel rank fastest), so each TP group lands on one node."""
-    return [(rank // model_parallel, rank % model_parallel) for rank in range(world)]
+def node_group_size(tp: int, pp: int, ep: int) -> int:
+    """How many consecutive global ranks must share a node: a TP (x PP) group, and with expert
+    parallelism an EP group too (Megatron's EP groups are ``ep`` consecutive ranks, experts whole on
+    each rank; their tokens cross the group at every MoE layer), so the least common multiple."""
+    return math.lcm(tp * pp, ep)
+
+
+def rank_bundles(world: int, group_size: int) -> list[tuple[int, int]]:
+    """``(placement group, bundle)`` of each global rank: one group per ``group_size`` consecutive
+    ranks (:func:`node_group_size`), in megatron's rank order (tensor-parallel rank fastest), so each
+    TP group and each EP group lands on one node."""
+    return [(rank // group_size, rank % group_size) for rank in range(world)]
 
 
 @ray.remote(num_cpus=0)
@@ -89,8 +98,9 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def _placement_groups(world: int, model_parallel: int, gpus: int) -> list[Any]:
-    """One STRICT_PACK placement group of ``model_parallel`` single-GPU bundles per TP group."""
+def _placement_groups(world: int, group_size: int, gpus: int, key: str = "model.tp") -> list[Any]:
+    """One STRICT_PACK placement group of ``group_size`` single-GPU bundles per group of ranks that
+    must share a node (:func:`node_group_size`); ``key``: the setting that sized the groups."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     if gpus < world:
@@ -100,8 +110,8 @@ def _placement_groups(world: int, model_parallel: int, gpus: int) -> list[Any]:
             "lower model.dp or model.tp, or add GPUs",
         )
     groups = [
-        placement_group([{"GPU": 1, "CPU": 1}] * model_parallel, strategy="STRICT_PACK")
-        for _ in range(world // model_parallel)
+        placement_group([{"GPU": 1, "CPU": 1}] * group_size, strategy="STRICT_PACK")
+        for _ in range(world // group_size)
     ]
     try:
         ray.get([g.ready() for g in groups], timeout=PLACEMENT_TIMEOUT_S)
@@ -109,33 +119,38 @@ def _placement_groups(world: int, model_parallel: int, gpus: int) -> list[Any]:
         for g in groups:
             remove_placement_group(g)
         raise ConfigError(
-            "model.tp",
-            f"could not place {len(groups)} groups of {model_parallel} GPUs (+1 CPU each), each on one "
-            f"node, within {PLACEMENT_TIMEOUT_S:.0f}s: a tensor-parallel group must fit on one node "
-            "(check `ray status`: free GPUs per node)",
+            key,
+            f"could not place {len(groups)} groups of {group_size} GPUs (+1 CPU each), each on one "
+            f"node, within {PLACEMENT_TIMEOUT_S:.0f}s: a tensor-parallel group (and an expert-parallel "
+            "one) must fit on one node (check `ray status`: free GPUs per node)",
         ) from None
     return groups
 
 
-def start_trainer_group(cfg: RunConfig) -> list[Any]:
-    """``cfg.trainer.world_size`` trainer actors, wired into one torch.distributed world.
+def start_trainer_group(cfg: RunConfig, worker: type | None = None) -> list[Any]:
+    """``cfg.trainer.world_size`` trainer actors, wired into one torch.distributed world: each a
+    ``worker(cfg, rank, world)`` (default :class:`~miles_multilora.launch.worker.TrainerWorker`,
+    the RL recipe on a rank).
 
     On a Ray cluster with GPUs each rank asks for one GPU inside a placement group that keeps its
-    TP group on one node, and uses the GPU Ray assigns it; MASTER_ADDR is rank 0's node. On a CPU
-    cluster the actors share the local CPUs.
+    TP group (and its EP group, ``model.ep`` > 1) on one node, and uses the GPU Ray assigns it;
+    MASTER_ADDR is rank 0's node. On a CPU cluster the actors share the local CPUs.
     """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     world = cfg.trainer.world_size
     assert world is not None  # filled in by the config's validation
-    model_parallel = cfg.model.tp * cfg.model.pp
+    m = cfg.model
+    group_size = node_group_size(m.tp, m.pp, m.ep)
     gpus = cluster_gpus()
-    actor_cls = _worker_class()
+    actor_cls = ray.remote(worker) if worker is not None else _worker_class()
     options: list[dict[str, Any]] = [{"num_cpus": 0} for _ in range(world)]
     master_addr, port = local_rendezvous()
     if gpus:
-        groups = _placement_groups(world, model_parallel, gpus)
-        for rank, (group, bundle) in enumerate(rank_bundles(world, model_parallel)):
+        groups = _placement_groups(
+            world, group_size, gpus, "model.ep" if group_size > m.tp * m.pp else "model.tp"
+        )
+        for rank, (group, bundle) in enumerate(rank_bundles(world, group_size)):
             strategy = PlacementGroupSchedulingStrategy(groups[group], placement_group_bundle_index=bundle)
             options[rank] = {"num_gpus": 1, "num_cpus": 1, "scheduling_strategy": strategy}
         first = PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=0)
@@ -152,9 +167,10 @@ def start_trainer_group(cfg: RunConfig) -> list[Any]:
 
 
 def placement_lines(workers: list[Any]) -> list[str]:
-    """One line per trainer rank: its DP/TP ranks, host and device."""
+    """One line per trainer rank: its DP/TP (and EP) ranks, host and device."""
     lines = []
     for p in ray.get([w.placement.remote() for w in workers]):
         where = p.get("gpu") or p["device"]
-        lines.append(f"rank {p['rank']} (dp {p['dp_rank']}, tp {p['tp_rank']}): {p['host']} {where}")
+        ep = f", ep {p['ep_rank']}" if p.get("ep_size", 1) > 1 else ""
+        lines.append(f"rank {p['rank']} (dp {p['dp_rank']}, tp {p['tp_rank']}{ep}): {p['host']} {where}")
     return lines

@@ -41,12 +41,14 @@ class TrainerWorker:
         }
 
     def placement(self) -> dict[str, Any]:
-        """Where this rank runs: its ranks, host and device (the GPU's UUID on CUDA)."""
+        """Where this rank runs: its DP, TP and EP ranks, host and device (the GPU's UUID on CUDA)."""
         rank = self.rl.rank
         info: dict[str, Any] = {
             "rank": rank.global_rank,
             "dp_rank": rank.layout.dp_rank,
             "tp_rank": rank.layout.tp_rank,
+            "ep_rank": rank.layout.ep_rank,
+            "ep_size": rank.layout.ep_size,
             "host": socket.gethostname(),
             "device": str(compat.default_device()),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),

@@ -74,7 +74,9 @@ def grouped_linear(
         return _GroupedLinear.apply(x.contiguous(), weight, offsets)
     if counts is not None:
         pieces = [F.linear(part, weight[e]) for e, part in enumerate(x.split(counts)) if counts[e]]
-        return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
+        # no rows: still a function of ``x``, so that the backward runs the token exchange that
+        # brought them (every expert-parallel rank must join it, with rows or without)
+        return torch.cat(pieces) if pieces else F.linear(x, weight[0])
     assert row_experts is not None, "grouped_linear needs offsets, counts or row_experts"
     return torch.bmm(weight.index_select(0, row_experts), x.unsqueeze(-1)).squeeze(-1)
 

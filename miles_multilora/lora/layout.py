@@ -101,7 +101,8 @@ def join_rows(layer: MultiLoRALinear, blocks: list[torch.Tensor]) -> torch.Tenso
 
 
 # ----- TP sharding of the canonical layout -----
-def _fc1_gated(layer: MultiLoRALinear) -> bool:
+def fc1_gated(layer: MultiLoRALinear) -> bool:
+    """Whether ``layer`` is a gated fc1, its rows ``[gate; up]`` (each half split over TP)."""
     return leaf(layer) == "linear_fc1" and _gated(layer)
 
 
@@ -116,7 +117,7 @@ def shard_B(layer: MultiLoRALinear, b_full: torch.Tensor) -> torch.Tensor:
     """This rank's ``B`` [out_local, r] from the canonical full [out, r]."""
     if layer.kind != COLUMN or layer.tp_size == 1:
         return b_full
-    if _fc1_gated(layer):
+    if fc1_gated(layer):
         gate, up = b_full.chunk(2, dim=0)
         return torch.cat([gate.chunk(layer.tp_size)[layer.tp_rank], up.chunk(layer.tp_size)[layer.tp_rank]])
     return b_full.chunk(layer.tp_size, dim=0)[layer.tp_rank]
@@ -141,7 +142,7 @@ def gather_B(layer: MultiLoRALinear, b_local: torch.Tensor) -> torch.Tensor:
     if layer.kind != COLUMN or layer.tp_size == 1:
         return b_local
     shards = _all_gather(layer, b_local)
-    if _fc1_gated(layer):
+    if fc1_gated(layer):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(shards, dim=0)

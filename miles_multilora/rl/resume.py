@@ -15,6 +15,7 @@ from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.trainer.shard import read_shard
+from miles_multilora.trainer.tp_reshard import saved_tp_size
 
 
 class ResumeError(RuntimeError):
@@ -22,17 +23,21 @@ class ResumeError(RuntimeError):
 
 
 def _readable(path: Path, run_id: str, world_size: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The checkpoint's state and every TP shard it was saved with (``world_size`` of them when it
+    has none: the read names the missing file); a state saved at another TP size loads re-split."""
     state = ckpt.read_state(path)
     if state.get("run_id") not in (None, run_id):
         raise ResumeError(f"{path} belongs to run {state.get('run_id')!r}, not {run_id!r}")
-    shards = [read_shard(path, r) for r in range(world_size)]
+    shards = [read_shard(path, r) for r in range(saved_tp_size(path) or world_size)]
     return state, shards
 
 
 def load_resume_point(
     assignment: SlotAssignment, rank: int, world_size: int
-) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """The checkpoint to resume ``assignment`` from: ``(path, state, this rank's shard)``.
+) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
+    """The checkpoint to resume ``assignment`` from: ``(path, state, shard)``, the shard of TP rank
+    ``rank`` of ``world_size`` (None when the checkpoint was saved at another TP size: the rank
+    reads it re-split, :meth:`~miles_multilora.trainer.rank.TrainerRank.read_shard`).
 
     Tries ``assignment.resume_checkpoint`` first, then the complete checkpoints of its run
     directory, newest first. Raises :class:`ResumeError` listing why each one failed.
@@ -47,7 +52,7 @@ def load_resume_point(
         except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is skipped
             errors.append(f"{path.name}: {type(exc).__name__}: {exc}")
             continue
-        return path, state, shards[rank]
+        return path, state, shards[rank] if len(shards) == world_size else None
     raise ResumeError(
         f"no readable checkpoint to resume {assignment.name!r} from ({'; '.join(errors) or 'none found'})"
     )

@@ -37,7 +37,7 @@ from miles_multilora.optim import SlotAdamW
 from miles_multilora.optim.slot_adamw import SlotStepStats
 from miles_multilora.rollout import AdapterVersion, GenerationRequest, GenerationResult, RolloutError
 from miles_multilora.rollout.isolation import GroupOutcome, checked_once, raise_if_all_failed, split_failures
-from miles_multilora.trainer import shard
+from miles_multilora.trainer import shard, tp_reshard
 from miles_multilora.trainer.data_parallel import (
     DPLayout,
     allreduce_slot_grads,
@@ -460,8 +460,9 @@ class TrainerRank:
             opened.version += 1
 
     def read_shard(self, directory: str | Path) -> dict:
-        """This rank's shard of the state saved in ``directory`` (its experts, at any saved EP size)."""
-        return shard.read_shard(directory, self.layout.tp_rank, self.layout.ep, self.expert_names)
+        """This rank's shard of the state saved in ``directory`` (at any saved TP and EP size)."""
+        tp = tp_reshard.TPSplit.of(self.model, self.cfg.model.tp)
+        return shard.read_shard(directory, self.layout.tp_rank, self.layout.ep, self.expert_names, tp)
 
     def _check_saved(self, opened: OpenSlot, meta: shard.SlotMeta | None, saved: dict | None) -> None:
         """A saved state's rank and LoRA targets (from ``meta``, else the tensors of ``saved``) must

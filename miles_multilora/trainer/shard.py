@@ -13,7 +13,8 @@ zeros (:func:`pad_optimizer`), which is what the slot holds beyond its rank.
 With expert parallelism (``model.ep`` = n > 1) the experts' tensors and moments are not in the TP
 shards: ``<dir>/experts_ep{e}of{n}.pt`` holds EP rank ``e``'s (experts are whole on each rank). A
 state saved at one EP size loads at any other that divides its experts: :func:`read_shard` joins
-the saved experts and takes this rank's.
+the saved experts and takes this rank's. Given the model's :class:`~miles_multilora.trainer.tp_reshard.TPSplit`,
+it loads a state saved at another TP size too (:mod:`~miles_multilora.trainer.tp_reshard`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from miles_multilora.errors import SpecError
 from miles_multilora.lora import MultiLoRAExpertLinear, multi_lora_layers
 from miles_multilora.private_files import private_open
+from miles_multilora.trainer.tp_reshard import MOMENTS, TPSplit, resplit, saved_tp_size
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,10 @@ def _split(state: dict, names: frozenset[str], keep: bool) -> dict:
     """``state`` (``{"slot", "optimizer"}``) with only the tensors in ``names`` (``keep``) or without them."""
     out = dict(state, slot={n: t for n, t in state["slot"].items() if (n in names) == keep})
     out["optimizer"] = {
-        k: ({n: t for n, t in v.items() if (n in names) == keep} if k in _MOMENTS else v)
+        k: ({n: t for n, t in v.items() if (n in names) == keep} if k in MOMENTS else v)
         for k, v in state["optimizer"].items()
     }
     return out
-
-
-_MOMENTS = ("exp_avg", "exp_avg_sq", "master")
 
 
 def _save(path: Path, state: dict) -> Path:
@@ -175,13 +174,27 @@ def saved_ep_size(directory: str | Path) -> int:
     return int(found[0].stem.rsplit("of", 1)[1]) if found else 1
 
 
+def _tp_shard(directory: str | Path, tp_rank: int, tp: TPSplit | None) -> dict[str, Any]:
+    """TP rank ``tp_rank``'s shard as saved, or (``tp`` given, saved at another TP size) re-split."""
+    saved = saved_tp_size(directory) if tp is not None else 0
+    if tp is None or saved in (0, tp.size):  # 0: no shard, the read below names the missing file
+        return torch.load(shard_path(directory, tp_rank), weights_only=True)
+    shards = [torch.load(shard_path(directory, r), weights_only=True) for r in range(saved)]
+    return resplit(shards, tp, tp_rank)
+
+
 def read_shard(
-    directory: str | Path, tp_rank: int, ep: tuple[int, int] = (0, 1), experts: frozenset[str] = frozenset()
+    directory: str | Path,
+    tp_rank: int,
+    ep: tuple[int, int] = (0, 1),
+    experts: frozenset[str] = frozenset(),
+    tp: TPSplit | None = None,
 ) -> dict[str, Any]:
-    """TP rank ``tp_rank``'s shard: ``{"slot", "optimizer"}`` and ``"meta"`` (a dict) when written.
-    For EP rank ``ep[0]`` of ``ep[1]``, its local experts (the tensors named in ``experts``, split on
-    their first dimension) from the state saved at any EP size."""
-    base = torch.load(shard_path(directory, tp_rank), weights_only=True)
+    """TP rank ``tp_rank``'s shard: ``{"slot", "optimizer"}`` and ``"meta"`` (a dict) when written;
+    with ``tp`` (the model's TP split) from a state saved at any TP size. For EP rank ``ep[0]`` of
+    ``ep[1]``, its local experts (the tensors named in ``experts``, split on their first dimension)
+    from the state saved at any EP size."""
+    base = _tp_shard(directory, tp_rank, tp)
     saved = saved_ep_size(directory)
     if saved == 1 and ep[1] == 1:
         return base
@@ -204,7 +217,7 @@ def read_shard(
 
     out = dict(base, slot={**base["slot"], **join([f["slot"] for f in files])})
     optimizer = dict(base["optimizer"])
-    for key in _MOMENTS:
+    for key in MOMENTS:
         if key in optimizer:
             optimizer[key] = {**optimizer[key], **join([f["optimizer"][key] for f in files])}
     out["optimizer"] = optimizer

@@ -170,3 +170,16 @@ def test_settings_that_couple_adapters_are_refused_and_change_nothing(setting):
     assert err.value.key.startswith("model.moe_")
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before
     assert [type(m) for m in model.modules()] == modules
+
+
+def test_an_expert_rank_sent_no_rows_stays_in_the_graph_of_its_exchange():
+    """No rows for any local expert (the tokens went to other EP ranks): the experts' output is still
+    a function of the received rows, so the backward runs the token exchange that brought them, as
+    the EP ranks with rows do (else they wait for this one forever)."""
+    from miles_multilora.lora.expert_base import grouped_linear
+
+    rows = torch.zeros(0, 4, requires_grad=True)
+    out = grouped_linear(rows, torch.randn(2, 3, 4), [0, 0])
+    assert out.shape == (0, 3) and out.grad_fn is not None
+    out.sum().backward()
+    assert rows.grad is not None and rows.grad.shape == (0, 4)

@@ -62,6 +62,21 @@ def test_resume_uses_the_named_checkpoint_or_falls_back_to_the_newest_readable_o
         load_resume_point(_assignment("a-1", paths[2]), rank=0, world_size=2)
 
 
+def test_a_checkpoint_saved_at_another_tp_size_resumes(tmp_path):
+    """Saved at TP=1, resumed at TP=2 and the reverse: readable when every shard it was saved with
+    is (each rank then reads it re-split), with no shard of the resuming rank's own."""
+    one, two = _write(tmp_path, "a-1", 2, world_size=1), _write(tmp_path, "a-1", 4, world_size=2)
+    assert load_resume_point(_assignment("a-1", one), rank=1, world_size=2) == (
+        one,
+        ckpt.read_state(one),
+        None,
+    )
+    path, state, shard = load_resume_point(_assignment("a-1", two), rank=0, world_size=1)
+    assert (path, state["step"], shard) == (two, 4, None)
+    (two / "slot_rank1.pt").write_bytes(b"torn")  # a torn shard of its own TP size: skipped, as ever
+    assert load_resume_point(_assignment("a-1", two), rank=0, world_size=1)[0] == one
+
+
 def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_path):
     other = parse_adapter_spec({"name": "a", "dataset": {"task": "basic_arithmetic"}, "num_steps": 3})
     run = _write(tmp_path, "a-1", 1, spec=other).parent  # same run id, other spec: a reset controller
