@@ -9,6 +9,7 @@ file paths or inline mappings and parsed with :func:`parse_adapter_spec`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,12 @@ class RunConfig:
 
 
 def _resolve_world(m: ModelConfig, t: TrainerConfig) -> None:
-    """Fill in whichever of ``model.dp`` and ``trainer.world_size`` is unset (world = dp * tp * pp)."""
+    """Fill in whichever of ``model.dp`` and ``trainer.world_size`` is unset (world = dp * tp * pp).
+    With both unset, ``model.dp`` is the fewest replicas whose ranks hold ``model.ep`` expert-parallel
+    groups (1 without expert parallelism; ``model.ep=4`` alone: 4)."""
     model_parallel = m.tp * m.pp
     if t.world_size is None:
-        m.dp = m.dp or 1
+        m.dp = m.dp or m.ep // math.gcd(m.ep, m.tp)
         t.world_size = m.dp * model_parallel
         _check_expert_parallel(m)
         return

@@ -54,7 +54,7 @@ def test_default_configs_compose_and_validate():
             "dp * model.tp = 2",
         ),
         (
-            ["model=tiny", "model.tiny.num_experts=4", "model.ep=2"],
+            ["model=tiny", "model.tiny.num_experts=4", "model.ep=2", "model.dp=1"],
             "model.ep",
             "lower model.ep or raise model.dp",
         ),
@@ -107,6 +107,8 @@ def test_cli_prints_a_config_error_holding_brackets_as_text(capsys):
         (["trainer.world_size=2", "model.dp=2"], 2, 2),
         (["model=tiny", "model.tiny.num_experts=4", "model.ep=2", "model.dp=2"], 2, 2),
         (["model=tiny", "model.tiny.num_experts=4", "model.ep=2", "model.tp=2"], 1, 2),
+        (["model=tiny", "model.tiny.num_experts=4", "model.ep=4"], 4, 4),  # dp follows ep
+        (["model=tiny", "model.tiny.num_experts=4", "model.ep=4", "model.tp=2"], 2, 4),
         (
             ["model=tiny", "model.tiny.num_experts=4", "model.ep=4", "trainer.world_size=4", "model.tp=2"],
             2,
