@@ -90,6 +90,7 @@ class FakeRank:
         self.fail_save: Callable[[OpenSlot], bool] = lambda opened: False
         self.sampled: list[list[str]] = []  # per sample call: the adapter of each group
         self.closed: list[int] = []
+        self.shards_read: list[str] = []  # directories read through read_shard (the rank's layout)
 
     @property
     def is_writer(self) -> bool:
@@ -200,11 +201,16 @@ class FakeRank:
         weights = {"w": torch.full((2,), float(opened.version))}
         write_shard(directory, self.layout.tp_rank, weights, {"step": opened.version}, meta)
 
-    def load_slot(self, slot: int, directory: str | Path, optimizer: bool = True) -> None:
+    def load_slot(self, slot: int, directory: str | Path | dict, optimizer: bool = True) -> None:
         self._load(self.slot(slot), directory, optimizer)
 
-    def _load(self, opened: OpenSlot, directory: str | Path, optimizer: bool) -> None:
-        meta = shard_meta(read_shard(directory, self.layout.tp_rank))
+    def read_shard(self, directory: str | Path) -> dict:
+        self.shards_read.append(str(directory))
+        return read_shard(directory, self.layout.tp_rank)
+
+    def _load(self, opened: OpenSlot, directory: str | Path | dict, optimizer: bool) -> None:
+        saved = directory if isinstance(directory, dict) else read_shard(directory, self.layout.tp_rank)
+        meta = shard_meta(saved)
         assert meta is not None
         opened.version = meta.version if optimizer else opened.version + 1
 

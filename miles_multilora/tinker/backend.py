@@ -57,7 +57,7 @@ from miles_multilora.tinker.requests import (
 from miles_multilora.trainer.primitives import ScoredRow
 from miles_multilora.trainer.rank import OpenSlot, RankPrimitives
 from miles_multilora.trainer.residency import Residency
-from miles_multilora.trainer.shard import read_shard, shard_meta
+from miles_multilora.trainer.shard import shard_meta
 
 LORA_ALPHA = 32.0  # Tinker's LoRA scale convention: alpha 32 at any rank
 
@@ -215,8 +215,7 @@ class TinkerBackend:
         )
         for victim in mine[: max(len(mine) - max_per_owner + 1, 0)]:
             self.drop_copy(victim)
-        layout = self.rank.layout  # its EP rank's experts, at any saved EP size
-        saved = read_shard(directory, layout.tp_rank, layout.ep)  # once; FileNotFoundError: deleted
+        saved = self.rank.read_shard(directory)  # at any saved TP and EP size; FileNotFoundError: deleted
         meta = shard_meta(saved)
         if meta is None:
             raise TinkerError("model_path", "not readable sampler weights: no meta")

@@ -444,7 +444,7 @@ def test_one_tenant_cannot_hold_every_model_of_the_server(backend: TinkerBackend
 
 
 def test_a_sampling_copy_samples_the_saved_weights_and_is_evicted_never_parked(
-    backend: TinkerBackend, tmp_path: Path
+    backend: TinkerBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sampler weights are saved at the model's own rank without optimizer state; a copy loaded in
     a slot samples exactly what the model sampled at that version; a copy makes room by eviction
@@ -462,7 +462,12 @@ def test_a_sampling_copy_samples_the_saved_weights_and_is_evicted_never_parked(
         backend.forward_backward([ForwardBackwardRequest("a", [sft_datum(TEXT)])])
         backend.optim_step("a", lr=3e-2)
 
+    read = []  # the rank reads the shard: its TP and EP split of a state saved at any layout
+    monkeypatch.setattr(
+        backend.rank, "read_shard", lambda d, f=backend.rank.read_shard: read.append(d) or f(d)
+    )
     backend.load_copy("copy-1", saved, "t-a", max_per_owner=2)
+    assert read == [saved]
     assert [r.output_ids for r in backend.sample("copy-1", TEXT[:4], 3, spec, seed=7)] == before
     assert "copy-1" not in backend.models  # not a client model
     backend.sample("a", TEXT[:4], 1, spec)  # "a" is used last: the copy is the least recently used
