@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 
 HAVE_TRITON = triton is not None
 
-__all__ = ["HAVE_TRITON", "num_sms", "tl", "tl_dtype", "triton"]
+__all__ = ["HAVE_TRITON", "num_sms", "tl", "triton"]
 
 
 def num_sms(device: torch.device) -> int:
@@ -32,8 +32,3 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def tl_dtype(dtype: torch.dtype) -> object:
-    """Triton's dtype for a floating ``dtype`` (a kernel's constexpr dtype argument)."""
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]

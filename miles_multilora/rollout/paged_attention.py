@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_multilora._triton import HAVE_TRITON, num_sms, tl, tl_dtype, triton
+from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
 from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize, quantize
 
 LOG2E = 1.4426950408889634
@@ -93,7 +93,7 @@ if HAVE_TRITON:
         stride_sp, stride_st, stride_bt, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, MIN_CHUNK: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        KV_FP8: tl.constexpr, HAS_START: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        KV_FP8: tl.constexpr, HAS_START: tl.constexpr, FP8_AS_FP16: tl.constexpr,
     ):  # fmt: skip
         """Program (row, kv head, split): online softmax of the G query heads over the split's keys.
         A split past the row's keys stores nothing (the combine reads only the row's used splits).
@@ -123,7 +123,11 @@ if HAVE_TRITON:
             mask=mask_g[:, None] & mask_d[None, :],
             other=0.0,
         )
-        q = q.to(DOT_DTYPE)
+        if KV_FP8:
+            if FP8_AS_FP16:  # e4m3 keys and values widen to fp16 in one instruction (dot_dtype)
+                q = q.to(tl.float16)
+        else:
+            q = q.to(k_ptr.dtype.element_ty)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -292,7 +296,7 @@ def launch_split_kernel(
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N, PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8,
-        HAS_START=starts is not None, DOT_DTYPE=tl_dtype(compute), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_START=starts is not None, FP8_AS_FP16=fp8 and compute == torch.float16, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
 
 

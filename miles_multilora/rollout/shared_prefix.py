@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from miles_multilora._triton import HAVE_TRITON, num_sms, tl, tl_dtype, triton
+from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
 from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize
 from miles_multilora.rollout.paged_attention import (
     BLOCK_N,
@@ -200,7 +200,7 @@ if HAVE_TRITON:
         FIRST_SLOT: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
         MIN_CHUNK: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-        DOT_DTYPE: tl.constexpr,
+        FP8_AS_FP16: tl.constexpr,
     ):  # fmt: skip
         """Program (group, kv head, split): online softmax of the G query heads of every row of the
         group (``BLOCK_M = rows * BLOCK_G`` query lines) over the split's prefix keys, read once.
@@ -227,7 +227,11 @@ if HAVE_TRITON:
             mask=mask_m[:, None] & mask_d[None, :],
             other=0.0,
         )
-        q = q.to(DOT_DTYPE)
+        if KV_FP8:
+            if FP8_AS_FP16:  # e4m3 keys and values widen to fp16 in one instruction (dot_dtype)
+                q = q.to(tl.float16)
+        else:
+            q = q.to(k_ptr.dtype.element_ty)
         leader = tl.maximum(tl.load(members_ptr + grp * stride_mg), 0)
         bt_row = bt_ptr + leader.to(tl.int64) * stride_bt
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -325,7 +329,7 @@ def _triton(
         groups.members.stride(0),
         FIRST_SLOT=suffix, NUM_SPLITS=prefix, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
         GROUP_ROWS=MAX_GROUP_ROWS, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8, DOT_DTYPE=tl_dtype(compute),
+        PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8, FP8_AS_FP16=fp8 and compute == torch.float16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     _merge_kernel[(batch, heads)](
