@@ -140,6 +140,8 @@ class ContinuousRollout:
         sent = self.stream.submit([g.requests for _, g, _ in new])  # this rank's share decodes here
         for (name, g, target), s in zip(new, sent, strict=True):
             self.carried.setdefault(name, []).append(Carried(g, target, s))
+            if s.error is not None:  # refused by this rank's engine: the caller's failures.agree()
+                failures.add(name, "generating its samples", s.error)  # tells every rank
 
     # ----------------------------------------------------------------- running
     def _due(self, name: str) -> list[Carried]:

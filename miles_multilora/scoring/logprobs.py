@@ -31,13 +31,14 @@ if TYPE_CHECKING:
 
 
 def right_pad(
-    sequences: Sequence[Sequence[int]], pad_id: int = 0, device: torch.device | str = "cpu"
+    sequences: Sequence[Sequence[int]], pad_id: int = 0, device: torch.device | str = "cpu", width: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """Stack token lists into ``input_ids [B, S]`` (right-padded with ``pad_id``) and ``lengths [B]``."""
+    """Stack token lists into ``input_ids [B, S]`` (right-padded with ``pad_id``; ``S`` at least
+    ``width``) and ``lengths [B]``."""
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("right_pad needs at least one sequence and no empty sequence")
     lengths = [len(s) for s in sequences]
-    ids = torch.full((len(sequences), max(lengths)), pad_id, dtype=torch.long)
+    ids = torch.full((len(sequences), max(*lengths, width)), pad_id, dtype=torch.long)
     for i, seq in enumerate(sequences):  # on the host, then one copy (a copy per row waits per row)
         ids[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
     return to_device(ids, device), tensor_on(lengths, device, torch.long)

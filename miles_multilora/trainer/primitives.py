@@ -24,6 +24,7 @@ from miles_multilora.lora.inject import model_num_slots
 from miles_multilora.lora.routing import packed_routing_plan, row_routing_plan
 from miles_multilora.models import compat
 from miles_multilora.models.packed_rows import PackedRows, pack_rows, packed_rows, packing_applies
+from miles_multilora.rollout.expert_parallel import ExpertParallel
 from miles_multilora.scoring.logprobs import lm_head_weight, right_pad, selected_logprobs, selected_scores
 from miles_multilora.trainer.data_parallel import MAXED_METRICS
 from miles_multilora.trainer.microbatch import micro_batches
@@ -153,6 +154,27 @@ def _lockstep_batches(
     return batches + [([], [filler])] * (int(count.item()) - len(batches))
 
 
+def _gathering(model: torch.nn.Module, lockstep: bool) -> ExpertParallel | None:
+    """With ``lockstep``, the EP group of ``model`` when its MoE layers use Megatron's all-gather
+    token dispatcher (it gathers as many tokens from every EP rank, without split sizes), else None."""
+    ep = ExpertParallel.of_model(model, compat.default_device()) if lockstep else None
+    return ep if ep is not None and ep.equal_tokens else None
+
+
+def _padded(batch: list[ScoredRow], ep: ExpertParallel | None, pad_id: int) -> tuple[list[ScoredRow], int]:
+    """``batch`` and its width; with ``ep`` (:func:`_gathering`) one-token rows of no positions (the
+    last row's slot, so the rows stay sorted by slot) up to the most rows of an EP rank's micro-batch,
+    and the widest of their rows: every EP rank runs a ``[rows, width]`` forward of the same shape.
+    The padding scores nothing, so it adds exact zeros to the gradients (tokens do not mix in a MoE
+    layer, and the right-padding columns come after every real token)."""
+    width = max(len(r.tokens) for r in batch)
+    if ep is None:
+        return batch, width
+    rows, width = ep.agree([len(batch), width])
+    pad = ScoredRow(slot=batch[-1].slot, tokens=[pad_id], positions=[], temperature=batch[-1].temperature)
+    return batch + [pad] * (rows - len(batch)), width
+
+
 @contextmanager
 def _routed(
     model: torch.nn.Module, slots: list[int], packed: PackedRows | None, ids: torch.Tensor
@@ -196,14 +218,16 @@ def forward_backward_rows(
     pack = settings.pack_rows and packing_applies(model) and lm_head_weight(model) is not None
     device = compat.default_device()
     batches = _lockstep_batches(list(_slot_micro_batches(rows, range(len(rows)), settings)), lockstep, pad_id)
+    gathering = _gathering(model, lockstep)
     for picked, batch in batches:
-        tokens = [r.tokens for r in batch]
+        padded, pad_width = _padded(batch, gathering, pad_id)
+        tokens = [r.tokens for r in padded]
         packed = None
         if pack:
             input_ids, packed = pack_rows(tokens, device, attention=settings.attention)
         else:
-            input_ids, _ = right_pad(tokens, pad_id, device)
-        slots = [r.slot for r in batch]
+            input_ids, _ = right_pad(tokens, pad_id, device, pad_width)
+        slots = [r.slot for r in padded]
         width = max(r.width for r in batch)
         mask = torch.zeros(len(batch), width)
         for i, r in enumerate(batch):
@@ -211,14 +235,14 @@ def forward_backward_rows(
         mask = to_device(mask, input_ids.device)
         ref = None
         if reference:
-            with torch.no_grad(), _routed(model, [-1] * len(batch), packed, input_ids):
+            with torch.no_grad(), _routed(model, [-1] * len(padded), packed, input_ids):
                 ref = row_logprobs(
-                    model, input_ids, batch, [-1] * len(batch), vocab_size, chunk, False, packed
-                )
+                    model, input_ids, padded, [-1] * len(padded), vocab_size, chunk, False, packed
+                )[: len(batch)]
         # routing (and the packed layout) kept through the backward: activation recompute runs the
         # forward again there
         with _routed(model, slots, packed, input_ids), torch.set_grad_enabled(backward):
-            lp = row_logprobs(model, input_ids, batch, slots, vocab_size, chunk, False, packed)
+            lp = row_logprobs(model, input_ids, padded, slots, vocab_size, chunk, False, packed)[: len(batch)]
             if not picked:  # a lockstep filler: the same passes, no loss, no metrics
                 if backward:
                     (lp.sum() * 0.0).backward()
@@ -272,13 +296,15 @@ def score_rows(
     out = [RowScores([], [] if k > 0 else None, [] if k > 0 else None) for _ in rows]  # rows of no positions
     live = [i for i, r in enumerate(rows) if r.width]
     model.train(False)
+    gathering = _gathering(model, lockstep)
     for picked, batch in _lockstep_batches(list(_slot_micro_batches(rows, live, settings)), lockstep, pad_id):
-        input_ids, _ = right_pad([r.tokens for r in batch], pad_id, compat.default_device())
+        padded, pad_width = _padded(batch, gathering, pad_id)
+        input_ids, _ = right_pad([r.tokens for r in padded], pad_id, compat.default_device(), pad_width)
         device = input_ids.device
         row_index = tensor_on([i for i, r in enumerate(batch) for _ in r.positions], device)
         positions = tensor_on([p for r in batch for p in r.positions], device)
         lp, ids, values = selected_scores(
-            model, input_ids, [r.slot for r in batch], vocab_size, row_index, positions, k,
+            model, input_ids, [r.slot for r in padded], vocab_size, row_index, positions, k,
             settings.logprob_chunk_tokens,
         )  # fmt: skip
         if not picked:  # a lockstep filler

@@ -9,6 +9,12 @@ and group ``n`` belongs to DP rank ``n % dp``: only the owner's ranks (all its T
 sharded over them) put it into their engine. :meth:`SampleStream.take` gathers each group's results
 from its owner's first TP rank, so every rank gets every group's results exactly once.
 
+A group whose requests the owner's engine refuses (``check_request``) does not fail the submit: the
+others go in, and the refused group is finished at once, its error its outcome (on the owner;
+:meth:`SampleStream.take` brings it to every rank, and a client may agree on it at its next
+collective). So a submit never raises on one rank only, leaving its peers waiting in a collective
+(an expert-parallel engine's run, a gather).
+
 The engine's stream is shared by the sessions on a rank; a session knows only its own groups.
 """
 
@@ -21,6 +27,7 @@ from typing import Any, Protocol
 
 from miles_multilora.rollout.continuous_batching import StopCondition, StreamState
 from miles_multilora.rollout.engine import RolloutError
+from miles_multilora.rollout.isolation import GroupOutcome, group_error
 from miles_multilora.rollout.types import GenerationRequest, GenerationResult
 from miles_multilora.trainer.data_parallel import DPLayout
 
@@ -42,15 +49,18 @@ class StreamingEngine(Protocol):
 @dataclass(eq=False)
 class StreamGroup:
     """A group submitted to a session: its number there (the same on every rank), the DP rank that
-    generates it, and the engine's ids of its requests (none on the ranks of other DP ranks)."""
+    generates it, the engine's ids of its requests (none on the ranks of other DP ranks) and, on the
+    owner's ranks, why its engine refused it (then it has no ids)."""
 
     number: int
     owner: int
     ids: list[int]
+    error: RolloutError | None = None
 
     def finished(self, state: StreamState) -> bool:
-        """Whether the group's requests on this rank have finished (at once on other DP ranks)."""
-        return all(i in state.finished for i in self.ids)
+        """Whether the group's requests on this rank have finished (at once on other DP ranks, and
+        when refused)."""
+        return self.error is not None or all(i in state.finished for i in self.ids)
 
 
 class SampleStream:
@@ -69,12 +79,21 @@ class SampleStream:
 
     def submit(self, groups: Sequence[Sequence[GenerationRequest]]) -> list[StreamGroup]:
         """``groups``, numbered on from the last, each owned by DP rank ``number % dp``; this rank's
-        own go into the engine in one call (checked first: a bad request queues nothing). Every rank
-        submits the same groups."""
+        own go into the engine in one call (checked first: a bad request queues nothing), or, when
+        the engine refuses it, each alone (a refused group keeps its error). Every rank submits the
+        same groups."""
         dp, here = self.layout.dp_size, self.layout.dp_rank
         sent = [StreamGroup(n, n % dp, []) for n in itertools.islice(self._numbers, len(groups))]
         mine = [(s, group) for s, group in zip(sent, groups, strict=True) if s.owner == here]
-        ids = self.engine.submit([r for _, group in mine for r in group])
+        try:
+            ids = self.engine.submit([r for _, group in mine for r in group])
+        except Exception:  # noqa: BLE001 - blamed on the groups the engine refuses alone
+            for s, group in mine:
+                try:
+                    s.ids = self.engine.submit(group)
+                except Exception as exc:  # noqa: BLE001 - this group's outcome
+                    s.error = group_error(exc)
+            return sent
         for s, group in mine:
             s.ids, ids = ids[: len(group)], ids[len(group) :]
         return sent
@@ -84,12 +103,12 @@ class SampleStream:
         decodes alongside); rows still decoding keep their KV pages for the next run."""
         return self.engine.run(stop)
 
-    def take(self, groups: Sequence[StreamGroup]) -> list[list[GenerationResult]]:
+    def take(self, groups: Sequence[StreamGroup]) -> list[GroupOutcome]:
         """The results of ``groups`` (each finished on its owner), taken out of the stream, on every
-        rank, in order. A collective: every rank takes the same groups."""
+        rank, in order; a refused group's error. A collective: every rank takes the same groups."""
         here = self.layout.dp_rank
-        mine = {g.number: self.engine.take(g.ids) for g in groups if g.owner == here}
-        found: dict[int, list[GenerationResult]] = {}
+        mine = {g.number: g.error or self.engine.take(g.ids) for g in groups if g.owner == here}
+        found: dict[int, GroupOutcome] = {}
         for tp_rank, results in self.gather((self.layout.tp_rank, mine)):
             if tp_rank == 0:  # the TP ranks of one DP rank generate the same samples
                 found.update(results)

@@ -62,7 +62,7 @@ class _Call:
         self.every.extend(new)
         self.out.extend([] for _ in new)
         for i, sent in enumerate(self.stream.submit(new), first):
-            self.pending[i] = sent
+            self.pending[i] = sent  # a group the engine refused is finished: taken as its error
 
     def take(self, done: list[int]) -> None:
         for i, results in zip(done, self.stream.take([self.pending.pop(i) for i in done]), strict=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.helpers import run_distributed
@@ -72,3 +73,51 @@ def test_two_dp_ranks_carry_their_own_groups_and_agree(tmp_path: Path) -> None:
         assert {n > 0 for owner, n in data["owned"] if owner == r} == {True}
         assert {n for owner, n in data["owned"] if owner != r} == {0}
     assert {owner for owner, _ in ranks[0]["owned"]} == {0, 1}
+
+
+def _refused_on_rank0(rank: int, world: int, out: str) -> None:
+    from dataclasses import replace
+
+    from miles_multilora.rl import RLStep
+    from tests.e2e.conftest import snapshot_of, tiny_run_config, toy_adapter
+
+    specs = [
+        toy_adapter(name, "fraction_of_digits", steps=1, batched=True, sampling={"max_new_tokens": 6})
+        for name in "ab"
+    ]
+    cfg = tiny_run_config(
+        Path(out) / "run", specs, rollout={"max_staleness": 1, "max_batch_size": 8},
+        trainer={"micro_batch_size": 3, "world_size": world},
+    )  # fmt: skip
+    worker = RLStep.build(cfg, rank, world)
+    assert worker.continuous is not None
+    stream = worker.continuous.stream
+    submit, calls = stream.submit, []
+
+    def corrupting(groups: Any) -> Any:  # the session's first group ("a"'s, DP rank 0's): a token
+        if not calls:  # outside the vocabulary, which only its owner's engine checks
+            first = groups[0]
+            groups = [[replace(first[0], prompt_ids=[10**6]), *first[1:]], *groups[1:]]
+        calls.append(len(groups))
+        return submit(groups)
+
+    stream.submit = corrupting  # type: ignore[method-assign]
+    failed = [worker.step(snapshot_of(1, specs, init=True)).failed]
+    for i in range(1, 4):  # "b" trains on
+        if worker.version("b") >= 1:
+            break
+        failed.append(worker.step(snapshot_of(i + 1, specs[1:], worker.versions(), init=False)).failed)
+    torch.save({"failed": failed, "versions": worker.versions()}, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow  # ~35 s on 2 CPU cores
+def test_a_group_refused_on_one_rank_fails_its_adapter_on_every_rank(tmp_path: Path) -> None:
+    """A stream submit the owner's engine refuses in part fails that group's adapter on both DP ranks
+    (agreed), and the other adapter steps; without the agreement one rank raised and its peer waited."""
+    run_distributed(_refused_on_rank0, world_size=2, args=(str(tmp_path),), timeout=120)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for data in ranks:
+        first, *later = data["failed"]
+        assert set(first) == {"a"} and "prompt token ids" in first["a"], first
+        assert not any(later), later
+    assert ranks[0]["versions"] == ranks[1]["versions"] == {"b": 1}

@@ -169,3 +169,51 @@ def test_dp2_ep2_trains_as_dp2_ep1_and_their_states_load_at_either(tmp_path, che
             assert loaded.keys() == w2.keys() and all(torch.equal(loaded[k], w2[k]) for k in w2)
     finally:
         compat.destroy_distributed()
+
+
+# rows of different lengths on the two DP (= EP) ranks: 2 rows per micro-batch, so the ranks' micro-batches
+# differ in rows and width too (rank 0: rows 0, 2, 4; rank 1: rows 1, 3)
+GATHER_ROWS = [(0, 9), (1, 4), (0, 7), (1, 13), (0, 3)]
+
+
+def _gather_job(rank: int, world: int, ep: int, out: str, hf: str) -> None:
+    """One ``forward_backward`` + ``optim_step`` and a ``score`` with the all-gather dispatcher."""
+    from miles_multilora.trainer.primitives import ScoredRow
+    from miles_multilora.trainer.rank import TrainerRank
+
+    torch.set_num_threads(1)
+    cfg = _config(Path(out), hf, ep, world)
+    cfg.model.moe_token_dispatcher = "allgather"
+    cfg.trainer.micro_batch_size = 2
+    trainer = TrainerRank(cfg, rank, world)
+    for slot in (0, 1):
+        _open(trainer, slot)
+    gen = torch.Generator().manual_seed(5)
+    rows = [
+        ScoredRow(slot, torch.randint(2, 60, (n,), generator=gen).tolist(), list(range(n - 1)), group=i)
+        for i, (slot, n) in enumerate(GATHER_ROWS)
+    ]
+    losses = {s: m["loss"] for s, m in trainer.forward_backward(rows, _loss).per_slot.items()}
+    norms = {s: st.grad_norm for s, st in trainer.optim_step([0, 1]).items()}
+    scores = [s.logprobs for s in trainer.score(rows)]
+    if rank == 0:
+        torch.save({"losses": losses, "norms": norms, "scores": scores}, Path(out) / "result.pt")
+
+
+@pytest.mark.slow  # ~50 s on 2 CPU cores
+def test_ep2_allgather_dispatcher_trains_unequal_rows_as_ep1(tmp_path, checkpoint):
+    """Megatron's all-gather dispatcher gathers as many tokens from every EP rank: micro-batches of
+    different sizes are padded to the EP ranks' largest, and the padding changes no gradient."""
+    results = {}
+    for ep in (1, 2):
+        out = tmp_path / f"gather{ep}"
+        out.mkdir()
+        run_distributed(_gather_job, 2, (ep, str(out), str(checkpoint)), timeout=150)
+        results[ep] = torch.load(out / "result.pt")
+    one, two = results[1], results[2]
+    for slot in (0, 1):
+        assert two["losses"][slot] == pytest.approx(one["losses"][slot], rel=1e-5)
+        assert two["norms"][slot] == pytest.approx(one["norms"][slot], rel=1e-5)
+        assert one["norms"][slot] > 0
+    for a, b in zip(one["scores"], two["scores"], strict=True):
+        assert_close_at_scale(torch.tensor(b), torch.tensor(a), 1e-5, "scores")
