@@ -114,6 +114,7 @@ def sample_streaming(
     except BaseException:
         stream.cancel(call.pending.values())
         raise
+    raise_if_all_failed(call.out)  # every group refused by the engine: the call's error (every rank)
     return call.out
 
 
@@ -166,4 +167,5 @@ def sample_lockstep(
     except BaseException:
         stream.cancel(call.pending.values())
         raise
+    raise_if_all_failed(call.out)  # every group refused by the engine: the call's error (every rank)
     return call.out
