@@ -15,8 +15,10 @@ from typing import Any
 import ray
 
 from miles_multilora.controller.snapshot import Snapshot, StepReport
-from miles_multilora.launch.metrics import MetricsLogger
+from miles_multilora.launch.metrics import MetricsLogger, read_metrics
 from miles_multilora.launch.trainer_group import TrainerGroup
+from miles_multilora.rl.checkpoint import read_state
+from miles_multilora.rl.checkpoint_layout import complete_checkpoints, run_dir
 
 
 def apply_report(controller: Any, report: StepReport) -> dict[str, dict[str, float]]:
@@ -68,6 +70,7 @@ def run_loop(
         report = group.step(snapshot, should_stop, stop_timeout_s)
         if report is None:  # the group died and was replaced: the adapters resume from checkpoints
             held = set()
+            global_step += recover_lost_metrics(logger, snapshot, global_step)
             continue
         held = {a.name for a in snapshot.adapters}
         queue = apply_report(controller, report)
@@ -82,6 +85,24 @@ def run_loop(
         if max_steps is not None and global_step - start_step >= max_steps:
             break
     return global_step - start_step
+
+
+def recover_lost_metrics(logger: MetricsLogger, snapshot: Snapshot, global_step: int) -> int:
+    """Log the metrics row of each adapter of ``snapshot`` whose newest checkpoint holds a step the
+    metrics never got: the ranks died after saving it but before reporting the step, so the adapter
+    resumes past it and would never log it again. Returns the rows logged (each its own global step)."""
+    if not logger.cfg.jsonl:
+        return 0
+    logged = {(m.get("adapter"), m.get("step")) for m in read_metrics(logger.jsonl_path)}
+    rows = 0
+    for a in snapshot.adapters:
+        saved = complete_checkpoints(run_dir(logger.output_dir, a.name, a.run_id))
+        state = read_state(saved[-1]) if saved else {}
+        metrics = state.get("metrics")
+        if metrics and (a.name, metrics.get("step")) not in logged:
+            logger.log_step(global_step + rows, {a.name: {**metrics, "recovered": 1}}, {})
+            rows += 1
+    return rows
 
 
 def _progress(controller: Any) -> tuple[int, int]:

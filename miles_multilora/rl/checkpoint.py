@@ -96,10 +96,13 @@ def write_checkpoint(
     data: dict[str, Any],
     keep: int,
     limits: DiskLimits = DiskLimits(),
+    metrics: dict[str, Any] | None = None,
 ) -> SavedCheckpoint:
     """Checkpoint ``assignment``'s slot at its current version (a collective: every rank calls it):
     the rank's slot shards and PEFT export, then ``state.json`` with ``data`` (its data-source
-    offsets) and the marker. A failure on any rank, or a save past ``limits`` (checked by the
+    offsets) and the step's ``metrics`` (its metrics row, logged again by the driver if the ranks die
+    before reporting the step: :func:`~miles_multilora.launch.loop.recover_lost_metrics`) and the
+    marker. A failure on any rank, or a save past ``limits`` (checked by the
     writer once every shard is written), raises :class:`CheckpointError` on every rank; the
     staging directory is removed and nothing half written is ever read."""
     step = rank.version(assignment.slot)
@@ -127,6 +130,7 @@ def write_checkpoint(
                 "spec": assignment.spec.to_dict(),
                 "data": data,
                 "time": time.time(),
+                **({"metrics": metrics} if metrics is not None else {}),
             }
             tenant, usage = tenant_of(assignment.spec), usage_of(output_dir)
             try:

@@ -388,14 +388,14 @@ class RLStep:
         done = self.residents.budget_reached(name)
         interval = a.spec.save_interval
         if moved and (done or (interval and self.version(name) % interval == 0)):
-            checkpoint = self._checkpoint(name, failures)
+            checkpoint = self._checkpoint(name, failures, metrics)
             if checkpoint is None:
                 return None
             metrics["checkpoint/tenant_bytes"] = getattr(checkpoint, "tenant_bytes", None)
         if done and self.eval_pending.busy(name):  # it ends once its final eval is in
             self._ending.add(name)
         elif done:
-            final = checkpoint or self._checkpoint(name, failures)
+            final = checkpoint or self._checkpoint(name, failures, metrics)
             if final is None:
                 return None
             finished[name] = final
@@ -439,9 +439,10 @@ class RLStep:
         return f"no update in {adapter.no_update} consecutive steps (trainer.max_skipped_steps): {why}"
 
     # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, name: str) -> str:
-        """Checkpoint resident ``name`` at its current version (a collective: every rank calls it);
-        raises :class:`~miles_multilora.rl.checkpoint.CheckpointError` on every rank on a failure."""
+    def save_checkpoint(self, name: str, metrics: dict[str, Any] | None = None) -> str:
+        """Checkpoint resident ``name`` at its current version (a collective: every rank calls it),
+        with the step's ``metrics``; raises :class:`~miles_multilora.rl.checkpoint.CheckpointError`
+        on every rank on a failure."""
         adapter = self.residents[name]
         untrained = self.pending.items(name)  # drawn before the carried ones
         if self.continuous is not None:
@@ -451,12 +452,15 @@ class RLStep:
             self.data.adapter_state(name, untrained),
             self.cfg.trainer.keep_checkpoints,
             DiskLimits(self.cfg.trainer.max_checkpoint_bytes_per_tenant, self.cfg.trainer.min_free_disk_bytes),
+            metrics,
         )  # fmt: skip
 
-    def _checkpoint(self, name: str, failures: AdapterFailures) -> str | None:
+    def _checkpoint(
+        self, name: str, failures: AdapterFailures, metrics: dict[str, Any] | None = None
+    ) -> str | None:
         """:meth:`save_checkpoint`; a failure fails that adapter (the same on every rank)."""
         try:
-            return self.save_checkpoint(name)
+            return self.save_checkpoint(name, metrics)
         except CheckpointError as exc:
             failures.fail(name, str(exc))
             return None

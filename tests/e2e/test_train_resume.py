@@ -116,3 +116,4 @@ def test_killed_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, ray_se
         assert max_abs_diff(checkpoint_tensors(a), checkpoint_tensors(b)) <= 1e-6, name
         assert max_abs_diff(optimizer_tensors(a), optimizer_tensors(b)) <= 1e-6, name
         assert ckpt.read_state(a)["data"] == ckpt.read_state(b)["data"], name
+        assert ckpt.read_state(b)["metrics"]["step"] == STEPS  # the step's row, should the report be lost

@@ -3,15 +3,20 @@ newest readable checkpoint when the controller's resume point is missing or unre
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from miles_multilora.config.adapter import parse_adapter_spec
+from miles_multilora.config.sections.logging import LoggingConfig
 from miles_multilora.controller.snapshot import SlotAssignment
 from miles_multilora.data import MultiLoRADataSource
 from miles_multilora.errors import SpecError
+from miles_multilora.launch.loop import recover_lost_metrics
+from miles_multilora.launch.metrics import MetricsLogger, read_metrics
 from miles_multilora.rl import checkpoint as ckpt
 from miles_multilora.rl import checkpoint_layout as layout
 from miles_multilora.rl.resume import ResumeError, check_run_dir_is_ours, load_resume_point
@@ -108,3 +113,24 @@ def test_an_adapter_whose_data_fails_is_left_out_with_its_cursor_unmoved(tmp_pat
     assert source.adapter_state("bad")["offset"] == 0 and source.adapter_state("bad")["drawn"] == 0
     with pytest.raises(SpecError, match="null"):
         source.next_batch(names=["bad"])
+
+
+def _with_metrics(saved: Path, metrics: dict) -> None:
+    (saved / "state.json").write_text(json.dumps(ckpt.read_state(saved) | {"metrics": metrics}))
+
+
+def test_a_step_checkpointed_but_never_reported_gets_its_metrics_row_from_the_checkpoint(tmp_path):
+    """The ranks died after saving step 6 but before reporting it: the adapter resumes past it, so
+    the driver logs step 6's row from the checkpoint (once), and nothing for a step already logged."""
+    logger = MetricsLogger(LoggingConfig(wandb_mode="disabled", console=False, plot=False), tmp_path)
+    logger.log_step(0, {"a": {"step": 5, "reward": 0.1}, "b": {"step": 4, "reward": 0.2}}, {})
+    _with_metrics(_write(tmp_path, "a-1", 6), {"step": 6, "reward": 0.7})
+    b_spec = parse_adapter_spec({"name": "b", "dataset": {"task": "basic_arithmetic"}, "num_steps": 9})
+    _with_metrics(_write(tmp_path, "b-2", 4, spec=b_spec), {"step": 4, "reward": 0.2})
+    b = SlotAssignment("b", "b-2", 1, b_spec, 4, None, False)
+    snapshot = SimpleNamespace(adapters=[_assignment("a-1", None), b])
+    assert recover_lost_metrics(logger, snapshot, global_step=1) == 1
+    rows = read_metrics(logger.jsonl_path)
+    assert [(r["adapter"], r["step"], r["global_step"]) for r in rows][-1] == ("a", 6, 1)
+    assert rows[-1]["recovered"] == 1 and rows[-1]["reward"] == 0.7
+    assert recover_lost_metrics(logger, snapshot, global_step=2) == 0  # logged once
