@@ -30,9 +30,9 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from torch import Tensor
 
-from miles_multilora.lora.moe import LoRAExperts, MultiLoRAMoELayer, expert_activation
+from miles_multilora.lora.moe import LoRAExperts, MultiLoRAMoELayer
 from miles_multilora.lora.row_routing import RowRouting
-from miles_multilora.rollout.moe_decode import expert_pairs, lora_groups
+from miles_multilora.rollout.moe_decode import expert_pairs, run_expert_pairs
 
 
 class ExpertParallel:
@@ -132,23 +132,11 @@ def moe_decode_ep(moe: MultiLoRAMoELayer, x: Tensor, ep: ExpertParallel) -> Tens
     local_expert = key.clamp(max=num_local - 1)  # an index for the masked pairs too
     mask = local.unsqueeze(-1)
     hidden = torch.where(mask, tokens.index_select(0, row), 0)
-    if cfg.moe_apply_probs_on_input:
-        hidden = (weight.unsqueeze(-1) * hidden).to(hidden.dtype)
-        weight = torch.ones_like(weight)
-    fc1_lora, fc2_lora = experts.lora_layer("linear_fc1"), experts.lora_layer("linear_fc2")
-    routing = None
-    for layer in (fc1_lora, fc2_lora):
-        if layer is not None and isinstance(layer.routing, RowRouting):
-            pair_slots = ep.row_slots(layer.routing).index_select(0, row)
-            routing = lora_groups(layer, torch.where(local, pair_slots, -1), local_expert)
-            break
-    fc1 = _project(experts, "linear_fc1", hidden, host_counts, offsets, local_expert)
-    if fc1_lora is not None and routing is not None:
-        fc1 = fc1_lora.add_lora_rows(hidden, fc1, routing)
-    act = expert_activation(cfg, fc1, weight)
-    out = _project(experts, "linear_fc2", act, host_counts, offsets, local_expert, weight)
-    if fc2_lora is not None and routing is not None:
-        out = fc2_lora.add_lora_rows(act, out, routing)
+    out = run_expert_pairs(
+        cfg, experts, hidden, weight, local_expert,
+        lambda proj, h, probs=None: _project(experts, proj, h, host_counts, offsets, local_expert, probs),
+        lambda routing: torch.where(local, ep.row_slots(routing).index_select(0, row), -1),
+    )  # fmt: skip
     out = torch.where(mask, out, 0).float()  # rows past the grouped GEMM's last offset are not written
     k = cfg.moe_router_topk
     per_pair = torch.empty_like(out).index_copy_(0, order, out)  # back to (row, j) order

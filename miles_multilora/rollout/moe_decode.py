@@ -16,8 +16,11 @@ experts (:mod:`~miles_multilora.rollout.expert_parallel`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from miles_multilora.lora.expert_layer import MultiLoRAExpertLinear
@@ -60,6 +63,37 @@ def lora_groups(layer: MultiLoRAExpertLinear, row_slots: Tensor, experts: Tensor
     return build_row_routing(groups, layer.num_slots * layer.num_local_experts, tile_sizes())
 
 
+def run_expert_pairs(
+    cfg: TransformerConfig,
+    experts: LoRAExperts,
+    hidden: Tensor,
+    weight: Tensor,
+    expert: Tensor,
+    project: Callable[..., Tensor],
+    pair_slots: Callable[[RowRouting], Tensor],
+) -> Tensor:
+    """The routed experts' output of each (row, expert) pair, the pairs sorted by (local) ``expert``:
+    fc1, the activation and fc2 with the slots' LoRA. ``project(proj, x, probs=None)``: the base
+    projection over the pairs; ``pair_slots(routing)``: each pair's LoRA slot (``-1``: base only)."""
+    if cfg.moe_apply_probs_on_input:
+        hidden = (weight.unsqueeze(-1) * hidden).to(hidden.dtype)
+        weight = torch.ones_like(weight)
+    fc1_lora, fc2_lora = experts.lora_layer("linear_fc1"), experts.lora_layer("linear_fc2")
+    routing = None
+    for layer in (fc1_lora, fc2_lora):
+        if layer is not None and isinstance(layer.routing, RowRouting):
+            routing = lora_groups(layer, pair_slots(layer.routing), expert)
+            break
+    fc1 = project("linear_fc1", hidden)
+    if fc1_lora is not None and routing is not None:
+        fc1 = fc1_lora.add_lora_rows(hidden, fc1, routing)
+    act = expert_activation(cfg, fc1, weight)
+    out = project("linear_fc2", act, weight)
+    if fc2_lora is not None and routing is not None:
+        out = fc2_lora.add_lora_rows(act, out, routing)
+    return out
+
+
 def moe_decode(moe: MultiLoRAMoELayer, x: Tensor) -> Tensor:
     """The MoE layer's output for one token per row: ``x`` ``[1, B, H]`` -> ``[1, B, H]``."""
     experts: LoRAExperts = moe.experts
@@ -73,24 +107,11 @@ def moe_decode(moe: MultiLoRAMoELayer, x: Tensor) -> Tensor:
     counts.scatter_add_(0, expert, torch.ones_like(expert))
     offsets = counts.cumsum(0).to(torch.int32)
     host_counts = counts.tolist() if not x.is_cuda else None  # the CPU loop (no graph on a CPU)
-    hidden = x2d.index_select(0, row)
-    if cfg.moe_apply_probs_on_input:
-        hidden = (weight.unsqueeze(-1) * hidden).to(hidden.dtype)
-        weight = torch.ones_like(weight)
-    fc1_lora, fc2_lora = experts.lora_layer("linear_fc1"), experts.lora_layer("linear_fc2")
-    routing = None
-    for layer in (fc1_lora, fc2_lora):
-        if layer is not None and isinstance(layer.routing, RowRouting):
-            pair_slots = layer.routing.row_slots.reshape(-1).index_select(0, row)
-            routing = lora_groups(layer, pair_slots, expert)
-            break
-    fc1 = experts.project("linear_fc1", hidden, host_counts, offsets, expert)
-    if fc1_lora is not None and routing is not None:
-        fc1 = fc1_lora.add_lora_rows(hidden, fc1, routing)
-    act = expert_activation(cfg, fc1, weight)
-    out = experts.project("linear_fc2", act, host_counts, offsets, expert, weight)
-    if fc2_lora is not None and routing is not None:
-        out = fc2_lora.add_lora_rows(act, out, routing)
+    out = run_expert_pairs(
+        cfg, experts, x2d.index_select(0, row), weight, expert,
+        lambda proj, h, probs=None: experts.project(proj, h, host_counts, offsets, expert, probs),
+        lambda routing: routing.row_slots.reshape(-1).index_select(0, row),
+    )  # fmt: skip
     k = cfg.moe_router_topk
     per_pair = torch.empty_like(out).index_copy_(0, order, out)  # back to (row, j) order
     routed = per_pair.view(-1, k, out.shape[-1]).sum(1).to(x.dtype).view(x.shape)
