@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,24 @@ REWARDS = "tests.e2e.toy_rewards"
 
 # Ray workers import the custom rewards (tests.e2e.toy_rewards) by module path.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
+def run_ray_script(script: str, *args: str, prefix: str, timeout: float) -> dict[str, Any]:
+    """Run ``script`` in a child Python with ``args`` and, last, a fresh temp dir for its local Ray;
+    return its last ``RESULT <json>`` line, parsed."""
+    ray_tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args, ray_tmp],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def toy_adapter(name: str, reward: str, *, steps: int, batched: bool = False, **overrides: Any) -> dict:

@@ -8,18 +8,12 @@ agree on the summed losses and grad norms, the weights move, and the export hold
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.e2e.conftest import REPO_ROOT
+from tests.e2e.conftest import run_ray_script
 
 SCRIPT = """
 import json, sys
@@ -46,19 +40,7 @@ ray.shutdown()
 
 @pytest.mark.slow  # ~40 s: a local Ray and two ranks
 def test_ep2_ranks_are_placed_together_and_train(tmp_path: Path) -> None:
-    ray_tmp = tempfile.mkdtemp(prefix="ray_ep_", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tmp_path / "out"), ray_tmp],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result = run_ray_script(SCRIPT, str(tmp_path / "out"), prefix="ray_ep_", timeout=300)
     placements = sorted(result["placements"], key=lambda p: p["rank"])
     assert [(p["dp_rank"], p["tp_rank"], p["ep_rank"], p["ep_size"]) for p in placements] == [
         (0, 0, 0, 2), (1, 0, 1, 2)

@@ -9,14 +9,9 @@ while torch (no CUDA) still runs the tiny model on the CPU.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from tests.e2e.conftest import REPO_ROOT, toy_adapter
+from tests.e2e.conftest import run_ray_script, toy_adapter
 
 SCRIPT = """
 import json, sys
@@ -46,19 +41,9 @@ ray.shutdown()
 
 def test_each_rank_gets_its_own_gpu_and_tp_groups_are_packed(tmp_path: Path) -> None:
     adapters = [toy_adapter("a", "fraction_of_lowercase", steps=1)]
-    ray_tmp = tempfile.mkdtemp(prefix="ray_gpu_", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tmp_path / "out"), json.dumps(adapters), ray_tmp],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400,
-        )  # fmt: skip
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result = run_ray_script(
+        SCRIPT, str(tmp_path / "out"), json.dumps(adapters), prefix="ray_gpu_", timeout=400
+    )
     placements = sorted(result["placements"], key=lambda p: p["rank"])
     assert [(p["dp_rank"], p["tp_rank"]) for p in placements] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     devices = [p["cuda_visible_devices"] for p in placements]
