@@ -70,21 +70,6 @@ class _Call:
             self.heard.add(i)
             self.on_group(i, results)
 
-    def drive(
-        self, loop: Callable[[], None], retry: Callable[[Groups], list[GroupOutcome]]
-    ) -> list[GroupOutcome]:
-        """Run the call's decode ``loop``; when it fails, the groups not heard yet go to ``retry``. A
-        call whose every group the engine refused raises the call's error (on every rank)."""
-        try:
-            loop()
-        except Exception:  # noqa: BLE001 - the groups not heard yet, split around the failing ones
-            return self.retry(retry)
-        except BaseException:
-            self.stream.cancel(self.pending.values())
-            raise
-        raise_if_all_failed(self.out)
-        return self.out
-
     def retry(self, retry: Callable[[Groups], list[GroupOutcome]]) -> list[GroupOutcome]:
         """The groups not heard yet, generated again by ``retry``."""
         self.stream.cancel(self.pending.values())
@@ -106,9 +91,8 @@ def sample_streaming(
 ) -> list[GroupOutcome]:
     """One rank's streaming sample call: the stream runs until a group ends or ``joiner`` waits."""
     call = _Call(stream, on_group)
-
-    def loop() -> None:
-        ask = joiner is not None
+    ask = joiner is not None
+    try:
         call.submit(groups)
         while call.pending:
             state = stream.run(
@@ -125,8 +109,13 @@ def sample_streaming(
                 raise RolloutError("the engine's stream stopped with requests unfinished")
             # a wait that brought nothing is not asked again until the next group ends
             ask = joiner is not None and bool(done or joined or joiner.ran_between())
-
-    return call.drive(loop, retry)
+    except Exception:  # noqa: BLE001 - the groups not heard yet, split around the failing ones
+        return call.retry(retry)
+    except BaseException:
+        stream.cancel(call.pending.values())
+        raise
+    raise_if_all_failed(call.out)  # every group refused by the engine: the call's error (every rank)
+    return call.out
 
 
 def _one_interval() -> Callable[[StreamState], bool]:
@@ -149,9 +138,8 @@ def sample_lockstep(
     value, in rank order."""
     call = _Call(stream, on_group)
     here = stream.layout.dp_rank
-
-    def loop() -> None:  # on every rank at once: a failure retries the groups not heard yet, together
-        first = True
+    first = True
+    try:
         call.submit(groups)
         while call.pending:
             error, mine, busy = None, [], False
@@ -174,5 +162,10 @@ def sample_lockstep(
                 call.submit(joined)
             elif call.pending and not done and not any(b for _, b, _, _ in reports):
                 raise RolloutError("the engine's stream stopped with requests unfinished")
-
-    return call.drive(loop, retry)
+    except Exception:  # noqa: BLE001 - on every rank at once: the groups not heard yet, again
+        return call.retry(retry)
+    except BaseException:
+        stream.cancel(call.pending.values())
+        raise
+    raise_if_all_failed(call.out)  # every group refused by the engine: the call's error (every rank)
+    return call.out
