@@ -114,9 +114,16 @@ def test_an_inflight_sampler_of_another_tenants_model_is_refused_like_an_unknown
 
 
 def _decoding(state: ServerState, model_id: str) -> None:
+    """Until the sample call of ``model_id`` has decoded a step (its rows hold a token of the version
+    they started with), so work queued next joins between decode steps, not before the first."""
     deadline = time.monotonic() + 60
     while model_id not in state.backend._decoding:
         assert time.monotonic() < deadline, "the sample call never started decoding"
+        time.sleep(0.002)
+    stats = state.backend.rank.engine.stats
+    started = stats["row_steps"]
+    while stats["row_steps"] == started:
+        assert time.monotonic() < deadline, "the sample call never decoded a step"
         time.sleep(0.002)
 
 
