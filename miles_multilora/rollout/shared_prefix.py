@@ -32,12 +32,12 @@ from torch import Tensor
 from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
 from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize
 from miles_multilora.rollout.paged_attention import (
-    BLOCK_N,
     LOG2E,
     NUM_STAGES,
     NUM_WARPS,
     default_num_splits,
     dot_dtype,
+    key_block,
     launch_split_kernel,
     min_chunk_keys,
 )
@@ -303,8 +303,9 @@ def _triton(
     group = heads // kv_heads
     max_len = table.shape[1] * page_size
     sms = num_sms(q.device)
-    suffix = num_splits or default_num_splits(batch, kv_heads, max_len, sms)
-    prefix = num_splits or default_num_splits(max(1, batch // MAX_GROUP_ROWS), kv_heads, max_len, sms)
+    block = key_block(fp8)
+    suffix = num_splits or default_num_splits(batch, kv_heads, max_len, sms, block)
+    prefix = num_splits or default_num_splits(max(1, batch // MAX_GROUP_ROWS), kv_heads, max_len, sms, block)
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -327,14 +328,14 @@ def _triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *((k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)), table.stride(0),
         groups.members.stride(0),
-        FIRST_SLOT=suffix, NUM_SPLITS=prefix, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(),
-        GROUP_ROWS=MAX_GROUP_ROWS, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        FIRST_SLOT=suffix, NUM_SPLITS=prefix, PAGE_SIZE=page_size, MIN_CHUNK=min_chunk_keys(block),
+        GROUP_ROWS=MAX_GROUP_ROWS, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block,
         PRECISION="ieee" if compute == torch.float32 else "tf32", KV_FP8=fp8, FP8_AS_FP16=fp8 and compute == torch.float16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     _merge_kernel[(batch, heads)](
         part_o, part_lse, lens, groups.prefix_lens, out, heads, dim, max_len, out.stride(0), out.stride(1),
-        SUFFIX_SPLITS=suffix, PREFIX_SPLITS=prefix, MIN_CHUNK=min_chunk_keys(), BLOCK_N=BLOCK_N,
+        SUFFIX_SPLITS=suffix, PREFIX_SPLITS=prefix, MIN_CHUNK=min_chunk_keys(block), BLOCK_N=block,
         BLOCK_S=triton.next_power_of_2(total), BLOCK_D=block_d,
     )  # fmt: skip
     return out

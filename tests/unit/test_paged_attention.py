@@ -18,6 +18,7 @@ from miles_multilora.rollout import paged_attention as pa
 from miles_multilora.rollout.paged_attention import (
     HAVE_TRITON,
     default_num_splits,
+    key_block,
     paged_decode_attention,
     write_decode_kv,
     write_prefill_kv,
@@ -122,6 +123,8 @@ def test_default_num_splits():
     assert default_num_splits(1, 8, 4096) == 16  # capped
     assert default_num_splits(8, 8, 1024) == 7  # ~3 programs per SM on 132 SMs
     assert default_num_splits(1, 1, 100) == 2  # no more splits than 64-key blocks
+    assert default_num_splits(1, 1, 100, block=key_block(fp8=True)) == 1  # e4m3 pages: 128-key blocks
+    assert default_num_splits(1, 8, 4096, block=key_block(fp8=True)) == 16
 
 
 @pytest.mark.gpu
