@@ -13,6 +13,7 @@ trainer's wall time over its steps), the trainer's logged sampler-trainer KL
 (``optim/kl_sample_train_v1`` / ``_v2``, mean over steps) and the server's engine calls.
 
     python benchmarks/inflight_async_rl.py --steps 6 --groups 4 --group-size 4 --max-tokens 24
+    python benchmarks/inflight_async_rl.py --model demo --lr 1e-4 --rounds 2   # real weights (a GPU)
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ def model_dir(root: Path, hidden: int, layers: int) -> Path:
     return out
 
 
+def base_model(root: Path, args: argparse.Namespace) -> Path:
+    """The served base's HF directory: the demo checkpoint, or a random Llama (``--model``)."""
+    if args.model == "demo":
+        return prepare_demo_model(os.environ.get("MILES_MULTILORA_CACHE"))
+    return model_dir(root, args.hidden, args.layers)
+
+
 def run(server: Any, args: argparse.Namespace, log_path: Path, inflight: bool) -> dict[str, float]:
     """One trainer run; the SDK's save_weights_and_get_sampling_client made inflight when asked."""
     real = tinker.TrainingClient.save_weights_and_get_sampling_client
@@ -152,13 +160,20 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="runs of each mode, alternated")
+    p.add_argument(
+        "--model",
+        choices=("random", "demo"),
+        default="random",
+        help="random: a random Llama of --hidden/--layers; demo: the demo checkpoint (real weights: "
+        "take a learning rate of ~1e-4)",
+    )
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="inflight-bench-"))
     key = root / "key"
     key.write_text(KEY + "\n")
     key.chmod(0o600)
     cfg = config_from_container({
-        "model": {"source": "hf", "hf_path": str(model_dir(root, args.hidden, args.layers))},
+        "model": {"source": "hf", "hf_path": str(base_model(root, args))},
         "lora": {"num_slots": 2, "max_rank": 8}, "trainer": {"output_dir": str(root / "out"), "micro_batch_size": 32},
         "tinker": {"port": 0, "api_key_file": str(key), "batch_window_s": 0.02, "reproducible_seed": 0},
         "logging": {"wandb_mode": "disabled"},

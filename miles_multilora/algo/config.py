@@ -34,6 +34,11 @@ class AlgoConfig:
     tis_cap: float | None = (
         None  # truncated importance sampling cap (trainer vs rollout logprobs); None disables
     )
+    # dual-clip PPO: a token with a negative advantage adds at most dual_clip_c * |advantage| to the
+    # loss however far its ratio has grown (Ye et al. 2020; verl's clip_ratio_c). Off-policy tokens
+    # (continuous rollout, a sampler that drifts) can have ratios of e^5 and more, whose unbounded
+    # negative-advantage terms overshoot in one step; None disables
+    dual_clip_c: float | None = 3.0
     dynamic_sampling: bool | None = None  # drop groups with all-equal rewards and refill; None -> dapo only
     max_refill_rounds: int = 3  # dynamic sampling: extra generate+score rounds per step
 
@@ -51,6 +56,7 @@ class AlgoConfig:
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
             tis_cap=self.tis_cap,
+            dual_clip_c=self.dual_clip_c,
             dynamic_sampling=self.dynamic_sampling if self.dynamic_sampling is not None else dapo,
             max_refill_rounds=self.max_refill_rounds,
         )
@@ -81,6 +87,11 @@ class AlgoConfig:
                 self.tis_cap is None or self.tis_cap > 0.0,
                 "algo.tis_cap",
                 f"must be > 0 or null (disabled), got {self.tis_cap}",
+            ),
+            (
+                self.dual_clip_c is None or self.dual_clip_c > 1.0,
+                "algo.dual_clip_c",
+                f"must be > 1 (it bounds ratios above 1) or null (disabled), got {self.dual_clip_c}",
             ),
             (
                 self.max_refill_rounds >= 0,

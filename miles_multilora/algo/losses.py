@@ -155,7 +155,8 @@ def policy_loss(
     slot, or any integer id that groups sequences). ``old_logprobs`` are the logprobs the importance ratio is taken
     against (the rollout's). With ``config.tis_cap`` and ``rollout_logprobs`` given, each token is
     weighted by ``min(exp(old - rollout), tis_cap)`` (truncated importance sampling for a rollout
-    engine whose logprobs differ from the trainer's). ``ref_logprobs`` (base model, slot -1) adds
+    engine whose logprobs differ from the trainer's). With ``config.dual_clip_c`` a token of negative
+    advantage ``A`` contributes at most ``-A * dual_clip_c`` (dual-clip PPO). ``ref_logprobs`` (base model, slot -1) adds
     ``kl_coef * KL``.
     """
     cfg = (config or AlgoConfig()).resolved()
@@ -179,6 +180,12 @@ def policy_loss(
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
     clipped = (pg_clipped > pg_unclipped).to(logprobs.dtype)
+    dual_clipped = torch.zeros_like(pg)
+    if cfg.dual_clip_c is not None:  # a negative advantage's term is bounded: no gradient past the bound
+        bound = -adv * cfg.dual_clip_c
+        over = (adv < 0) & (pg > bound)
+        dual_clipped = over.to(logprobs.dtype)
+        pg = torch.where(over, bound.expand_as(pg), pg)
 
     tis_clipped = torch.zeros_like(pg)
     if cfg.tis_cap is not None and rollout_logprobs is not None:
@@ -204,6 +211,7 @@ def policy_loss(
         )[1]
         for name, values in (
             ("clip_frac", clipped),
+            ("dual_clip_frac", dual_clipped),
             ("ratio_mean", ratio.detach()),
             ("tis_clip_frac", tis_clipped),
         ):

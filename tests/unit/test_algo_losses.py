@@ -127,6 +127,36 @@ def test_truncated_importance_sampling_weight():
     assert out.per_slot[0]["tis_clip_frac"] == pytest.approx(0.5)
 
 
+def test_dual_clip_bounds_negative_advantage_tokens_far_off_policy():
+    """Ratios 10, 2 and 0.5 under A = -1, and 10 under A = +1: with dual_clip_c=3 the first term is
+    3 instead of 10 and carries no gradient; the others are as without it (a positive advantage's
+    large ratio is already clipped at 1 + eps_high)."""
+    ratios = torch.tensor([[10.0, 2.0, 0.5], [10.0, 1.0, 1.0]])
+    adv, mask, ids = torch.tensor([-1.0, 1.0]), torch.tensor([[1, 1, 1], [1, 0, 0]]), torch.tensor([0, 0])
+    results = {}
+    for c in (3.0, None):
+        logprobs = ratios.log().requires_grad_(True)
+        cfg = AlgoConfig(eps_low=0.2, aggregation="token_mean", dual_clip_c=c)
+        out = policy_loss(logprobs, torch.zeros(2, 3), adv, mask, ids, config=cfg)
+        out.loss.backward()
+        results[c] = (out, logprobs.grad)
+    (on, on_grad), (off, off_grad) = results[3.0], results[None]
+    assert on.per_slot[0]["loss"] == pytest.approx((3.0 + 2.0 + 0.8 - 1.2) / 4, abs=1e-5)
+    assert off.per_slot[0]["loss"] == pytest.approx((10.0 + 2.0 + 0.8 - 1.2) / 4, abs=1e-5)
+    assert on.per_slot[0]["dual_clip_frac"] == pytest.approx(1 / 4)
+    assert off.per_slot[0]["dual_clip_frac"] == 0.0
+    assert on_grad[0, 0] == 0.0 and off_grad[0, 0] == pytest.approx(10.0 / 4)
+    torch.testing.assert_close(on_grad[:, 1:], off_grad[:, 1:])
+    torch.testing.assert_close(on_grad[1], off_grad[1])
+
+
+def test_dual_clip_is_on_by_default_and_validated():
+    assert AlgoConfig().resolved().dual_clip_c == 3.0
+    assert AlgoConfig(dual_clip_c=None).resolved().dual_clip_c is None
+    with pytest.raises(ConfigError, match="algo.dual_clip_c"):
+        AlgoConfig(dual_clip_c=1.0).validate()
+
+
 def test_adapter_gradient_independent_of_other_adapters():
     torch.manual_seed(0)
     cfg = AlgoConfig(name="dapo")
