@@ -318,6 +318,8 @@ def settings(specs: list[Any], args: argparse.Namespace, ours: dict[str, Any] | 
             "ours trains one LoRA on each fused projection (q/k/v and gate/up share one A), PEFT one per "
             "projection (same rank, alpha and layers)",
             "the group's std gets + 1e-6 in ours, + 1e-4 in TRL",
+            "ours samples up to max_staleness versions behind (TRL on policy) and bounds a negative-advantage "
+            "token's PPO term at algo.dual_clip_c x |A| (default 3; TRL's ratio is 1 on policy)",
         ],
     }
 
