@@ -18,7 +18,7 @@ import argparse
 import torch
 import triton.testing
 
-from miles_multilora.rollout.kv_quant import quantize
+from miles_multilora.rollout.kv_quant import keys_contiguous, quantize
 from miles_multilora.rollout.paged_attention import paged_decode_attention
 from miles_multilora.rollout.shared_prefix import PrefixGroups, plan_prefix_groups, shared_prefix_attention
 
@@ -59,6 +59,7 @@ def main() -> None:
     ks = vs = None
     if args.kv_cache_dtype == "fp8":
         (k, ks), (v, vs) = quantize(k), quantize(v)
+        v = keys_contiguous(v)  # e4m3 value pages as the cache lays them out
     q = torch.randn(args.rows, args.heads, args.dim, dtype=torch.bfloat16, device="cuda")
     table, cache_lens = table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
     plan = plan_prefix_groups(pages, lens, page)

@@ -6,8 +6,9 @@ page: empty rows and unused block-table entries point there, and nothing real li
 are reference-counted so the samples of one prompt can share its prompt pages.
 
 An fp8 cache (``rollout.kv_cache_dtype=fp8``, :mod:`~miles_multilora.rollout.kv_quant`) holds e4m3
-``k``/``v`` and fp32 ``k_scale``/``v_scale`` ``[layers, num_pages, page_size, H_kv]``; otherwise the
-scales are None and ``k``/``v`` are in the model's dtype.
+``k``/``v`` (``v`` keys-contiguous: :func:`~miles_multilora.rollout.kv_quant.keys_contiguous`) and fp32
+``k_scale``/``v_scale`` ``[layers, num_pages, page_size, H_kv]``; otherwise the scales are None and
+``k``/``v`` are in the model's dtype.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ class PagedKVCache:
             raise ValueError(f"need >= 2 pages and a power-of-2 page size, got {num_pages}, {page_size}")
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=FP8 if fp8 else dtype, device=device)
-        self.v = torch.zeros(shape, dtype=FP8 if fp8 else dtype, device=device)
+        if fp8:  # e4m3 values keys-contiguous (kv_quant.keys_contiguous): [.., H_kv, D, page_size] stored
+            stored = (num_layers, num_pages, kv_heads, head_dim, page_size)
+            self.v = torch.zeros(stored, dtype=FP8, device=device).movedim(4, 2)
+        else:
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if fp8 else None
         self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if fp8 else None
         self.page_size = page_size

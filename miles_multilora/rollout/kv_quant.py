@@ -12,6 +12,12 @@ rescale rounds them again); per token it costs 4 bytes per ``D`` bytes (3% at ``
 
 The same quantisation runs on the CPU with torch's ``float8_e4m3fn`` (the tests) and in the Triton
 writers (``rollout.rope_kv``; correctly rounded division, round-to-nearest-even casts).
+
+e4m3 value pages keep the shape ``[num_pages, page_size, H_kv, D]`` but are stored keys-contiguous
+(:func:`keys_contiguous`: storage ``[num_pages, H_kv, D, page_size]``, vLLM's value-cache layout): the
+attention kernels' ``p @ V`` wants each thread's values consecutive along the keys, and Hopper has no
+transposing shared-memory load for 8-bit elements, so a head-dim-contiguous e4m3 tile is read one byte
+per load (``benchmarks/kernel_ir.py``). Keys and bf16 pages stay head-dim-contiguous.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ SCALE_BYTES = 4
 
 
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x`` ``[..., D]`` -> (e4m3 values ``[..., D]``, fp32 scales ``[...]``): one scale per vector."""
+    """``x`` ``[..., D]`` -> (e4m3 values ``[..., D]``, fp32 scales ``[...]``): one scale per vector.
+    A value is never NaN (a NaN stores 0; its vector's scale is NaN): the attention kernels read a
+    last page's slots past a row's end as whole 16-byte runs and weigh them by 0, which a NaN would
+    not survive."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax * FP8_INV_MAX, torch.ones_like(amax))
-    values = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    values = (xf / scale.unsqueeze(-1)).nan_to_num(0.0).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scale
 
 
@@ -44,6 +53,22 @@ def as_stored(x: Tensor) -> Tensor:
     """``x`` as an fp8 page gives it back (in ``x``'s dtype): prefill attends over this, so its
     tokens see the same keys and values as every later decode step (and as a resumed row's prefill)."""
     return dequantize(*quantize(x), dtype=x.dtype)
+
+
+def keys_contiguous(pages: Tensor) -> Tensor:
+    """``pages`` ``[..., num_pages, page_size, H_kv, D]`` (same shape and values) stored with each page's
+    keys contiguous for every (head, dim): the layout of e4m3 value pages."""
+    n = pages.dim()
+    storage = pages.movedim(n - 3, n - 1).contiguous()  # [..., num_pages, H_kv, D, page_size]
+    return storage.movedim(n - 1, n - 3)
+
+
+def is_keys_contiguous(pages: Tensor) -> bool:
+    """Whether ``pages`` ``[..., num_pages, page_size, H_kv, D]`` are laid out as :func:`keys_contiguous` makes them."""
+    page_size, heads, dim = pages.shape[-3:]
+    return (
+        pages.stride()[-3:] == (1, dim * page_size, page_size) and pages.stride(-4) == heads * dim * page_size
+    )
 
 
 def as_bytes(t: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
-from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize, quantize
+from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize, is_keys_contiguous, quantize
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -53,7 +53,8 @@ if HAVE_TRITON:
     ):  # fmt: skip
         """Online softmax of the query lines ``q`` over the paged keys ``[start, end)`` of kv head ``hk``
         (block table row ``bt_row``), carried in ``(acc, m_i, l_i)`` (log2 units). ``KV_FP8``: e4m3
-        pages widened to q's dtype, their per-(token, head) scales applied in fp32."""
+        pages widened to q's dtype, their per-(token, head) scales applied in fp32; the values
+        keys-contiguous (``stride_vt`` 1, head dim stride ``PAGE_SIZE``) and ``start`` a page's first key."""
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -76,14 +77,27 @@ if HAVE_TRITON:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr + (page * stride_vp + tok * stride_vt + hk * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if KV_FP8:
+            if KV_FP8:  # keys-contiguous e4m3 values: a [pages, D, PAGE_SIZE] tile, 16-byte runs of keys
+                NUM_PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+                first = n0 + tl.arange(0, NUM_PAGES) * PAGE_SIZE  # each page's first key (n0: a page start)
+                offs_t = tl.arange(0, PAGE_SIZE)
+                v_page = tl.load(bt_row + first // PAGE_SIZE, mask=first < end, other=0).to(tl.int64)
+                v = tl.load(
+                    v_ptr
+                    + (v_page * stride_vp + hk * stride_vh)[:, None, None]
+                    + offs_d[None, :, None] * PAGE_SIZE
+                    + offs_t[None, None, :],
+                    mask=(first < end)[:, None, None] & mask_d[None, :, None],  # whole pages: 16-byte loads
+                    other=0.0,
+                )  # a last page's slots past the row: finite (kv_quant.quantize), weighed by p = 0
+                v = tl.reshape(tl.permute(v, (0, 2, 1)), (BLOCK_N, v.shape[1])).to(q.dtype)
                 p = p * tl.load(vs_ptr + scale_at, mask=mask_n, other=0.0)[None, :]
-                v = v.to(q.dtype)
+            else:
+                v = tl.load(
+                    v_ptr + (page * stride_vp + tok * stride_vt + hk * stride_vh)[:, None] + offs_d[None, :],
+                    mask=kv_mask,
+                    other=0.0,
+                )
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         return acc, m_i, l_i
@@ -183,13 +197,17 @@ if HAVE_TRITON:
 
 
 def _store(cache: torch.Tensor, scales: torch.Tensor | None, flat: torch.Tensor, x: torch.Tensor) -> None:
-    """``x`` ``[N, H_kv, D]`` into token slots ``flat`` of ``cache`` (quantised when ``scales``)."""
-    if scales is None:
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, flat, x.to(cache.dtype))
-        return
-    values, s = quantize(x)
-    as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, flat, as_bytes(values))
-    scales.view(-1, scales.shape[-1]).index_copy_(0, flat, s)
+    """``x`` ``[N, H_kv, D]`` into token slots ``flat`` of ``cache`` (quantised when ``scales``; e4m3
+    value pages are keys-contiguous, :func:`~miles_multilora.rollout.kv_quant.keys_contiguous`)."""
+    if scales is not None:
+        x, s = quantize(x)
+        scales.view(-1, scales.shape[-1]).index_copy_(0, flat, s)
+    target, values = as_bytes(cache), as_bytes(x.to(cache.dtype))
+    if cache.is_contiguous():
+        target.view(-1, *cache.shape[2:]).index_copy_(0, flat, values)
+    else:
+        page_size = cache.shape[1]
+        target[flat // page_size, flat % page_size] = values
 
 
 def write_decode_kv(
@@ -258,6 +276,24 @@ def min_chunk_keys(block: int | None = None) -> int:
     return max(block, MIN_SPLIT_KEYS // block * block)
 
 
+def check_value_pages(v_cache: torch.Tensor, fp8: bool, block: int) -> None:
+    """The attention kernels' layout of value pages: head-dim-contiguous, or keys-contiguous e4m3 pages
+    (:func:`~miles_multilora.rollout.kv_quant.keys_contiguous`) whose page size divides the key block."""
+    if not fp8:
+        assert v_cache.stride(-1) == 1
+        return
+    if not is_keys_contiguous(v_cache):
+        raise ValueError(
+            "e4m3 value pages must be keys-contiguous (kv_quant.keys_contiguous(pages); PagedKVCache "
+            f"allocates them so), got strides {tuple(v_cache.stride())} for shape {tuple(v_cache.shape)}"
+        )
+    page_size = v_cache.shape[1]
+    if block % page_size:
+        raise ValueError(
+            f"fp8 pages of {page_size} tokens: the page size must divide {block} (a power of 2 <= it)"
+        )
+
+
 def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8: bool) -> torch.dtype:
     """The dtype of the attention kernels' dot products: the cache's; with e4m3 pages fp16 for a
     16-bit model (e4m3 -> fp16 is exact and one conversion instruction per pair on Hopper; to bf16 it
@@ -290,13 +326,14 @@ def launch_split_kernel(
     batch, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     assert heads % kv_heads == 0, f"{heads} query heads are not a multiple of {kv_heads} kv heads"
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     fp8 = k_scale is not None
     if fp8:
         assert v_scale is not None and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
     scale_strides = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
     compute = dot_dtype(q.dtype, k_cache.dtype, fp8)
     block = key_block(fp8)
+    check_value_pages(v_cache, fp8, block)
     group = heads // kv_heads
     max_len = block_table.shape[1] * page_size
     _decode_split_kernel[(batch, kv_heads, num_splits)](

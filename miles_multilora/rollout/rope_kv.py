@@ -37,6 +37,7 @@ if HAVE_TRITON:
         value (ties to even) in fp32 arithmetic, so the cast itself is exact: Triton's interpreter
         rounds fp32 -> fp8 casts wrongly (no carry into the exponent, ties away from zero)."""
         y = tl.math.div_rn(x, tl.zeros_like(x) + scale)  # div_rn does not broadcast
+        y = tl.where(y == y, y, 0.0)  # never an e4m3 NaN in a page (kv_quant.quantize)
         y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
         a = tl.abs(y)
         e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # e4m3: 2^-6 normal
@@ -62,7 +63,7 @@ if HAVE_TRITON:
         qkv_ptr, lora_ptr, slots_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, qo_ptr,
         ks_ptr, vs_ptr,
         stride_b, stride_g, stride_lb, stride_tab, stride_tb, stride_cp, stride_cs, stride_ch, stride_ob,
-        stride_sp, stride_ss,
+        stride_sp, stride_ss, stride_vp, stride_vs, stride_vh, stride_vd,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HAS_LORA: tl.constexpr,
         KV_FP8: tl.constexpr,
     ):  # fmt: skip
@@ -98,6 +99,7 @@ if HAVE_TRITON:
         # its kv head: k rotated and v copied into the row's page
         page = tl.load(table_ptr + b * stride_tb + pos // PAGE).to(tl.int64)
         slot = page * stride_cp + (pos % PAGE) * stride_cs + g * stride_ch
+        v_slot = page * stride_vp + (pos % PAGE) * stride_vs + g * stride_vh  # e4m3 values: keys-contiguous
         full = lo < half
         k_lo = _load_head(src + G * D, lsrc + G * D, lo, full, routed, HAS_LORA)
         k_hi = _load_head(src + G * D, lsrc + G * D, hi, full, routed, HAS_LORA)
@@ -113,11 +115,11 @@ if HAVE_TRITON:
             tl.store(vs_ptr + scale_slot, v_scale)
             tl.store(kc_ptr + slot + lo, _fp8(rk_lo, k_scale, kc_ptr.dtype.element_ty))
             tl.store(kc_ptr + slot + hi, _fp8(rk_hi, k_scale, kc_ptr.dtype.element_ty))
-            tl.store(vc_ptr + slot + offs_d, _fp8(v, v_scale, vc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + v_slot + offs_d * stride_vd, _fp8(v, v_scale, vc_ptr.dtype.element_ty))
         else:
             tl.store(kc_ptr + slot + lo, (k_lo * cos_lo - k_hi * sin_lo).to(kc_ptr.dtype.element_ty))
             tl.store(kc_ptr + slot + hi, (k_hi * cos_hi + k_lo * sin_hi).to(kc_ptr.dtype.element_ty))
-            tl.store(vc_ptr + slot + offs_d, v.to(vc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + v_slot + offs_d * stride_vd, v.to(vc_ptr.dtype.element_ty))
 
 
 def fused_rope_kv_supported(device: torch.device, head_dim: int, rot_dim: int, interleaved: bool) -> bool:
@@ -149,7 +151,8 @@ def rope_and_write_kv(
     (rotated) and v stored at ``positions`` in the pages of ``block_table``. ``lora``: the QKV
     linear's deferred LoRA term (``[B, groups * (G + 2) * D]`` fp32), added first. ``cos``/``sin``:
     ``[max_len, D]`` tables in the model dtype. fp8 (e4m3) caches come with their ``k_scale``/``v_scale``
-    ``[num_pages, page_size, H_kv]``. No host sync (CUDA-graph safe)."""
+    ``[num_pages, page_size, H_kv]`` (and keys-contiguous values; any value layout is written as its
+    strides say). No host sync (CUDA-graph safe)."""
     batch, groups, width, dim = qkv.shape
     per_group = width - 2
     assert qkv.stride(-1) == 1 and qkv.stride(-2) == dim and k_cache.stride(-1) == 1
@@ -159,7 +162,6 @@ def rope_and_write_kv(
     fp8 = k_scale is not None
     if fp8:
         assert v_scale is not None and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
-        assert v_cache.stride() == k_cache.stride()
     _rope_kv_kernel[(batch, groups)](
         qkv, lora.delta if lora is not None else qkv, lora.row_slots if lora is not None else positions,
         cos, sin, positions, block_table, k_cache, v_cache, out,
@@ -167,7 +169,7 @@ def rope_and_write_kv(
         qkv.stride(0), qkv.stride(1), lora.delta.stride(0) if lora is not None else 0,
         cos.stride(0), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, *v_cache.stride(),
         G=per_group, BLOCK_G=triton.next_power_of_2(per_group), D=dim, PAGE=k_cache.shape[1],
         HAS_LORA=lora is not None, KV_FP8=fp8, num_warps=2,
     )  # fmt: skip

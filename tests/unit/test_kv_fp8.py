@@ -16,7 +16,15 @@ from miles_multilora.config.run import config_from_container
 from miles_multilora.lora.row_delta import RowDelta
 from miles_multilora.rollout import paged_attention as pa
 from miles_multilora.rollout.kv_cache import PagedKVCache, kv_bytes_per_token
-from miles_multilora.rollout.kv_quant import FP8, FP8_MAX, as_stored, dequantize, quantize
+from miles_multilora.rollout.kv_quant import (
+    FP8,
+    FP8_MAX,
+    as_stored,
+    dequantize,
+    is_keys_contiguous,
+    keys_contiguous,
+    quantize,
+)
 from miles_multilora.rollout.paged_attention import (
     HAVE_TRITON,
     paged_decode_attention,
@@ -41,11 +49,22 @@ def _fp8_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple[torc
     what the fp8 pages give back."""
     kq, ks = quantize(k_cache.nan_to_num(1e4))
     vq, vs = quantize(v_cache.nan_to_num(-1e4))
+    vq = keys_contiguous(vq)  # e4m3 value pages as the cache lays them out
     return (kq, vq, ks, vs), (dequantize(kq, ks), dequantize(vq, vs))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def test_quantize_never_stores_an_e4m3_nan():
+    """The kernels read a last page's slots past the row in whole runs and weigh them by 0: a stale
+    NaN byte would turn that 0 into NaN, so a NaN input stores 0."""
+    x = torch.tensor([[1.0, float("nan"), -2.0], [float("inf"), 1.0, 0.5], [3.0, 4.0, 5.0]])
+    values, scales = quantize(x)
+    assert not values.float().isnan().any()
+    assert torch.equal(dequantize(values[0], scales[0]), torch.tensor([1.0, 0.0, -2.0]))
+    assert torch.equal(dequantize(values[2:], scales[2:]), dequantize(*quantize(x[2:])))
 
 
 def test_quantize_keeps_each_heads_values_within_e4m3_rounding():
@@ -133,8 +152,9 @@ def test_writers_store_each_tokens_own_quantisation(device):
     page_size, gen = 8, torch.Generator().manual_seed(5)
     shape = (8, page_size, KV_HEADS, DIM)
 
-    def empty() -> list[torch.Tensor]:
+    def empty() -> list[torch.Tensor]:  # the values keys-contiguous, as the cache keeps them
         values = [torch.zeros(shape, dtype=FP8, device=device) for _ in range(2)]
+        values[1] = keys_contiguous(values[1])
         return values + [torch.zeros(shape[:-1], device=device) for _ in range(2)]
 
     def check(pages: list[torch.Tensor], slots: list[tuple[int, int]], k, v) -> None:  # noqa: ANN001
@@ -198,6 +218,22 @@ def test_fused_rope_kernel_writes_what_quantising_the_unfused_write_gives(device
         assert torch.equal(scales, want_scales)
         # values, not bytes: the interpreter's casts drop the sign of -0.0
         assert torch.equal(values[written].float(), want_values[written].float())
+
+
+def test_fp8_value_pages_are_keys_contiguous_and_the_kernels_refuse_others():
+    """The cache stores e4m3 values with each page's keys contiguous (the split kernel reads them as
+    [pages, D, page_size] tiles); a head-dim-contiguous e4m3 value tensor is refused with the fix."""
+    cache = PagedKVCache(2, 6, 8, 2, 16, torch.bfloat16, torch.device("cpu"), fp8=True)
+    assert is_keys_contiguous(cache.v[1]) and not is_keys_contiguous(cache.k[1])
+    assert cache.v.shape == cache.k.shape and cache.v.stride(2) == 1
+    pages = torch.randn(6, 8, 2, 16)
+    assert torch.equal(keys_contiguous(pages), pages) and is_keys_contiguous(keys_contiguous(pages))
+    q, table, lens = torch.randn(1, 4, 16), torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([12])
+    (kq, ks), (vq, vs) = quantize(pages), quantize(pages)
+    with pytest.raises(ValueError, match="keys-contiguous"):
+        pa.launch_split_kernel(
+            q, kq, vq, table, lens, 0.25, 1, ks, vs, torch.empty_like(q), q, q
+        )  # checked before any launch
 
 
 def test_an_fp8_cache_copies_scales_with_pages_and_counts_them_in_its_bytes():

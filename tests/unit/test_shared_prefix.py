@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from miles_multilora.rollout.kv_quant import quantize
+from miles_multilora.rollout.kv_quant import keys_contiguous, quantize
 from miles_multilora.rollout.paged_attention import HAVE_TRITON, paged_decode_attention
 from miles_multilora.rollout.shared_prefix import (
     MAX_GROUP_ROWS,
@@ -66,6 +66,7 @@ def _scenario(group: int, seed: int = 0, device: str = "cpu", fp8: bool = False)
     if fp8:
         k_cache, k_scale = quantize(k_cache.nan_to_num(0.0))
         v_cache, v_scale = quantize(v_cache.nan_to_num(0.0))
+        v_cache = keys_contiguous(v_cache)  # e4m3 value pages as the cache lays them out
     pages = [[p for p in row.tolist() if p] for row in table]
     groups = PrefixGroups.empty(len(rows), torch.device(device))
     groups.set(*plan_prefix_groups(pages, lens.tolist(), PAGE))
