@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from miles_multilora._triton import HAVE_TRITON, num_sms, tl, triton
+from miles_multilora.config.sections.rollout import FP8_MAX_PAGE_SIZE
 from miles_multilora.rollout.kv_quant import FP8, as_bytes, dequantize, is_keys_contiguous, quantize
 
 LOG2E = 1.4426950408889634
@@ -33,7 +34,8 @@ MIN_SPLIT_KEYS = 1024
 BLOCK_N = 64
 # e4m3 pages take twice the keys per iteration: on an H200 (D=128, page_size 16) their kernel ran
 # 11-14% faster at 128 keys than at 64 (the widening to fp16 costs per iteration; the bytes halve).
-FP8_BLOCK_N = 128
+# Their values are read in whole pages, so it is a multiple of every page size the config allows.
+FP8_BLOCK_N = FP8_MAX_PAGE_SIZE
 NUM_WARPS = 4
 NUM_STAGES = 2
 

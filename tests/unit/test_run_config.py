@@ -137,6 +137,8 @@ def test_num_slots_is_a_number_or_auto():
          "1..model.tiny.num_experts (2)"),
         ("lora", LoRAConfig, {"auto_max_slots": 1}, "lora.auto_max_slots", ">= lora.auto_min_slots (2)"),
         ("rollout", RolloutConfig, {"page_size": 12}, "rollout.page_size", "power of 2 >= 8, got 12"),
+        ("rollout", RolloutConfig, {"page_size": 256, "kv_cache_dtype": "fp8"}, "rollout.page_size",
+         "<= 128 with rollout.kv_cache_dtype=fp8"),
         ("trainer", TrainerConfig, {"world_size": 0}, "trainer.world_size", ">= 1"),
         ("logging", LoggingConfig, {"wandb_mode": "cloud"}, "logging.wandb_mode", "offline, online or disabled"),
         ("controller", ControllerConfig, {"max_requests_per_key": 2048}, "controller.max_requests_per_key",

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from miles_multilora.config.sections.checks import check
 
 KV_CACHE_DTYPES = ("bf16", "fp8")  # rollout.kv_cache_dtype (rollout/kv_quant.py)
+# e4m3 value pages are read in whole pages per key block (rollout.paged_attention.FP8_BLOCK_N)
+FP8_MAX_PAGE_SIZE = 128
 
 
 @dataclass
@@ -65,6 +67,12 @@ class RolloutConfig:
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "rollout.kv_cache_dtype",
             f"must be bf16 (the model's dtype) or fp8, got {self.kv_cache_dtype!r}",
+        )
+        check(
+            self.kv_cache_dtype == "bf16" or self.page_size <= FP8_MAX_PAGE_SIZE,
+            "rollout.page_size",
+            f"must be <= {FP8_MAX_PAGE_SIZE} with rollout.kv_cache_dtype=fp8 (its kernels read whole pages "
+            f"per block of {FP8_MAX_PAGE_SIZE} keys), got {self.page_size}",
         )
         check(
             self.kv_cache_dtype == "bf16" or self.engine == "embedded",
