@@ -222,7 +222,8 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
         versions = [r["step"] for r in core.list()]
         print(
             f"  ours step {steps}: {timing.get('step_s', 0):.2f} s (rollout {timing.get('rollout_s', 0):.2f}, "
-            f"train {timing.get('train_s', 0):.2f}, eval {timing.get('eval_s', 0):.2f}), t={t:.1f} s, "
+            f"train {timing.get('train_s', 0):.2f}, eval {timing.get('eval_s', 0):.2f}, start and checkpoints "
+            f"{timing.get('setup_s', 0) + timing.get('checkpoint_s', 0):.2f}), t={t:.1f} s, "
             f"adapter steps {min(versions)}-{max(versions)}" + (f"; eval: {', '.join(evals)}" if evals else ""),
             flush=True,
         )  # fmt: skip
