@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -73,18 +74,41 @@ def run_loop(
             global_step += recover_lost_metrics(logger, snapshot, global_step)
             continue
         held = {a.name for a in snapshot.adapters}
-        queue = apply_report(controller, report)
-        if report.results:
-            logger.log_step(
-                global_step,
-                {n: {**r.metrics, **queue.get(n, {})} for n, r in report.results.items()},
-                dict(report.timing),
-                progress=_progress(controller),
-            )
+        if apply_and_log(
+            lambda part: apply_report(controller, part),
+            logger,
+            report,
+            global_step,
+            lambda: _progress(controller),
+        ):
             global_step += 1
         if max_steps is not None and global_step - start_step >= max_steps:
             break
     return global_step - start_step
+
+
+def apply_and_log(
+    apply: Callable[[StepReport], dict[str, dict[str, float]]],
+    logger: MetricsLogger,
+    report: StepReport,
+    global_step: int,
+    progress: Callable[[], tuple[int, int]],
+) -> bool:
+    """Give the controller ``report`` (``apply``: :func:`apply_report`) in two parts around logging
+    its metrics rows: the steps first (their queue times go in the rows), then, once the rows are
+    written, the adapters that ended (DONE, FAILED, drained). A client that sees an adapter end finds
+    all its rows in the metrics file. Returns whether rows were logged."""
+    queue = apply(replace(report, finished={}, failed={}, drained={}))
+    if report.results:
+        logger.log_step(
+            global_step,
+            {n: {**r.metrics, **queue.get(n, {})} for n, r in report.results.items()},
+            dict(report.timing),
+            progress=progress(),
+        )
+    if report.finished or report.failed or report.drained:
+        apply(replace(report, results={}, cleared=()))
+    return bool(report.results)
 
 
 def recover_lost_metrics(logger: MetricsLogger, snapshot: Snapshot, global_step: int) -> int:
