@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_multilora.rollout.kv_quant import FP8, SCALE_BYTES, SCALE_DTYPE, as_bytes
+from miles_multilora.rollout.kv_quant import FP8, SCALE_BYTES, SCALE_DTYPE, as_bytes, zeros_keys_contiguous
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, fp8: bool) -> int:
@@ -47,9 +47,8 @@ class PagedKVCache:
             raise ValueError(f"need >= 2 pages and a power-of-2 page size, got {num_pages}, {page_size}")
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=FP8 if fp8 else dtype, device=device)
-        if fp8:  # e4m3 values keys-contiguous (kv_quant.keys_contiguous): [.., H_kv, D, page_size] stored
-            stored = (num_layers, num_pages, kv_heads, head_dim, page_size)
-            self.v = torch.zeros(stored, dtype=FP8, device=device).movedim(4, 2)
+        if fp8:  # e4m3 values keys-contiguous, same shape
+            self.v = zeros_keys_contiguous(shape, FP8, device)
         else:
             self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if fp8 else None

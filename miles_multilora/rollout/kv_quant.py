@@ -55,12 +55,19 @@ def as_stored(x: Tensor) -> Tensor:
     return dequantize(*quantize(x), dtype=x.dtype)
 
 
+def zeros_keys_contiguous(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zero pages of ``shape`` ``[..., num_pages, page_size, H_kv, D]`` stored with each page's keys
+    contiguous for every (head, dim) (storage ``[..., num_pages, H_kv, D, page_size]``): the layout of
+    e4m3 value pages."""
+    *lead, page_size, heads, dim = shape
+    return torch.zeros((*lead, heads, dim, page_size), dtype=dtype, device=device).movedim(-1, -3)
+
+
 def keys_contiguous(pages: Tensor) -> Tensor:
-    """``pages`` ``[..., num_pages, page_size, H_kv, D]`` (same shape and values) stored with each page's
-    keys contiguous for every (head, dim): the layout of e4m3 value pages."""
-    n = pages.dim()
-    storage = pages.movedim(n - 3, n - 1).contiguous()  # [..., num_pages, H_kv, D, page_size]
-    return storage.movedim(n - 1, n - 3)
+    """A copy of ``pages`` (same shape and values) in the layout of :func:`zeros_keys_contiguous`."""
+    out = zeros_keys_contiguous(tuple(pages.shape), pages.dtype, pages.device)
+    as_bytes(out).copy_(as_bytes(pages))
+    return out
 
 
 def is_keys_contiguous(pages: Tensor) -> bool:
