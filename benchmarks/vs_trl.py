@@ -59,10 +59,13 @@ DRIFT_KEYS = (
     "kl_sample_train_v2",
     "num_tokens",
 )
+ON_POLICY = ("logprob_diff_mean", "kl_sample_train_v1", "kl_sample_train_v2")  # also over on-policy tokens
 
 
 def drift_summary(drift: list[dict[str, Any]]) -> dict[str, float]:
-    """Token-weighted means of the per-step drift (the largest for ``logprob_diff_max``)."""
+    """Token-weighted means of the per-step drift (the largest for ``logprob_diff_max``), and the
+    same means over the tokens the trained version sampled (``on_policy_*``: numerics alone, without
+    continuous rollout's lag)."""
     rows = [d for d in drift if d.get("num_tokens")]
     tokens = sum(d["num_tokens"] for d in rows)
     if not tokens:
@@ -74,6 +77,14 @@ def drift_summary(drift: list[dict[str, Any]]) -> dict[str, float]:
     }
     out["logprob_diff_max"] = max(d["logprob_diff_max"] for d in rows)
     out["tokens"] = float(tokens)
+    fresh = sum(d.get("on_policy_tokens") or 0.0 for d in rows)
+    if fresh:
+        for k in ON_POLICY:
+            out[f"on_policy_{k}"] = (
+                sum(d[f"on_policy_{k}"] * d["on_policy_tokens"] for d in rows if d.get("on_policy_tokens"))
+                / fresh
+            )
+        out["on_policy_tokens"] = float(fresh)
     return out
 
 
@@ -208,7 +219,8 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
         for name, result in step_report.results.items():
             m = result.metrics
             if "logprob_diff_mean" in m:  # the sampler-trainer drift of this step's trained tokens
-                drift.append({"step": result.step, "adapter": name, **{k: m.get(k) for k in DRIFT_KEYS}})
+                keys = (*DRIFT_KEYS, *(f"on_policy_{k}" for k in ON_POLICY), "on_policy_tokens")
+                drift.append({"step": result.step, "adapter": name, **{k: m.get(k) for k in keys}})
             if "eval/error" in m:
                 print(f"  ours {name}: eval failed: {m['eval/error']}", flush=True)
             if "eval/accuracy" in m:

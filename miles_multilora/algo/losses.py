@@ -112,28 +112,44 @@ def aggregate_per_slot(
 
 
 def sampler_drift(
-    log_ratio: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, groups: SlotGroups
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    slots: torch.Tensor,
+    groups: SlotGroups,
+    on_policy: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """How far the sampler's logprobs are from the trainer's, per slot, over the masked tokens of
     ``log_ratio`` = trainer logprob - sampler logprob (the trainer's first forward of the step, before
     any update: on tokens the current version sampled this is numerics alone, on older ones it adds
     the policy's lag). ``logprob_diff_mean`` / ``logprob_diff_max``: mean and largest absolute
     difference; ``kl_sample_train_v1`` / ``_v2``: the tinker-cookbook's sampler-trainer KL estimates,
-    ``mean(sampler - trainer)`` and ``mean((sampler - trainer)^2) / 2``."""
+    ``mean(sampler - trainer)`` and ``mean((sampler - trainer)^2) / 2``. With ``on_policy`` (1 on the
+    tokens the trained version sampled), the same means over those tokens alone: ``on_policy_*``
+    (weighted by ``on_policy_tokens``), the numerics without the lag of continuous rollout."""
     diff = -log_ratio.float()
     absolute = diff.abs()
+    means = (
+        ("logprob_diff_mean", absolute),
+        ("kl_sample_train_v1", diff),
+        ("kl_sample_train_v2", 0.5 * diff**2),
+    )
     out = {
         name: aggregate_per_slot(values, mask, slots, "token_mean", groups=groups)[1]
-        for name, values in (
-            ("logprob_diff_mean", absolute),
-            ("kl_sample_train_v1", diff),
-            ("kl_sample_train_v2", 0.5 * diff**2),
-        )
+        for name, values in means
     }
     masked = torch.where(mask > 0, absolute, torch.zeros_like(absolute)).amax(dim=1)
     out["logprob_diff_max"] = torch.zeros(len(groups.id_list), device=diff.device).scatter_reduce(
         0, groups.inverse, masked, reduce="amax", include_self=True
     )
+    if on_policy is not None:
+        fresh = mask * on_policy.to(mask)
+        for name, values in means:
+            out[f"on_policy_{name}"] = aggregate_per_slot(values, fresh, slots, "token_mean", groups=groups)[
+                1
+            ]
+        out["on_policy_tokens"] = aggregate_per_slot(
+            fresh, fresh, slots, "token_mean", dict.fromkeys(groups.id_list, 1.0), groups
+        )[1]
     return out
 
 
@@ -147,6 +163,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     normalizers: Mapping[int, float] | None = None,
+    on_policy: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """Clipped policy-gradient loss summed over slots, each normalised over its own tokens.
 
@@ -157,7 +174,8 @@ def policy_loss(
     weighted by ``min(exp(old - rollout), tis_cap)`` (truncated importance sampling for a rollout
     engine whose logprobs differ from the trainer's). With ``config.dual_clip_c`` a token of negative
     advantage ``A`` contributes at most ``-A * dual_clip_c`` (dual-clip PPO). ``ref_logprobs`` (base model, slot -1) adds
-    ``kl_coef * KL``.
+    ``kl_coef * KL``. ``on_policy`` (``[B, T]``, 1 on tokens the trained version sampled) adds the
+    sampler drift over those tokens alone (:func:`sampler_drift`).
     """
     cfg = (config or AlgoConfig()).resolved()
     assert cfg.eps_high is not None and cfg.aggregation is not None
@@ -218,7 +236,7 @@ def policy_loss(
             columns[name] = aggregate_per_slot(values, mask_f, slots, "token_mean", groups=groups)[1]
         if kl is not None:
             columns["kl"] = aggregate_per_slot(kl.detach(), mask_f, slots, "token_mean", groups=groups)[1]
-        columns.update(sampler_drift(log_ratio.detach(), mask_f, slots, groups))
+        columns.update(sampler_drift(log_ratio.detach(), mask_f, slots, groups, on_policy))
         columns["num_tokens"] = aggregate_per_slot(
             mask_f, mask_f, slots, "token_mean", dict.fromkeys(groups.id_list, 1.0), groups
         )[1]

@@ -32,10 +32,14 @@ class Trained:
         return name in self.metrics and not self.metrics[name].get("skipped")
 
 
-def policy_rows(groups: list[Group], algo: AlgoConfig) -> list[ScoredRow]:
+def policy_rows(
+    groups: list[Group], algo: AlgoConfig, versions: Mapping[str, int] | None = None
+) -> list[ScoredRow]:
     """One row per non-empty sample of each rewarded group: its response positions scored at the
     temperature its result was sampled at, with the rollout's logprobs and the group's advantage. A
-    group's rows share a ``group`` id, so they train on one DP rank."""
+    group's rows share a ``group`` id, so they train on one DP rank. With ``versions`` (each
+    adapter's weight version now), a row also marks its tokens sampled by that version
+    (``on_policy``: 1, else 0), for the sampler drift of on-policy tokens alone."""
     rows: list[ScoredRow] = []
     group_id = 0
     for g in groups:
@@ -51,6 +55,9 @@ def policy_rows(groups: list[Group], algo: AlgoConfig) -> list[ScoredRow]:
             tokens = list(r.prompt_ids) + list(r.output_ids)
             n = len(r.output_ids)
             values = {"old_logprobs": list(r.logprobs[:n]), "advantages": [a] * n}
+            if versions is not None:
+                now = versions[r.adapter]
+                values["on_policy"] = [float(v == now) for v in r.versions()[:n]]
             positions = list(range(len(r.prompt_ids) - 1, len(tokens) - 1))
             row = ScoredRow(
                 r.slot, tokens, positions, temperature=r.temperature, values=values, group=group_id
@@ -75,6 +82,7 @@ def rl_loss(algo: AlgoConfig, normalizers: Mapping[int, float]) -> LossFn:
             config=algo,
             ref_logprobs=batch.reference,
             normalizers=normalizers,
+            on_policy=batch.values("on_policy") if any("on_policy" in r.values for r in batch.rows) else None,
         )
         return out.loss, out.per_slot
 
@@ -92,7 +100,7 @@ def step_normalizers(rows: list[ScoredRow], algo: AlgoConfig) -> dict[int, float
 def train(groups: list[Group], residents: Residents, algo: AlgoConfig) -> Trained:
     """One mixed batch of every adapter's rows, then one optimizer step of each slot in it (its new
     version published by the rank)."""
-    rows = policy_rows(groups, algo)
+    rows = policy_rows(groups, algo, {name: residents.version(name) for name in residents})
     if not rows:
         return Trained()
     rank = residents.rank

@@ -30,6 +30,12 @@ from miles_multilora.trainer.data_parallel import MAXED_METRICS
 from miles_multilora.trainer.microbatch import micro_batches
 
 SUMMED_METRICS = ("loss", "pg_loss")  # already normalised over the whole step: summed over micro-batches
+COUNT_METRICS = ("num_tokens", "on_policy_tokens")  # token counts: summed, and the weights of the means
+
+
+def weight_of(metric: str) -> str:
+    """The token count a per-token mean is weighted by: ``on_policy_*`` means by the on-policy tokens."""
+    return "on_policy_tokens" if metric.startswith("on_policy_") else "num_tokens"
 
 
 @dataclass
@@ -327,21 +333,21 @@ def score_rows(
 def accumulate_metrics(acc_all: dict[int, dict[str, float]], metrics: dict[int, dict[str, float]]) -> None:
     """Add one micro-batch's per-slot metrics to the sums ``acc_all`` (see :func:`finish_metrics`)."""
     for slot, m in metrics.items():
-        acc = acc_all.setdefault(int(slot), {})
-        n = float(m.get("num_tokens", 0.0))
-        acc["num_tokens"] = acc.get("num_tokens", 0.0) + n
+        acc = acc_all.setdefault(int(slot), {"num_tokens": 0.0})
         for k, v in m.items():
-            if k in SUMMED_METRICS:
+            if k in SUMMED_METRICS or k in COUNT_METRICS:
                 acc[k] = acc.get(k, 0.0) + float(v)
             elif k in MAXED_METRICS:
                 acc[k] = max(acc.get(k, 0.0), float(v))
-            elif k != "num_tokens":  # token means of this micro-batch: weight by tokens
-                acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * n
+            else:  # token means of this micro-batch: weight by their tokens
+                acc[f"_w_{k}"] = acc.get(f"_w_{k}", 0.0) + float(v) * float(m.get(weight_of(k), 0.0))
 
 
 def finish_metrics(acc: dict[str, float]) -> dict[str, float]:
     """Metric sums of one slot -> values: token-weighted means divided out, sums kept."""
-    n = max(acc.get("num_tokens", 0.0), 1e-9)
     return {
-        k[3:] if k.startswith("_w_") else k: (v / n if k.startswith("_w_") else v) for k, v in acc.items()
+        k[3:] if k.startswith("_w_") else k: (
+            v / max(acc.get(weight_of(k[3:]), 0.0), 1e-9) if k.startswith("_w_") else v
+        )
+        for k, v in acc.items()
     }

@@ -84,6 +84,12 @@ def test_every_prompt_trains_once_in_order_within_the_staleness_bound(worker: RL
     assert max(ages) == 1 and min(ages) == 0  # within max_staleness, and work was carried over
     staleness = [o.results[n].metrics.get("staleness_max") for o in outs for n in o.results]
     assert max(x for x in staleness if x is not None) == 1
+    for s in specs:  # the on-policy drift counts exactly the tokens the trained version sampled
+        name = s["name"]
+        logged = [o.results[name].metrics for o in outs if name in o.results]
+        fresh = [v == version for a, version, _, versions in seen if a == name for v in versions]
+        assert sum(m.get("on_policy_tokens", 0.0) for m in logged) == sum(fresh) > 0
+        assert sum(m.get("num_tokens", 0.0) for m in logged) == len(fresh)
     assert worker.rank.engine.in_flight() == 0  # nothing drawn beyond the budget is left decoding
 
 

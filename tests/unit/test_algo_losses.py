@@ -239,3 +239,47 @@ def test_drift_max_combines_by_max_over_micro_batches():
     done = finish_metrics(acc[3])
     assert done["logprob_diff_max"] == 0.5
     assert done["logprob_diff_mean"] == pytest.approx((0.1 * 2 + 0.3 * 6) / 8)
+
+
+def test_on_policy_drift_counts_only_the_tokens_the_trained_version_sampled():
+    """With ``on_policy`` the drift is also taken over the marked tokens alone: a stale token's
+    large difference (the policy's lag) moves the overall means but not the on-policy ones."""
+    logprobs, old, adv, mask, ids = _batch()
+    old = old.clone()
+    old[1, 2] = 3.0  # adapter 0's last token: sampled a version behind, far from the trainer
+    fresh = torch.ones(3, 3)
+    fresh[1, 2] = 0.0
+    out = policy_loss(logprobs, old, adv, mask, ids, config=AlgoConfig(), on_policy=fresh)
+    m = out.per_slot[0]
+    on = [-LOG(1.5), -LOG(0.5), -LOG(0.5), -LOG(1.5)]  # sampler - trainer over adapter 0's 4 fresh tokens
+    assert m["on_policy_tokens"] == 4.0 and m["num_tokens"] == 5.0
+    assert m["on_policy_kl_sample_train_v1"] == pytest.approx(sum(on) / 4, abs=1e-6)
+    assert m["on_policy_kl_sample_train_v2"] == pytest.approx(sum(d * d for d in on) / 8, abs=1e-6)
+    assert m["on_policy_logprob_diff_mean"] == pytest.approx(sum(abs(d) for d in on) / 4, abs=1e-6)
+    assert m["kl_sample_train_v1"] == pytest.approx((sum(on) + 3.0) / 5, abs=1e-6)
+    assert out.per_slot[7]["on_policy_tokens"] == 2.0
+    assert "on_policy_tokens" not in policy_loss(logprobs, old, adv, mask, ids).per_slot[0]
+
+
+def test_on_policy_means_are_weighted_by_on_policy_tokens_over_micro_batches():
+    from miles_multilora.trainer.primitives import accumulate_metrics, finish_metrics
+
+    acc: dict[int, dict[str, float]] = {}
+    part = {
+        "num_tokens": 10.0,
+        "kl_sample_train_v1": 0.5,
+        "on_policy_tokens": 1.0,
+        "on_policy_kl_sample_train_v1": 0.1,
+    }
+    accumulate_metrics(acc, {3: part})
+    part = {
+        "num_tokens": 2.0,
+        "kl_sample_train_v1": 0.2,
+        "on_policy_tokens": 3.0,
+        "on_policy_kl_sample_train_v1": 0.3,
+    }
+    accumulate_metrics(acc, {3: part})
+    done = finish_metrics(acc[3])
+    assert done["on_policy_tokens"] == 4.0 and done["num_tokens"] == 12.0
+    assert done["on_policy_kl_sample_train_v1"] == pytest.approx((0.1 * 1 + 0.3 * 3) / 4)
+    assert done["kl_sample_train_v1"] == pytest.approx((0.5 * 10 + 0.2 * 2) / 12)

@@ -56,3 +56,22 @@ def test_rows_score_each_sample_at_its_results_temperature_greedy_at_one(model, 
     for i, row in enumerate(rows):  # the rollout's own logprobs (greedy: taken at T = 1)
         want = torch.tensor(row.values["old_logprobs"])
         assert (got[i, : row.width].cpu() - want).abs().max() <= 1e-5
+
+
+def test_rows_mark_the_tokens_their_adapters_current_version_sampled():
+    """``policy_rows`` with the adapters' versions marks each output token sampled by that version
+    (1) or an older one (0): continuous rollout's tokens one version behind are not on-policy."""
+    from miles_multilora.rollout.types import GenerationResult
+
+    def result(versions: list[int]) -> GenerationResult:
+        n = len(versions)
+        return GenerationResult(
+            "math", versions[0], 0, [5, 6], list(range(n)), [-0.5] * n, "length", token_versions=versions
+        )
+
+    item = PromptItem("math", 0, "math:0:0", 0, "p", None)
+    results = [result([2, 2, 3]), result([3, 3])]
+    groups = [Group("math", item, [], results, rewards=[1.0, 0.0])]
+    rows = policy_rows(groups, AlgoConfig(), {"math": 3})
+    assert [r.values["on_policy"] for r in rows] == [[0.0, 0.0, 1.0], [1.0, 1.0]]
+    assert "on_policy" not in policy_rows(groups, AlgoConfig())[0].values

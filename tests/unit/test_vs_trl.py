@@ -212,3 +212,27 @@ def test_ours_config_waits_for_rewards_and_takes_large_micro_batches_on_a_gpu(tm
     assert gpu.trainer.micro_batch_size == 64  # --override wins
     assert gpu.trainer.max_tokens_per_micro_batch == 65536 and gpu.model.dtype == "bfloat16"
     assert cpu.trainer.max_tokens_per_micro_batch == 0 and cpu.trainer.micro_batch_size == 8
+
+
+def test_drift_summary_weighs_on_policy_means_by_on_policy_tokens():
+    import vs_trl
+
+    base = {
+        "logprob_diff_mean": 0.1,
+        "logprob_diff_max": 1.0,
+        "kl_sample_train_v1": 0.2,
+        "kl_sample_train_v2": 0.3,
+    }
+    rows = [
+        {**base, "num_tokens": 10.0, "on_policy_tokens": 1.0, "on_policy_logprob_diff_mean": 0.01,
+         "on_policy_kl_sample_train_v1": 0.02, "on_policy_kl_sample_train_v2": 0.03},
+        {**base, "num_tokens": 30.0, "kl_sample_train_v1": 0.6, "on_policy_tokens": 3.0,
+         "on_policy_logprob_diff_mean": 0.05, "on_policy_kl_sample_train_v1": 0.06, "on_policy_kl_sample_train_v2": 0.07},
+        {**base, "num_tokens": 5.0, "on_policy_tokens": 0.0, "on_policy_kl_sample_train_v1": 0.0},  # all stale
+    ]  # fmt: skip
+    out = vs_trl.drift_summary(rows)
+    assert out["tokens"] == 45.0 and out["on_policy_tokens"] == 4.0
+    assert out["kl_sample_train_v1"] == pytest.approx((0.2 * 10 + 0.6 * 30 + 0.2 * 5) / 45)
+    assert out["on_policy_kl_sample_train_v1"] == pytest.approx((0.02 + 0.06 * 3) / 4)
+    assert out["on_policy_logprob_diff_mean"] == pytest.approx((0.01 + 0.05 * 3) / 4)
+    assert "on_policy_tokens" not in vs_trl.drift_summary([{**base, "num_tokens": 2.0}])
