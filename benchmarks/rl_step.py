@@ -17,6 +17,7 @@ tokens/s, the train phase's MFU (``4 x base parameters x trained tokens`` per se
     python benchmarks/rl_step.py --cpu        # tiny preset, under two minutes on a 2-core CPU
     python benchmarks/rl_step.py              # the 2 B shape of docs/benchmarks.md (GPU)
     python benchmarks/rl_step.py --preset long-prompt --shared-prefix off,on  # shared-prefix attention A/B
+    python benchmarks/rl_step.py --preset realistic --staleness 2 --kv-cache-dtype bf16,fp8 --rounds 2  # KV cache A/B
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def run_config(out: Path, args: argparse.Namespace, dp: int = 1, tp: int = 1, ep
                 "max_batch_size": args.adapters * args.prompts * args.samples,
                 "max_staleness": max(k for _, k, _ in staleness_modes(args)),
                 "adapter_pace": not getattr(args, "no_pace", False),
-                "kv_cache_dtype": getattr(args, "kv_cache_dtype", "bf16"),
+                "kv_cache_dtype": kv_cache_dtypes(args)[0],
                 **({"kv_cache_fraction": args.kv_cache_fraction} if args.kv_cache_fraction else {}),
             },
             "trainer": {
@@ -231,62 +232,85 @@ def use_staleness(worker: RLStep, k: int, continuous: Any) -> None:
     worker.residents.has_carried = continuous.has_carried if k > 0 else (lambda name: False)
 
 
+def summarise(steps: list[dict[str, Any]], max_rows: int, roofline_ms: float) -> dict[str, float]:
+    """One table row from a mode's timed steps (over every round): median step, the rest over all."""
+    decode = sum(r["generation"]["decode_steps"] for r in steps)
+    row_steps = sum(r["generation"]["row_steps"] for r in steps)
+    decode_ms = sum(r["generation"]["decode_ms"] for r in steps)
+    total = sum(r["step_s"] for r in steps)
+    rollout = sum(r["rollout_s"] for r in steps)
+    train_s = sum(r["train_s"] for r in steps)
+    trained = sum(r["trained"] for r in steps)
+    return {
+        "timed_s": total,
+        "steps": len(steps),
+        "step_s": statistics.median(r["step_s"] for r in steps),
+        "rollout_s": rollout / len(steps),
+        "train_s": train_s / len(steps),
+        "occupancy": row_steps / max(decode * max_rows, 1),
+        "gen_tok_s": row_steps / max(rollout, 1e-9),
+        "train_tok_s": trained / max(train_s, 1e-9),
+        "e2e_tok_s": trained / max(total, 1e-9),
+        "trained": trained / len(steps),
+        "decode_ms": decode_ms / max(decode, 1),
+        "roofline": decode_ms / max(roofline_ms, 1e-9),
+    }
+
+
 def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
-    """Schedule (a) once per ``--staleness`` value on one worker, then one table side by side:
-    step time, decode occupancy, generated and trained tok/s, end-to-end trained tok/s."""
+    """Schedule (a) once per comparison mode (``--staleness`` x ``--shared-prefix`` x
+    ``--kv-cache-dtype`` values) on one worker, the whole list ``--rounds`` times (interleaved), then
+    one table side by side: step time, decode occupancy, generated and trained tok/s, end-to-end
+    trained tok/s, decode time per step against its roofline."""
     continuous, max_rows = worker.continuous, worker.cfg.rollout.max_batch_size
     engine = worker.rank.engine
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv_token_bytes = engine.paged.kv_bytes_per_token()
-    rows: dict[str, dict[str, float]] = {}
-    for m, (label, k, pace, shared) in enumerate(comparison_modes(args)):
-        use_staleness(worker, k, continuous)
-        engine.use_shared_prefix_attention(shared)
-        if continuous is not None:
-            continuous.pace = pace
-        specs = [[spec(f"m{m}a{i}", args.prompts, args) for i in range(args.adapters)]]
-        captures = engine._graphs.captures if engine._graphs is not None else 0
-        start = time.perf_counter()
-        # every mode after the first runs timed steps for at least the first's timed wall time: a
-        # few short continuous steps would time whichever samples happen to finish in them
-        min_wall = 0.0 if not rows or args.no_match_wall else next(iter(rows.values()))["timed_s"]
-        steps = schedule(worker, specs, args.steps, args.warmup, min_wall)
-        captures = (engine._graphs.captures if engine._graphs is not None else 0) - captures
-        wall = time.perf_counter() - start
-        decode = sum(r["generation"]["decode_steps"] for r in steps)
-        row_steps = sum(r["generation"]["row_steps"] for r in steps)
-        kv_tokens = sum(r["generation"]["kv_token_steps"] for r in steps)
-        decode_ms = sum(r["generation"]["decode_ms"] for r in steps)
-        roofline_ms = (decode * weight_bytes + kv_tokens * kv_token_bytes) / args.bandwidth * 1e3
-        total = sum(r["step_s"] for r in steps)
-        rows[label] = {
-            "timed_s": total,
-            "steps": len(steps),
-            "step_s": statistics.median(r["step_s"] for r in steps),
-            "rollout_s": sum(r["rollout_s"] for r in steps) / len(steps),
-            "train_s": sum(r["train_s"] for r in steps) / len(steps),
-            "occupancy": row_steps / max(decode * max_rows, 1),
-            "gen_tok_s": row_steps / max(sum(r["rollout_s"] for r in steps), 1e-9),
-            "train_tok_s": sum(r["trained"] for r in steps) / max(sum(r["train_s"] for r in steps), 1e-9),
-            "e2e_tok_s": sum(r["trained"] for r in steps) / max(total, 1e-9),
-            "trained": sum(r["trained"] for r in steps) / len(steps),
-            "decode_ms": decode_ms / max(decode, 1),
-            "roofline": decode_ms / max(roofline_ms, 1e-9),
-        }
-        worker.residents.clear_slots(tuple(range(args.adapters)))
-        r = rows[label]
-        print(
-            f"  ran max_staleness={label}: {len(steps)} timed steps in {wall:.1f} s; median step {r['step_s']:.2f} s, "
-            f"occupancy {r['occupancy']:.1%}, {r['trained']:.0f} trained tokens per step, "
-            f"{r['e2e_tok_s']:.0f} trained tok/s end to end; {captures} decode graphs captured", flush=True,
-        )  # fmt: skip
+    modes = comparison_modes(args)
+    timed: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in modes}
+    roofline: dict[str, float] = dict.fromkeys(timed, 0.0)
+    rounds = getattr(args, "rounds", 1)
+    for rnd in range(rounds):
+        first_wall: float | None = None
+        for m, (label, k, pace, shared, kv) in enumerate(modes):
+            use_staleness(worker, k, continuous)
+            engine.use_shared_prefix_attention(shared)
+            engine.use_kv_cache_dtype(kv)
+            if continuous is not None:
+                continuous.pace = pace
+            specs = [[spec(f"r{rnd}m{m}a{i}", args.prompts, args) for i in range(args.adapters)]]
+            captures = engine._graphs.captures if engine._graphs is not None else 0
+            start = time.perf_counter()
+            # every mode after a round's first runs timed steps for at least the first's timed wall
+            # time: a few short continuous steps would time whichever samples happen to finish in them
+            min_wall = 0.0 if first_wall is None or args.no_match_wall else first_wall
+            steps = schedule(worker, specs, args.steps, args.warmup, min_wall)
+            captures = (engine._graphs.captures if engine._graphs is not None else 0) - captures
+            wall = time.perf_counter() - start
+            kv_token_bytes = engine.paged.kv_bytes_per_token()
+            decode = sum(r["generation"]["decode_steps"] for r in steps)
+            kv_tokens = sum(r["generation"]["kv_token_steps"] for r in steps)
+            roofline[label] += (decode * weight_bytes + kv_tokens * kv_token_bytes) / args.bandwidth * 1e3
+            timed[label] += steps
+            r = summarise(steps, max_rows, 1.0)
+            first_wall = r["timed_s"] if first_wall is None else first_wall
+            worker.residents.clear_slots(tuple(range(args.adapters)))
+            of = f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""
+            print(
+                f"  ran max_staleness={label}{of}: {len(steps)} timed steps in {wall:.1f} s; median step {r['step_s']:.2f} s, "
+                f"occupancy {r['occupancy']:.1%}, {r['trained']:.0f} trained tokens per step, "
+                f"{r['e2e_tok_s']:.0f} trained tok/s end to end; {captures} decode graphs captured", flush=True,
+            )  # fmt: skip
+    rows = {label: summarise(steps, max_rows, roofline[label]) for label, steps in timed.items()}
     header = (
         f"{'max_staleness':>13} {'steps':>5} {'timed s':>7} {'step s':>7} {'rollout s':>9} {'train s':>8} {'occupancy':>9} "
         f"{'gen tok/s':>10} {'decode ms':>9} {'x roofline':>10} {'train tok/s':>11} {'trained/step':>12} "
         f"{'e2e tok/s':>10} {'vs sync':>8}"
     )
-    matched = "" if args.no_match_wall else ", the later modes for at least the first's timed seconds"
-    print(f"\nschedule (a), at least {args.steps} timed steps each{matched} (step s: median; the rest: over all timed steps; "
+    matched = (
+        "" if args.no_match_wall else ", the later modes of a round for at least its first's timed seconds"
+    )
+    over = f", {rounds} interleaved rounds" if rounds > 1 else ""
+    print(f"\nschedule (a), at least {args.steps} timed steps each{over}{matched} (step s: median; the rest: over all timed steps; "
           "a trailing s: without per-adapter pace; decode ms: device time per decode step; x roofline: "
           "over every weight byte + the KV pages of the batch's rows, at --bandwidth)")  # fmt: skip
     print(header)
@@ -302,6 +326,9 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
         if label.endswith(" sp on") and (off := rows.get(label[:-2] + "off")):
             print(f"shared-prefix attention on vs off at max_staleness={label.split()[0]}: generation "
                   f"{r['gen_tok_s'] / off['gen_tok_s']:.2f}x tok/s, decode {r['decode_ms']:.2f} ms per step against {off['decode_ms']:.2f}")  # fmt: skip
+        if label.endswith(" kv fp8") and (bf16 := rows.get(label[:-3] + "bf16")):
+            print(f"fp8 KV cache vs bf16 at max_staleness={label.split()[0]}: end to end {r['e2e_tok_s'] / bf16['e2e_tok_s']:.2f}x "
+                  f"trained tok/s, decode {r['decode_ms']:.2f} ms per step against {bf16['decode_ms']:.2f}")  # fmt: skip
 
 
 def profile_last_train(calls: int) -> None:
@@ -396,7 +423,14 @@ def add_workload_args(
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--base-precision", default="dtype", help="model.base_precision: dtype | fp8")
-    parser.add_argument("--kv-cache-dtype", default="bf16", help="rollout.kv_cache_dtype: bf16 | fp8")
+    parser.add_argument(
+        "--kv-cache-dtype", default="bf16",
+        help="rollout.kv_cache_dtype: bf16 | fp8; with --staleness, bf16,fp8 compares both side by side",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="with --staleness: run the list of modes this many times, interleaved (the table pools them)",
+    )  # fmt: skip
     parser.add_argument(
         "--kv-cache-fraction",
         type=float,
@@ -426,17 +460,29 @@ def staleness_modes(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
     return [(x, int(x.rstrip("s")), not x.endswith("s") and not no_pace) for x in raw.split(",")]
 
 
-def comparison_modes(args: argparse.Namespace) -> list[tuple[str, int, bool, bool]]:
-    """:func:`staleness_modes`, each once per ``--shared-prefix`` value (label, max_staleness, pace,
-    shared-prefix attention); without the flag the config's setting (off)."""
+def kv_cache_dtypes(args: argparse.Namespace) -> list[str]:
+    """The ``--kv-cache-dtype`` values (comma-separated; the run's config takes the first)."""
+    values = [v for v in (getattr(args, "kv_cache_dtype", None) or "bf16").split(",") if v]
+    if not values or set(values) - {"bf16", "fp8"}:
+        raise SystemExit(f"--kv-cache-dtype takes bf16 and/or fp8, comma-separated; got {values}")
+    return values
+
+
+def comparison_modes(args: argparse.Namespace) -> list[tuple[str, int, bool, bool, str]]:
+    """:func:`staleness_modes`, each once per ``--shared-prefix`` value and per ``--kv-cache-dtype``
+    value (label, max_staleness, pace, shared-prefix attention, KV cache dtype); without the flags
+    the config's settings (off, bf16)."""
     values = [v for v in (getattr(args, "shared_prefix", None) or "").split(",") if v]
     if set(values) - {"off", "on"}:
         raise SystemExit(f"--shared-prefix takes off and/or on, comma-separated; got {values}")
-    shared = [(f" sp {v}", v == "on") for v in values]
+    shared = [(f" sp {v}", v == "on") for v in values] or [("", False)]
+    kvs = kv_cache_dtypes(args)
+    caches = [(f" kv {v}" if len(kvs) > 1 else "", v) for v in kvs]
     return [
-        (label + s, k, pace, on)
+        (label + s + c, k, pace, on, kv)
         for label, k, pace in staleness_modes(args)
-        for s, on in shared or [("", False)]
+        for s, on in shared
+        for c, kv in caches
     ]
 
 
@@ -527,7 +573,9 @@ def main() -> None:
     if args.profile:
         profile_last_train(args.warmup + args.steps * (args.adapters if "c" in args.schedules else 1))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    if args.staleness or args.shared_prefix:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    if args.staleness or args.shared_prefix or len(kv_cache_dtypes(args)) > 1:
         print(f"{base_params / 1e9:.2f} B base parameters on {device}; {args.adapters} x {args.prompts} prompts x "
               f"{args.samples} samples, prompt {args.prompt_len}, <= {args.new_tokens} new tokens (mean ~{args.mean_len})")  # fmt: skip
         compare_staleness(worker, args)

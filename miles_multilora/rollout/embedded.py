@@ -352,6 +352,20 @@ class EmbeddedEngine(RolloutEngine):
         if self._batch is not None:
             self._batch.use_shared_prefix(on)
 
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Switch the KV cache's pages to ``bf16`` or ``fp8`` for the next runs (benchmarks compare
+        both in one process). Only while nothing is in flight: the cache, the batch state and the
+        decode graphs are dropped and made anew, in the new dtype, by the next submission."""
+        if self.in_flight() or self.expert_parallel is not None:
+            raise RolloutError(
+                f"use_kv_cache_dtype({kv_cache_dtype!r}): only between runs ({self.in_flight()} requests "
+                "in flight) and without model.ep > 1 (the EP ranks' caches switch together or not at all)"
+            )
+        was = self.paged.fp8
+        self.paged.set_kv_cache_dtype(kv_cache_dtype)
+        if self.paged.fp8 != was:
+            self._cache = self._batch = self._graphs = None
+
     def take(self, ids: Sequence[int]) -> list[GenerationResult]:
         """The results of finished requests ``ids``, removed from the stream."""
         assert self._stream is not None

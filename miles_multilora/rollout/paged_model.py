@@ -47,8 +47,6 @@ class PagedModel:
     """Prefill and decode of ``model`` (a GPTModel, TP-sharded or not) against a :class:`PagedKVCache`."""
 
     def __init__(self, model: torch.nn.Module, max_seq_len: int, kv_cache_dtype: str = "bf16") -> None:
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.model = gpt = gpt_module(model)
         cfg = gpt.config
         problems = [
@@ -66,13 +64,8 @@ class PagedModel:
         unsupported = [what for bad, what in problems if bad]
         if unsupported:
             raise RolloutError(f"the embedded engine does not support {', '.join(unsupported)}; use sglang")
-        self.fp8 = kv_cache_dtype == "fp8"
-        if self.fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise RolloutError(
-                "rollout.kv_cache_dtype=fp8: the paged attention kernels read e4m3 pages on compute "
-                f"capability 8.9+ (Ada, Hopper) only; this GPU is {torch.cuda.get_device_name(self.device)}. "
-                "Use rollout.kv_cache_dtype=bf16"
-            )
+        self.fp8 = False
+        self.set_kv_cache_dtype(kv_cache_dtype)
         self.config = cfg
         self.layers = list(gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -112,6 +105,19 @@ class PagedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """The page dtype of the caches :meth:`new_cache` makes: ``bf16`` (the model's) or ``fp8``."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        fp8 = kv_cache_dtype == "fp8"
+        if fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise RolloutError(
+                "rollout.kv_cache_dtype=fp8: the paged attention kernels read e4m3 pages on compute "
+                f"capability 8.9+ (Ada, Hopper) only; this GPU is {torch.cuda.get_device_name(self.device)}. "
+                "Use rollout.kv_cache_dtype=bf16"
+            )
+        self.fp8 = fp8
 
     @property
     def device(self) -> torch.device:

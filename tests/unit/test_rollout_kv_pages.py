@@ -231,3 +231,26 @@ def test_replayed_graphs_preempt_and_resume_with_the_same_samples(tokenizer, mon
     _assert_same(tight.generate(requests), want)
     assert roomy.stats["preemptions"] == 0 and tight.stats["preemptions"] >= 3 and resumed
     assert tight._graphs.captures >= 1 and _all_pages_free(tight._cache)
+
+
+def test_switching_the_cache_dtype_between_runs_gives_the_runs_of_engines_built_with_it(model, tokenizer):
+    """``use_kv_cache_dtype`` (benchmarks compare bf16 and fp8 pages in one process): each run after
+    a switch has exactly the outputs of an engine made with that dtype; a switch with requests in
+    flight is refused and changes nothing."""
+    requests = _requests(tokenizer)[:6]
+    want = {
+        d: _engine_for(model, tokenizer, page_size=PAGE, kv_cache_dtype=d).generate(requests)
+        for d in ("bf16", "fp8")
+    }
+    assert [r.output_ids for r in want["bf16"]] != [r.output_ids for r in want["fp8"]]  # the dtype matters
+    engine = _engine_for(model, tokenizer, page_size=PAGE)
+    for d in ("bf16", "fp8", "bf16", "fp8"):
+        engine.use_kv_cache_dtype(d)
+        _assert_same(engine.generate(requests), want[d])
+        assert engine._cache.fp8 == (d == "fp8") and _all_pages_free(engine._cache)
+    engine.submit(requests[:1])
+    with pytest.raises(RolloutError, match="between runs"):
+        engine.use_kv_cache_dtype("bf16")
+    assert engine.paged.fp8 and engine._cache.fp8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        _engine_for(model, tokenizer).use_kv_cache_dtype("int8")
