@@ -177,6 +177,18 @@ def print_generation(step: int, gen: dict[str, float], generated: float, max_row
     )  # fmt: skip
 
 
+def print_warmup(step: int, wall_s: float, timing: dict[str, float], gen: dict[str, float]) -> None:
+    """Where an untimed warm-up step's wall time went: its phases, and of its rollout the device time
+    of the decode steps (the rest: prefill, kernel compiles, graph captures, host work)."""
+    phases = ", ".join(f"{k[:-2]} {timing[k]:.1f}" for k in PHASES if k != "step_s" and timing.get(k))
+    decode = (
+        f"; {gen['decode_steps']:.0f} decode steps, {gen['decode_ms'] / 1e3:.1f} s of device time"
+        if gen
+        else ""
+    )
+    print(f"  warm-up step {step}: {wall_s:.1f} s of wall ({phases}){decode}", flush=True)
+
+
 def schedule(
     worker: RLStep, specs: list[dict], steps: int, warmup: int, min_wall_s: float = 0.0
 ) -> list[dict[str, float]]:
@@ -206,12 +218,17 @@ def schedule(
         before = dict(getattr(engine, "stats", {}))
         if hasattr(engine, "reset_peaks"):
             engine.reset_peaks()
+        wall = time.perf_counter()
         out = worker.step(Snapshot(i + 1, worker.cfg.lora.num_slots, tuple(running), (), ()))
         if out.failed:
             raise RuntimeError(f"adapters failed in the step: {out.failed}")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        if i >= warmup:
+        if i < warmup:
+            print_warmup(
+                i + 1, time.perf_counter() - wall, out.timing, generation_report(engine, before, out.timing)
+            )
+        else:
             timing = dict(out.timing)
             timing["generated"] = timing["tokens_per_s"] * timing["step_s"]
             timing["trained"] = worker.last_train_tokens
