@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="the first N specs (sorted by file name)")
     p.add_argument("--peer-limit", type=int, default=None, help="run the peer on the first K only")
     p.add_argument("--steps", type=int, default=None, help="num_steps of every adapter (default: the specs')")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="optimizer.lr of every adapter, both sides (default: the specs')",
+    )
     p.add_argument("--eval-every", type=int, default=None, help="eval.every (default: the specs')")
     p.add_argument("--eval-size", type=int, default=None, help="eval.size (default: the specs')")
     p.add_argument("--staleness", type=int, default=1, help="rollout.max_staleness (0: synchronous steps)")
@@ -115,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- the adapters
 def load_specs(args: argparse.Namespace, max_rank: int = 64) -> list[Any]:
-    """The first ``--limit`` spec files of ``--adapters`` with ``--steps``/``--eval-*`` applied;
+    """The first ``--limit`` spec files of ``--adapters`` with ``--steps``/``--lr``/``--eval-*`` applied;
     no checkpoints before the end (the peer saves none)."""
     from miles_multilora.config.adapter import parse_adapter_spec
 
@@ -127,6 +133,8 @@ def load_specs(args: argparse.Namespace, max_rank: int = 64) -> list[Any]:
         raw = parse_adapter_spec(path, max_rank=max_rank).to_dict()
         if args.steps is not None:
             raw["num_steps"] = args.steps
+        if getattr(args, "lr", None) is not None:
+            raw["optimizer"] = {**(raw.get("optimizer") or {}), "lr": args.lr}
         ev = dict(raw.get("eval") or {})
         if args.eval_every is not None:
             ev["every"] = args.eval_every

@@ -236,3 +236,12 @@ def test_drift_summary_weighs_on_policy_means_by_on_policy_tokens():
     assert out["on_policy_kl_sample_train_v1"] == pytest.approx((0.02 + 0.06 * 3) / 4)
     assert out["on_policy_logprob_diff_mean"] == pytest.approx((0.01 + 0.05 * 3) / 4)
     assert "on_policy_tokens" not in vs_trl.drift_summary([{**base, "num_tokens": 2.0}])
+
+
+def test_lr_overrides_every_adapters_learning_rate_and_keeps_the_rest():
+    import vs_trl
+
+    default = vs_trl.load_specs(vs_trl.parse_args(["--limit", "2"]))
+    lowered = vs_trl.load_specs(vs_trl.parse_args(["--limit", "2", "--lr", "2.5e-4"]))
+    assert [s.optimizer.lr for s in lowered] == [2.5e-4, 2.5e-4] != [s.optimizer.lr for s in default]
+    assert [s.optimizer.clip_grad for s in lowered] == [s.optimizer.clip_grad for s in default]
