@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rl_step  # noqa: E402  (the shared model shape, specs and schedule of the RL-step benchmark)
+import roofline  # noqa: E402
 
 
 def _rank_main(
@@ -111,7 +112,10 @@ def main() -> None:
         "--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (H100 SXM: 989)"
     )
     parser.add_argument(
-        "--bandwidth", type=float, default=3.0e12, help="bytes/s per GPU for the decode roofline"
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="bytes/s per GPU for the decode roofline (default: the GPU's measured copy bandwidth)",
     )
     rl_step.add_workload_args(parser, micro_batch=64, max_tokens=16384, steps=3)  # --prompts: per DP rank
     parser.add_argument(
@@ -122,6 +126,7 @@ def main() -> None:
         help="rollout.max_staleness for every layout (0 or unset: synchronous steps; 1: continuous rollout)",
     )  # fmt: skip
     args = rl_step.finish_workload_args(parser.parse_args(), parser)
+    args.bandwidth = roofline.bandwidth(args.bandwidth)
     if args.staleness is not None and not args.staleness.isdigit():
         raise SystemExit(f"--staleness takes one number of versions (0: synchronous), got {args.staleness!r}")
     if args.cpu:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import roofline
 import torch
 
 import miles_multilora.rl.step as rl_step_module
@@ -560,8 +561,8 @@ def main() -> None:
     parser.add_argument(
         "--bandwidth",
         type=float,
-        default=3.0e12,
-        help="bytes/s for the decode roofline (H100: 3.0 TB/s copy)",
+        default=None,
+        help="bytes/s for the decode roofline (default: the GPU's measured copy bandwidth; H100 ~3.0e12)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="print a profile of the last step's train phase"
@@ -571,6 +572,7 @@ def main() -> None:
         help="print a profile of the N-th call of the engine's run (continuous rollout's decode runs)",
     )  # fmt: skip
     args = finish_workload_args(parser.parse_args(), parser)
+    args.bandwidth = roofline.bandwidth(args.bandwidth)
 
     tmp = Path(tempfile.mkdtemp(prefix="rl_step_"))
     use_synthetic_prompts(args.prompt_len)

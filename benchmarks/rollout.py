@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 
+import roofline
 import torch
 
 from miles_multilora.config.adapter import SamplingSpec
@@ -265,7 +266,7 @@ def main() -> None:
     )
     parser.add_argument("--baseline-requests", type=int, default=64, help="0 skips the previous engine")
     parser.add_argument(
-        "--bandwidth", type=float, default=3.0e12, help="bytes/s (H100: 3.0 TB/s measured copy)"
+        "--bandwidth", type=float, default=None, help="bytes/s (default: the GPU's measured copy bandwidth)"
     )
     parser.add_argument("--dtype", default=None)
     parser.add_argument(
@@ -286,6 +287,7 @@ def main() -> None:
         "--skip", default="", help="comma list of sections to skip: decode,grpo,parity,profile"
     )
     args = parser.parse_args()
+    args.bandwidth = roofline.bandwidth(args.bandwidth)
     decode_batch.LORA_SIDE_STREAM = not args.no_lora_overlap
     if args.no_dense_shrink:
         decode_batch.LORA_DENSE_MIN_SLOTS = 1 << 30

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import roofline
 import torch
 
 from miles_multilora.lora import build_routing_plan, routed_ops
@@ -38,15 +39,6 @@ def _bench(fn: Callable[[], object]) -> float | None:
         if "resources" in str(exc).lower() or "shared memory" in str(exc).lower():
             return None
         raise
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/ms (bytes read + written)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    assert ms is not None
-    return 2 * src.numel() / ms
 
 
 def _grid(**axes: list) -> list[dict]:
@@ -169,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (torch.cuda.is_available() and tk.HAVE_TRITON):
         raise SystemExit("needs a CUDA GPU and the triton package")
-    bandwidth = copy_bandwidth()
+    bandwidth = roofline.device_copy_bandwidth() / 1e3  # bytes per ms
     print(f"device copy bandwidth: {bandwidth / 1e9:.2f} TB/s ({torch.cuda.get_device_name()})")
     tables: dict[str, dict[str, dict]] = {}
     for rank in args.ranks:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import roofline
 import torch
 import triton.testing
 
@@ -58,7 +59,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--page", type=int, default=16)
-    parser.add_argument("--bandwidth", type=float, default=3.0e12)
+    parser.add_argument(
+        "--bandwidth", type=float, default=None, help="bytes/s (default: the GPU's measured copy bandwidth)"
+    )
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--table-keys", type=int, default=0, help="block table width in keys")
     parser.add_argument("--block-n", default="16,32,64,128")
@@ -67,6 +70,7 @@ def main() -> None:
     parser.add_argument("--splits", default="1,2,4,8")
     parser.add_argument("--min-keys", default=str(pa.MIN_SPLIT_KEYS), help="MIN_SPLIT_KEYS candidates")
     args = parser.parse_args()
+    args.bandwidth = roofline.bandwidth(args.bandwidth)
     keys = ("block_n", "warps", "stages", "splits", "min_keys")
     grid = [[int(x) for x in getattr(args, k).split(",")] for k in keys]
     defaults = (pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES, pa.MIN_SPLIT_KEYS)
