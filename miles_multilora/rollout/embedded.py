@@ -31,6 +31,7 @@ without requests (:mod:`~miles_multilora.rollout.lockstep`), and decode steps ru
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -365,6 +366,9 @@ class EmbeddedEngine(RolloutEngine):
         self.paged.set_kv_cache_dtype(kv_cache_dtype)
         if self.paged.fp8 != was:
             self._cache = self._batch = self._graphs = None
+            if self.device.type == "cuda":  # the old pages and graph pools back before the new cache
+                gc.collect()
+                torch.cuda.empty_cache()
 
     def take(self, ids: Sequence[int]) -> list[GenerationResult]:
         """The results of finished requests ``ids``, removed from the stream."""
