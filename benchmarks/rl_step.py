@@ -277,9 +277,9 @@ def summarise(steps: list[dict[str, Any]], max_rows: int, roofline_ms: float) ->
 
 def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
     """Schedule (a) once per comparison mode (``--staleness`` x ``--shared-prefix`` x
-    ``--kv-cache-dtype`` values) on one worker, the whole list ``--rounds`` times (interleaved), then
-    one table side by side: step time, decode occupancy, generated and trained tok/s, end-to-end
-    trained tok/s, decode time per step against its roofline."""
+    ``--kv-cache-dtype`` values) on one worker, the whole list ``--rounds`` times (interleaved); after
+    each round one table side by side over the rounds so far: step time, decode occupancy, generated
+    and trained tok/s, end-to-end trained tok/s, decode time per step against its roofline."""
     continuous, max_rows = worker.continuous, worker.cfg.rollout.max_batch_size
     engine = worker.rank.engine
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -318,7 +318,16 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
                 f"occupancy {r['occupancy']:.1%}, {r['trained']:.0f} trained tokens per step, "
                 f"{r['e2e_tok_s']:.0f} trained tok/s end to end; {captures} decode graphs captured", flush=True,
             )  # fmt: skip
-    rows = {label: summarise(steps, max_rows, roofline[label]) for label, steps in timed.items()}
+        done = {label: steps for label, steps in timed.items() if steps}
+        print_comparison({label: summarise(steps, max_rows, roofline[label]) for label, steps in done.items()},
+                         args, rnd + 1, rounds)  # fmt: skip
+
+
+def print_comparison(
+    rows: dict[str, dict[str, float]], args: argparse.Namespace, done: int, rounds: int
+) -> None:
+    """The side-by-side table of :func:`compare_staleness` over the rounds run so far (printed after
+    each round, so a run cut short still leaves the rounds it finished)."""
     header = (
         f"{'max_staleness':>13} {'steps':>5} {'timed s':>7} {'step s':>7} {'rollout s':>9} {'train s':>8} {'occupancy':>9} "
         f"{'gen tok/s':>10} {'decode ms':>9} {'x roofline':>10} {'train tok/s':>11} {'trained/step':>12} "
@@ -327,7 +336,7 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
     matched = (
         "" if args.no_match_wall else ", the later modes of a round for at least its first's timed seconds"
     )
-    over = f", {rounds} interleaved rounds" if rounds > 1 else ""
+    over = f", {done} of {rounds} interleaved rounds" if rounds > 1 else ""
     print(f"\nschedule (a), at least {args.steps} timed steps each{over}{matched} (step s: median; the rest: over all timed steps; "
           "a trailing s: without per-adapter pace; decode ms: device time per decode step; x roofline: "
           "over every weight byte + the KV pages of the batch's rows, at --bandwidth)")  # fmt: skip
