@@ -10,7 +10,8 @@ parent). Every child
   child asks the kernel for SIGKILL when the forkserver goes (``PR_SET_PDEATHSIG``);
 - ignores SIGINT (a Ctrl-C of the terminal is for the service, which ends its children itself);
 - has the parent's ``sys.path`` and working directory of the moment it was started (multiprocessing's
-  own preparation), so modules the parent can import, it can import;
+  own preparation), so modules the parent can import, it can import; it does not run the parent's
+  main script again (:mod:`miles_multilora.child_main`), so a ``__main__`` function is not one;
 - may be held to a memory bound: ``RLIMIT_DATA`` at what it had after start-up plus ``memory_mb``,
   so an allocation past it raises ``MemoryError`` in the child instead of swapping the host.
 """
@@ -26,12 +27,14 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from multiprocessing import spawn
 from multiprocessing.context import ForkServerContext
 from typing import Any
 
-# Imported once by the forkserver, so that each child starts in milliseconds instead of seconds.
-# (Like any multiprocessing program, a script that starts children keeps its own work under
-# ``if __name__ == "__main__":``: each child runs the parent's main script's top level.)
+from miles_multilora.child_main import PARENT_MAIN_ENV
+
+# Imported once by the forkserver, so that each child starts in milliseconds instead of seconds
+# (after miles_multilora.child_main, which spares the children the parent's main script).
 PRELOAD = ["miles_multilora.data.rewards", "reasoning_gym", "math_verify", "regex"]
 _PR_SET_PDEATHSIG = 1
 _lock = threading.Lock()
@@ -55,7 +58,13 @@ def context() -> ForkServerContext:
     with _lock:
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(PRELOAD)
+            # the children skip the parent's main script (miles_multilora.child_main)
+            main = spawn.get_preparation_data("main").get("init_main_from_path")
+            if main:
+                os.environ[PARENT_MAIN_ENV] = main
+            else:
+                os.environ.pop(PARENT_MAIN_ENV, None)
+            ctx.set_forkserver_preload(["miles_multilora.child_main", *PRELOAD])
             _context = ctx  # type: ignore[assignment]
         assert _context is not None
         return _context

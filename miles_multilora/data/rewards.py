@@ -83,6 +83,12 @@ def resolve_custom_reward(target: str, key: str = "reward.type") -> Callable[...
             key, f"{target!r} is neither a built-in reward {BUILTIN_REWARDS} nor a 'module:function'"
         )
     module_name, func_name = target.split(":")
+    if module_name in ("__main__", "__mp_main__"):
+        raise SpecError(
+            key,
+            f"{target!r}: reward processes do not run the driver script ('__main__'); put {func_name!r} "
+            f"in a module on sys.path and name it 'module:{func_name}'",
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:

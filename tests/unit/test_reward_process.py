@@ -222,3 +222,45 @@ def test_reward_processes_die_with_the_process_that_started_them(tmp_path):
         time.sleep(0.1)
     alive = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"reward processes outlived their parent: {alive}"
+
+
+def test_children_do_not_run_the_parents_main_script_again(tmp_path):
+    """A driver script's top level runs once, in the driver: the reward process and a bounded spec
+    check start without it (multiprocessing would run it in each child, seconds for a script that
+    imports the model stack)."""
+    marker = tmp_path / "runs.txt"
+    script = textwrap.dedent(
+        f"""
+        import os
+        with open({str(marker)!r}, "a") as fh:  # the script's top level: one line per run
+            fh.write(f"{{os.getpid()}}\\n")
+        from miles_multilora import child_process
+        from miles_multilora.config.adapter import parse_adapter_spec
+        from miles_multilora.data.records import RewardSample
+        from miles_multilora.data.reward_process import RewardProcess
+
+        if __name__ == "__main__":
+            spec = parse_adapter_spec({{"name": "h", "num_steps": 1, "dataset": {{"path": "tests/data/gsm8k_mini.jsonl"}},
+                                       "reward": {{"type": "format", "format_regex": "x"}}}})
+            proc = RewardProcess(spec)
+            print(proc.score([RewardSample("p", "x", None)])[0].reward, proc.pid != os.getpid(), flush=True)
+            print(child_process.run_bounded(os.getpid, timeout_s=60, memory_mb=0, what="a check") != os.getpid())
+            proc.close()
+        """
+    )
+    path = tmp_path / "driver.py"
+    path.write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1.0", "True", "True"]  # both children ran and answered
+    assert len(marker.read_text().split()) == 1, marker.read_text()  # the driver's own run only
+
+
+def test_a_reward_in_the_driver_script_is_refused_with_the_fix():
+    from miles_multilora.data.rewards import resolve_custom_reward
+    from miles_multilora.errors import SpecError
+
+    with pytest.raises(SpecError, match="module on sys.path") as refused:
+        resolve_custom_reward("__main__:my_reward")
+    assert refused.value.key == "reward.type"
