@@ -77,6 +77,8 @@ def test_an_always_timing_out_reward_does_not_slow_its_neighbour(tmp_path: Path,
         beside = _mean_step_s(_healthy_steps(core, worker, 12))
         assert 1 / beside >= 0.6 / alone, (beside, alone)
         assert core.get("slow")["step"] == 0 and core.get("slow")["state"] == "RUNNING"
+        if not worker.pending.busy("slow"):  # its scoring timed out in the last step: the next rescores
+            drive(core, [worker])
         assert worker.pending.busy("slow")  # its groups wait for their rewards
     finally:
         worker.rewards.close()
