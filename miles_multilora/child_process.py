@@ -31,10 +31,9 @@ from multiprocessing import spawn
 from multiprocessing.context import ForkServerContext
 from typing import Any
 
-from miles_multilora.child_main import PARENT_MAIN_ENV
-
 # Imported once by the forkserver, so that each child starts in milliseconds instead of seconds
 # (after miles_multilora.child_main, which spares the children the parent's main script).
+PARENT_MAIN_ENV = "MILES_MULTILORA_PARENT_MAIN"  # the parent's main script, for miles_multilora.child_main
 PRELOAD = ["miles_multilora.data.rewards", "reasoning_gym", "math_verify", "regex"]
 _PR_SET_PDEATHSIG = 1
 _lock = threading.Lock()

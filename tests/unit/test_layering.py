@@ -17,7 +17,7 @@ LAYERS = {
         ("errors", "child_process", "disk_usage", "host_tensors", "private_files", "third_party_noise",
          "_triton"), 0,
     ),
-    **dict.fromkeys(("algo", "api_token"), 1),
+    **dict.fromkeys(("algo", "api_token", "child_main"), 1),
     "config": 2,
     **dict.fromkeys(("http_serving", "lora", "models", "data"), 3),
     **dict.fromkeys(("optim", "scoring"), 4),
