@@ -250,8 +250,11 @@ def use_staleness(worker: RLStep, k: int, continuous: Any) -> None:
     worker.residents.has_carried = continuous.has_carried if k > 0 else (lambda name: False)
 
 
-def summarise(steps: list[dict[str, Any]], max_rows: int, roofline_ms: float) -> dict[str, float]:
-    """One table row from a mode's timed steps (over every round): median step, the rest over all."""
+def summarise(
+    steps: list[dict[str, Any]], max_rows: int, roofline_ms: float | None = None
+) -> dict[str, float]:
+    """One table row from a mode's timed steps (over every round): median step, the rest over all
+    (``roofline``: the decode time over ``roofline_ms``, NaN without it)."""
     decode = sum(r["generation"]["decode_steps"] for r in steps)
     row_steps = sum(r["generation"]["row_steps"] for r in steps)
     decode_ms = sum(r["generation"]["decode_ms"] for r in steps)
@@ -271,7 +274,7 @@ def summarise(steps: list[dict[str, Any]], max_rows: int, roofline_ms: float) ->
         "e2e_tok_s": trained / max(total, 1e-9),
         "trained": trained / len(steps),
         "decode_ms": decode_ms / max(decode, 1),
-        "roofline": decode_ms / max(roofline_ms, 1e-9),
+        "roofline": decode_ms / max(roofline_ms, 1e-9) if roofline_ms is not None else float("nan"),
     }
 
 
@@ -309,7 +312,7 @@ def compare_staleness(worker: RLStep, args: argparse.Namespace) -> None:
             kv_tokens = sum(r["generation"]["kv_token_steps"] for r in steps)
             roofline[label] += (decode * weight_bytes + kv_tokens * kv_token_bytes) / args.bandwidth * 1e3
             timed[label] += steps
-            r = summarise(steps, max_rows, 1.0)
+            r = summarise(steps, max_rows)
             first_wall = r["timed_s"] if first_wall is None else first_wall
             worker.residents.clear_slots(tuple(range(args.adapters)))
             of = f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""

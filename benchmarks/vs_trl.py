@@ -59,7 +59,8 @@ DRIFT_KEYS = (
     "kl_sample_train_v2",
     "num_tokens",
 )
-ON_POLICY = ("logprob_diff_mean", "kl_sample_train_v1", "kl_sample_train_v2")  # also over on-policy tokens
+DRIFT_MEANS = ("logprob_diff_mean", "kl_sample_train_v1", "kl_sample_train_v2")  # token means, also on-policy
+ROW_KEYS = (*DRIFT_KEYS, *(f"on_policy_{k}" for k in DRIFT_MEANS), "on_policy_tokens")  # a drift row
 
 
 def drift_summary(drift: list[dict[str, Any]]) -> dict[str, float]:
@@ -70,20 +71,17 @@ def drift_summary(drift: list[dict[str, Any]]) -> dict[str, float]:
     tokens = sum(d["num_tokens"] for d in rows)
     if not tokens:
         return {}
-    out = {
-        k: sum(d[k] * d["num_tokens"] for d in rows) / tokens
-        for k in DRIFT_KEYS[:4]
-        if k != "logprob_diff_max"
-    }
+
+    def mean(key: str, weight: str) -> float:
+        weighted = [d for d in rows if d.get(weight)]
+        return sum(d[key] * d[weight] for d in weighted) / sum(d[weight] for d in weighted)
+
+    out = {k: mean(k, "num_tokens") for k in DRIFT_MEANS}
     out["logprob_diff_max"] = max(d["logprob_diff_max"] for d in rows)
     out["tokens"] = float(tokens)
     fresh = sum(d.get("on_policy_tokens") or 0.0 for d in rows)
     if fresh:
-        for k in ON_POLICY:
-            out[f"on_policy_{k}"] = (
-                sum(d[f"on_policy_{k}"] * d["on_policy_tokens"] for d in rows if d.get("on_policy_tokens"))
-                / fresh
-            )
+        out.update({f"on_policy_{k}": mean(f"on_policy_{k}", "on_policy_tokens") for k in DRIFT_MEANS})
         out["on_policy_tokens"] = float(fresh)
     return out
 
@@ -227,8 +225,7 @@ def run_ours(args: argparse.Namespace, specs: list[Any], out: Path, cuda: bool) 
         for name, result in step_report.results.items():
             m = result.metrics
             if "logprob_diff_mean" in m:  # the sampler-trainer drift of this step's trained tokens
-                keys = (*DRIFT_KEYS, *(f"on_policy_{k}" for k in ON_POLICY), "on_policy_tokens")
-                drift.append({"step": result.step, "adapter": name, **{k: m.get(k) for k in keys}})
+                drift.append({"step": result.step, "adapter": name, **{k: m.get(k) for k in ROW_KEYS}})
             if "eval/error" in m:
                 print(f"  ours {name}: eval failed: {m['eval/error']}", flush=True)
             if "eval/accuracy" in m:

@@ -265,20 +265,14 @@ def test_on_policy_means_are_weighted_by_on_policy_tokens_over_micro_batches():
     from miles_multilora.trainer.primitives import accumulate_metrics, finish_metrics
 
     acc: dict[int, dict[str, float]] = {}
-    part = {
-        "num_tokens": 10.0,
-        "kl_sample_train_v1": 0.5,
-        "on_policy_tokens": 1.0,
-        "on_policy_kl_sample_train_v1": 0.1,
-    }
-    accumulate_metrics(acc, {3: part})
-    part = {
-        "num_tokens": 2.0,
-        "kl_sample_train_v1": 0.2,
-        "on_policy_tokens": 3.0,
-        "on_policy_kl_sample_train_v1": 0.3,
-    }
-    accumulate_metrics(acc, {3: part})
+    for tokens, kl, on_tokens, on_kl in ((10.0, 0.5, 1.0, 0.1), (2.0, 0.2, 3.0, 0.3)):  # two micro-batches
+        part = {
+            "num_tokens": tokens,
+            "kl_sample_train_v1": kl,
+            "on_policy_tokens": on_tokens,
+            "on_policy_kl_sample_train_v1": on_kl,
+        }
+        accumulate_metrics(acc, {3: part})
     done = finish_metrics(acc[3])
     assert done["on_policy_tokens"] == 4.0 and done["num_tokens"] == 12.0
     assert done["on_policy_kl_sample_train_v1"] == pytest.approx((0.1 * 1 + 0.3 * 3) / 4)
